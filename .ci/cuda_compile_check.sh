@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds the full extension against the CUDA 13.0 build of torch (sm_80 and sm_90a), keeps the
+# `-Xptxas -v` report, fails on any register spill, and imports the result on this GPU-less
+# machine (calling a CUDA op here raises torch's "no NVIDIA driver" error, which is fine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${JACOBI_CUDA_VENV:-/tmp/jacobi-ci-cuda-venv}
+report_dir=build/ci
+mkdir -p "$report_dir"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+pip install -q -r requirements/cuda-build.txt 2>&1 | grep -v "^WARNING: Location" || true
+pip install -q --no-deps nvidia-cutlass==4.2.0.0 2>&1 | grep -v "^WARNING: Location" || true
+export CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
+export JACOBI_EXT_CUDA=ON
+rm -rf build/ci-cuda /tmp/jacobi-cuda-wheel
+pip wheel -v --no-build-isolation --no-deps . -w /tmp/jacobi-cuda-wheel -Cbuild-dir=build/ci-cuda \
+  > "$report_dir/cuda-build.log" 2>&1 || { tail -60 "$report_dir/cuda-build.log"; exit 1; }
+grep -E "ptxas|bytes stack frame" "$report_dir/cuda-build.log" > "$report_dir/ptxas-report.txt" || true
+echo "== ptxas report: $(wc -l < "$report_dir/ptxas-report.txt") lines, $(wc -c < "$report_dir/ptxas-report.txt") bytes ($report_dir/ptxas-report.txt)"
+python .ci/check_ptxas.py "$report_dir/ptxas-report.txt" --require-arch sm_80 --require-arch sm_90a
+pip install -q --no-deps --force-reinstall /tmp/jacobi-cuda-wheel/jacobi_ext-*.whl
+(cd /tmp && python - <<'PY'
+import jacobi_ext, torch
+info = jacobi_ext.build_info()
+print("imported:", jacobi_ext.__version__, torch.ops.jacobi_ext, info)
+assert info["cuda kernels"], "the CUDA build did not compile the CUDA kernels"
+PY
+) 2>&1 | grep -v -i numpy

@@ -1,0 +1,32 @@
+// Argument checks with messages that name the argument and say what is expected.
+// TORCH_CHECK_VALUE raises ValueError in Python; TORCH_CHECK raises RuntimeError.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace jacobi::checks {
+
+inline void dtype(const at::Tensor& t, const char* name, at::ScalarType want) {
+  TORCH_CHECK_VALUE(t.scalar_type() == want, name, " must have dtype ", want, ", got ",
+                    t.scalar_type());
+}
+
+inline void rank(const at::Tensor& t, const char* name, int64_t want, const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == want, name, " must be ", want, "-D ", layout, ", got shape ",
+                    t.sizes());
+}
+
+inline void same_device(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                        const char* ref_name) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
+                    " is on ", ref.device(), "; move them to one device");
+}
+
+inline void contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (call .contiguous())");
+}
+
+}  // namespace jacobi::checks

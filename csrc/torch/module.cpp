@@ -1,0 +1,59 @@
+// The jacobi_ext._C extension module and the schemas of every torch.ops.jacobi_ext operator.
+//
+// All schemas live here, in one place; each *_ops.cpp file registers the CPU implementation of
+// its ops and each *_ops_cuda.cpp the CUDA one, under the same names. The Python side
+// (jacobi_ext/ops.py) adds the fake (meta) kernels and autograd formulas.
+//
+// The module links no libtorch_python: importing it only has to run the static registrations
+// below, so PyInit creates a bare module that carries a few build facts as attributes.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "cpu/isa.h"
+
+TORCH_LIBRARY(jacobi_ext, m) {
+  // Training attention over a block-causal layout (visibility: csrc/include/jacobi/block_table.h).
+  // q [B, Hq, S, D]; k, v [B, Hkv, S, D] (Hq % Hkv == 0); block table tensors int32 on q's device.
+  // Returns out [B, Hq, S, D] (q's dtype) and the log-sum-exp lse [B, Hq, S] (float32).
+  m.def(
+      "block_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor block_start, Tensor kv_ptr, "
+      "Tensor kv_idx, float scale) -> (Tensor out, Tensor lse)");
+  m.def(
+      "block_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor block_start, Tensor kv_ptr, Tensor kv_idx, float scale, "
+      "bool deterministic) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // Decoding: one verify-accept-recycle step over the packed rows of a forward
+  // (semantics: csrc/include/jacobi/verify.h). pool / pool_len / pool_head are updated in place.
+  m.def(
+      "verify_step(Tensor tokens, Tensor greedy, Tensor row_len, Tensor block_ends, "
+      "Tensor init_tokens, Tensor(a!) pool, Tensor(b!) pool_len, Tensor(c!) pool_head, "
+      "int spawn_threshold, int eos_token_id) -> "
+      "(Tensor accept, Tensor summary, Tensor commit, Tensor next_tokens, "
+      "Tensor next_block_ends, Tensor candidates, Tensor candidate_len)");
+}
+
+namespace {
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "jacobi_ext native operators", -1,
+                          nullptr};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) PyObject* PyInit__C() {
+  PyObject* mod = PyModule_Create(&module_def);
+  if (mod == nullptr) return nullptr;
+  PyModule_AddStringConstant(mod, "torch_version", JACOBI_EXT_TORCH_VERSION);
+#ifdef JACOBI_WITH_CUDA
+  PyModule_AddIntConstant(mod, "with_cuda", 1);
+#else
+  PyModule_AddIntConstant(mod, "with_cuda", 0);
+#endif
+  try {
+    PyModule_AddStringConstant(mod, "cpu_isa", jacobi::cpu::isa_name(jacobi::cpu::active_isa()));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    Py_DECREF(mod);
+    return nullptr;
+  }
+  return mod;
+}

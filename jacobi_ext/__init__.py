@@ -1,0 +1,27 @@
+"""jacobi_ext: lossless parallel decoding for autoregressive LLMs (Jacobi Forcing).
+
+Public API (filled in by the layers below; see README):
+    JacobiLayout, jacobi_attention          the block-causal training attention
+    generate                                Jacobi / multi-block decoding, same output as greedy
+    jacobi_ext.models.load_model            the default model (SmolLM2-135M-Instruct), offline
+"""
+
+from ._native import BUILT_WITH_TORCH, CPU_ISA, WITH_CUDA
+from ._version import __version__
+
+__all__ = ["__version__", "BUILT_WITH_TORCH", "CPU_ISA", "WITH_CUDA", "build_info"]
+
+
+def build_info() -> dict[str, object]:
+    """What this installation was built with and runs on."""
+    import torch
+
+    return {
+        "jacobi_ext": __version__,
+        "torch (built against)": BUILT_WITH_TORCH,
+        "torch (running)": torch.__version__,
+        "cuda kernels": WITH_CUDA,
+        "cuda available": torch.cuda.is_available(),
+        "cpu kernel isa": CPU_ISA,
+        "cpu threads": torch.get_num_threads(),
+    }
