@@ -8,8 +8,17 @@ Public API (filled in by the layers below; see README):
 
 from ._native import BUILT_WITH_TORCH, CPU_ISA, WITH_CUDA
 from ._version import __version__
+from .decoding import GenerateResult, generate
 
-__all__ = ["__version__", "BUILT_WITH_TORCH", "CPU_ISA", "WITH_CUDA", "build_info"]
+__all__ = [
+    "__version__",
+    "BUILT_WITH_TORCH",
+    "CPU_ISA",
+    "WITH_CUDA",
+    "GenerateResult",
+    "build_info",
+    "generate",
+]
 
 
 def build_info() -> dict[str, object]:

