@@ -234,7 +234,6 @@ def _decode_parallel(
         C = cands.shape[0]
         m = int(block_ends[0]) if C else 0
         ids = torch.cat([main[:main_len], cands[:, :m].reshape(-1)]) if C else main[:main_len]
-        Q = ids.numel()
         pos = torch.cat(
             [torch.arange(L, L + main_len, device=dev)] + [torch.arange(L, L + m, device=dev)] * C
         )
