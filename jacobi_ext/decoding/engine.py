@@ -127,10 +127,32 @@ class _Streams:
             self.streamer.end()
 
 
+def _ar_loop(
+    model, cache, L: int, tok: int, out: list[int], max_new: int, eos: set[int], streams: _Streams
+) -> int:
+    """Greedy AR from a committed prefix of L cached tokens and the next token `tok` (already
+    appended to `out`). Returns the number of forwards."""
+    dev = next(model.parameters()).device
+    forwards = 0
+    pos = torch.empty(1, 1, dtype=torch.long, device=dev)
+    ids = torch.empty(1, 1, dtype=torch.long, device=dev)
+    while len(out) < max_new and tok not in eos:
+        ids.fill_(tok)
+        pos.fill_(L)
+        logits = model(
+            input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits
+        forwards += 1
+        L += 1
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        streams.put([tok])
+    return forwards
+
+
 @torch.inference_mode()
 def _decode_ar(model, prompt: torch.Tensor, max_new: int, eos: set[int], streams: _Streams):
     """Greedy AR with the same cache as the parallel methods (the baseline they must equal)."""
-    dev = prompt.device
     P = prompt.numel()
     cache = TruncatableCache(model.config, capacity=P + max_new + 1)
     t0 = time.perf_counter()
@@ -141,21 +163,30 @@ def _decode_ar(model, prompt: torch.Tensor, max_new: int, eos: set[int], streams
     t1 = time.perf_counter()
     out = [tok]
     streams.put([tok])
-    forwards = 0
-    pos = torch.empty(1, 1, dtype=torch.long, device=dev)
-    ids = torch.empty(1, 1, dtype=torch.long, device=dev)
-    while len(out) < max_new and tok not in eos:
-        ids.fill_(tok)
-        pos.fill_(P + len(out) - 1)
-        logits = model(
-            input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
-        ).logits
-        forwards += 1
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        streams.put([tok])
+    forwards = _ar_loop(model, cache, P, tok, out, max_new, eos, streams)
     t2 = time.perf_counter()
     return out, forwards, t2 - t1, t1 - t0, [1] * forwards, 0.0, 0
+
+
+class _Controller:
+    """Falls back to greedy AR when parallel steps commit fewer tokens per second than AR would
+    (its step time t(1) comes from the measured curve). Judged on a sliding window of steps."""
+
+    def __init__(self, ar_step_seconds: float | None, window: int = 12) -> None:
+        self.ar_t = ar_step_seconds
+        self.window = window
+        self.acc: list[int] = []
+        self.secs: list[float] = []
+
+    def observe(self, accepted: int, seconds: float) -> None:
+        self.acc.append(accepted)
+        self.secs.append(seconds)
+
+    def should_fall_back(self) -> bool:
+        if self.ar_t is None or len(self.acc) < self.window:
+            return False
+        a, t = sum(self.acc[-self.window :]), sum(self.secs[-self.window :])
+        return a / t < 1.0 / self.ar_t
 
 
 def _tree_mask(model, L: int, main_len: int, cand_len: int, n_cand: int, device, dtype):
@@ -187,6 +218,7 @@ def _decode_parallel(
     activation_ratio: float,
     generator: torch.Generator,
     streams: _Streams,
+    controller: _Controller,
 ):
     dev = prompt.device
     P = prompt.numel()
@@ -230,6 +262,7 @@ def _decode_parallel(
     L = P
     forwards = wins = 0
     verify_s = 0.0
+    ts = time.perf_counter()
     while True:
         C = cands.shape[0]
         m = int(block_ends[0]) if C else 0
@@ -290,10 +323,21 @@ def _decode_parallel(
         ctx_len += a
         accepted_hist.append(a)
         streams.put(committed)
-        verify_s += time.perf_counter() - tv
+        te = time.perf_counter()
+        verify_s += te - tv
         if finished or len(out) >= max_new:
             break
+        controller.observe(a, te - ts)
+        ts = te
         main, block_ends, main_len = next_tokens, next_ends, next_len
+        if controller.should_fall_back():
+            seed = int(main[0])
+            out.append(seed)
+            streams.put([seed])
+            ar_forwards = _ar_loop(model, cache, L, seed, out, max_new, eos, streams)
+            forwards += ar_forwards
+            accepted_hist += [1] * ar_forwards
+            break
         keep = next_cand_len > 0
         cands = next_cands[keep] if pool_size else cands
     t2 = time.perf_counter()
@@ -341,15 +385,22 @@ def generate(
             f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
             f"the model's context of {limit} positions"
         )
+    ar_step_seconds = None  # no controller unless the settings are tuned
     if method == "ar":
         n, K, p = 1, 1, 0
     else:
         if block_size is None:
-            from .tuning import choose_settings
+            # Tuned: the block size from the measured curve and the acceptance this model has
+            # shown, and an online fallback to AR when the acceptance observed now is too low.
+            from .tuning import choose_settings, step_curve
 
-            s = choose_settings(model, method=method, num_blocks=num_blocks, pool_size=pool_size)
+            curve = step_curve(model)
+            s = choose_settings(
+                model, method=method, num_blocks=num_blocks, pool_size=pool_size, curve=curve
+            )
             block_size, num_blocks, pool_size = s.block_size, s.num_blocks, s.pool_size
             method = s.method
+            ar_step_seconds = curve.time(1)
         n = block_size
         K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
     device = next(model.parameters()).device
@@ -361,9 +412,16 @@ def generate(
         if method == "ar" or n == 1:
             res = _decode_ar(model, prompt, max_new_tokens, eos, streams)
         else:
+            ctl = _Controller(ar_step_seconds)
             res = _decode_parallel(
-                model, prompt, max_new_tokens, eos, n, K, p, activation_ratio, gen, streams
+                model, prompt, max_new_tokens, eos, n, K, p, activation_ratio, gen, streams, ctl
             )
+            if ar_step_seconds is not None and ctl.acc:
+                from .tuning import estimate_rho, remember_acceptance
+
+                window = n + (K - 1) * n // 2  # as tuning.predict credits K blocks
+                rho = estimate_rho(sum(ctl.acc) / len(ctl.acc), window)
+                remember_acceptance(model, rho, weight=len(ctl.acc))
         streams.end()
         toks, f, s, pre, h, vs, cw = res
         rows.append(toks)

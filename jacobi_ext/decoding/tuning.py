@@ -1,0 +1,250 @@
+"""Roofline tuning: choose block size, blocks in flight and pool size from this machine's
+measured forward-time curve and the acceptance the model shows.
+
+A decoding step that feeds Q tokens costs t(Q) (measured once per model / device / dtype /
+thread count and cached as JSON) and commits E[a] tokens. Greedy AR commits 1 token per t(1).
+A parallel configuration pays off only where E[a] / t(Q) > 1 / t(1).
+
+Acceptance model: each draft token is accepted with probability rho given the ones before it
+were, so a window of w tokens commits E[a](w) = (1 - rho^w) / (1 - rho) tokens (the seed always
+counts). rho is estimated from what the engine observes (SPEC §1 drafts converge over
+iterations, so this is an effective, not a per-iteration, rate) and remembered per model; a
+model never seen before starts from an optimistic prior, and the engine's online controller
+(engine._Controller) falls back to AR within a few steps when acceptance is too low.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BLOCK_SIZES = (4, 8, 16, 32, 64)
+PRIOR_RHO = 0.6  # optimistic: a distilled model's effective acceptance on code is about this
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("JACOBI_EXT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jacobi_ext"
+    )
+    return Path(root)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def model_key(model) -> str:
+    """Identity of (model weights, dtype, device, threads): what the curve depends on."""
+    p = next(model.parameters())
+    dev = str(p.device)
+    hw = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else _cpu_name()
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    nparams = sum(x.numel() for x in model.parameters())
+    # A few weight values tell a distilled checkpoint from its base model.
+    w = model.get_output_embeddings().weight
+    probe = float(w.detach().flatten()[:: max(1, w.numel() // 64)][:64].double().sum())
+    raw = f"{name}|{nparams}|{probe:.6e}|{p.dtype}|{dev}|{hw}|{torch.get_num_threads()}"
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+@dataclass
+class StepCurve:
+    """Median forward time (s) for Q new tokens over a cache of `context` tokens."""
+
+    sizes: list[int]
+    seconds: list[float]
+    context: int
+    device: str
+    dtype: str
+    threads: int
+    hardware: str
+
+    def time(self, q: int) -> float:
+        """t(q), interpolated linearly between measured sizes (extrapolated past the end)."""
+        xs, ys = self.sizes, self.seconds
+        if q <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if q <= xs[i]:
+                x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+                return y0 + (y1 - y0) * (q - x0) / (x1 - x0)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (q - xs[-1])
+
+    def knee(self) -> int:
+        """Largest measured size whose cost is within 25% of a single-token forward: below it
+        the forward is bound by reading the weights, above it by arithmetic."""
+        base = self.seconds[0]
+        k = self.sizes[0]
+        for q, s in zip(self.sizes, self.seconds, strict=True):
+            if s <= 1.25 * base:
+                k = q
+        return k
+
+
+@torch.inference_mode()
+def measure_step_curve(
+    model, sizes=SIZES, context: int = 256, repeats: int = 5, progress: bool = False
+) -> StepCurve:
+    """Time one forward of q new tokens over a cache of `context` tokens, for each q."""
+    from .cache import TruncatableCache
+
+    p = next(model.parameters())
+    dev = p.device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    ctx_ids = torch.randint(0, vocab, (1, context), generator=g).to(dev)
+    cache = TruncatableCache(model.config, capacity=context + max(sizes) + 1)
+    model(input_ids=ctx_ids, past_key_values=cache, use_cache=True)
+    it = sizes
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(sizes, desc="measuring forward time vs tokens", unit="size")
+    secs = []
+    for q in it:
+        ids = torch.randint(0, vocab, (1, q), generator=g).to(dev)
+        pos = torch.arange(context, context + q, device=dev)[None]
+        times = []
+        for r in range(repeats + 1):
+            cache.truncate(context)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if r:  # the first run warms up
+                times.append(time.perf_counter() - t0)
+        secs.append(statistics.median(times))
+    cache.truncate(context)
+    hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+    return StepCurve(
+        list(sizes), secs, context, str(dev), str(p.dtype), torch.get_num_threads(), hw
+    )
+
+
+def _profile_path(model) -> Path:
+    return cache_dir() / "profiles" / f"{model_key(model)}.json"
+
+
+def load_profile(model) -> dict:
+    path = _profile_path(model)
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+    return {}
+
+
+def save_profile(model, profile: dict) -> None:
+    path = _profile_path(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile, indent=1))
+    tmp.replace(path)  # atomic: an interrupted write never leaves a broken profile
+
+
+def step_curve(model, remeasure: bool = False, progress: bool = False) -> StepCurve:
+    """The cached curve for this model / device / dtype / threads, measured on first use."""
+    prof = load_profile(model)
+    if "curve" in prof and not remeasure:
+        return StepCurve(**prof["curve"])
+    curve = measure_step_curve(model, progress=progress)
+    prof["curve"] = asdict(curve)
+    save_profile(model, prof)
+    return curve
+
+
+def remember_acceptance(model, rho: float, weight: float) -> None:
+    """Blend an observed acceptance rate into the model's profile (weight = steps observed)."""
+    prof = load_profile(model)
+    old, w_old = prof.get("rho", PRIOR_RHO), prof.get("rho_weight", 0.0)
+    w_old = min(w_old, 200.0)  # keep adapting: recent runs count
+    prof["rho"] = (old * w_old + rho * weight) / (w_old + weight) if w_old + weight else rho
+    prof["rho_weight"] = w_old + weight
+    save_profile(model, prof)
+
+
+def expected_accepted(rho: float, window: int) -> float:
+    """E[tokens committed] for a draft window of `window` tokens (the seed included)."""
+    if rho >= 1.0:
+        return float(window)
+    return (1.0 - rho**window) / (1.0 - rho)
+
+
+def estimate_rho(mean_accepted: float, window: int) -> float:
+    """Invert expected_accepted by bisection."""
+    if mean_accepted <= 1.0:
+        return 0.0
+    if mean_accepted >= window:
+        return 0.999
+    lo, hi = 0.0, 0.999
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if expected_accepted(mid, window) < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass
+class Settings:
+    method: str  # "ar" | "jacobi" | "multiblock"
+    block_size: int
+    num_blocks: int
+    pool_size: int
+    expected_speedup: float  # predicted tokens/s over greedy AR
+    rho: float
+
+
+def tokens_per_step(n: int, K: int, pool: int) -> int:
+    """Tokens fed per forward at most: K blocks plus `pool` candidates of one block."""
+    return n * K + pool * n
+
+
+def predict(curve: StepCurve, rho: float, n: int, K: int, pool: int) -> float:
+    """Predicted speed over AR. Extra blocks and candidates widen the effective window; we
+    credit them conservatively: K blocks act as one window of n + (K-1) * n / 2 tokens, and
+    recycling adds nothing to the estimate (it is measured, not assumed)."""
+    window = n + (K - 1) * n // 2
+    return expected_accepted(rho, window) / curve.time(tokens_per_step(n, K, pool)) * curve.time(1)
+
+
+def choose_settings(
+    model,
+    method: str = "multiblock",
+    num_blocks: int = 2,
+    pool_size: int = 4,
+    rho: float | None = None,
+    curve: StepCurve | None = None,
+) -> Settings:
+    """The block size (and, where parallel decoding cannot pay, "ar") that maximises predicted
+    tokens/s for `method` with the given blocks and pool."""
+    curve = curve or step_curve(model)
+    if rho is None:
+        rho = load_profile(model).get("rho", PRIOR_RHO)
+    K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
+    best = Settings("ar", 1, 1, 0, 1.0, rho)
+    for n in BLOCK_SIZES:
+        s = predict(curve, rho, n, K, p)
+        if s > best.expected_speedup:
+            best = Settings(method, n, K, p, s, rho)
+    return best

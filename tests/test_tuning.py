@@ -1,0 +1,75 @@
+"""Roofline tuning: the curve, the acceptance model, the choice, and the online AR fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jacobi_ext import generate
+from jacobi_ext.decoding import engine, tuning
+from jacobi_ext.models import tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JACOBI_EXT_CACHE", str(tmp_path))
+
+
+def _curve(times: dict[int, float]) -> tuning.StepCurve:
+    sizes = sorted(times)
+    return tuning.StepCurve(sizes, [times[s] for s in sizes], 256, "cpu", "float32", 2, "test")
+
+
+def test_acceptance_model_round_trip() -> None:
+    for rho in (0.0, 0.3, 0.8, 0.95):
+        for w in (4, 16, 64):
+            e = tuning.expected_accepted(rho, w)
+            assert 1.0 <= e <= w
+            if 1.0 < e < w - 1e-6:
+                assert tuning.estimate_rho(e, w) == pytest.approx(rho, abs=1e-6)
+    assert tuning.expected_accepted(0.0, 16) == 1.0
+
+
+def test_choice_follows_the_curve_and_acceptance() -> None:
+    # Flat up to 16 tokens, then linear: the knee is 16.
+    flat = _curve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.05, 32: 2.0, 64: 4.0, 128: 8.0})
+    assert flat.knee() == 16
+    hi = tuning.choose_settings(None, "jacobi", rho=0.9, curve=flat)
+    assert hi.method == "jacobi" and hi.block_size == 16 and hi.expected_speedup > 5
+    # Base-model acceptance (~4%) cannot pay for even a 36% dearer step: AR.
+    steep = _curve({1: 1.0, 2: 1.6, 4: 1.41, 8: 1.36, 16: 1.57, 32: 2.06, 64: 3.0})
+    lo = tuning.choose_settings(None, "multiblock", rho=0.04, curve=steep)
+    assert lo.method == "ar" and lo.expected_speedup == 1.0
+
+
+def test_curve_is_measured_once_and_cached() -> None:
+    model = tiny_llama(seed=0)
+    c1 = tuning.step_curve(model)
+    assert c1.sizes == list(tuning.SIZES) and all(s > 0 for s in c1.seconds)
+    c2 = tuning.step_curve(model)
+    assert c2 == c1  # read back from the profile, not re-measured
+
+
+def test_tuned_generation_is_lossless_and_learns_acceptance() -> None:
+    model = tiny_llama(vocab_size=64, seed=3, dtype=torch.float64)
+    ids = torch.randint(0, 64, (1, 9))
+    want = generate(model, ids, max_new_tokens=60, method="ar").tokens
+    res = generate(model, ids, max_new_tokens=60, method="multiblock", block_size=None)
+    assert torch.equal(res.tokens, want)
+    prof = tuning.load_profile(model)
+    if res.method != "ar":
+        assert 0.0 <= prof["rho"] <= 1.0 and prof["rho_weight"] > 0
+
+
+def test_controller_falls_back_to_ar_losslessly() -> None:
+    model = tiny_llama(vocab_size=64, seed=4, dtype=torch.float64)
+    ids = torch.randint(0, 64, (1, 9))
+    want = generate(model, ids, max_new_tokens=80, method="ar").tokens[0].tolist()
+    ctl = engine._Controller(ar_step_seconds=1e-9, window=4)  # AR "infinitely fast": fall back
+    streams = engine._Streams(None, ids[0])
+    out, forwards, *_ = engine._decode_parallel(
+        model, ids[0], 80, set(), 8, 2, 2, 0.85, torch.Generator().manual_seed(0), streams, ctl
+    )
+    assert out == want
+    assert len(ctl.acc) == 4  # decided after exactly one window, then AR took over
+    assert forwards > 4
