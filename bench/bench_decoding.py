@@ -1,0 +1,105 @@
+"""Decoding speed, side by side in one run (issue: decoding engine).
+
+SmolLM2-135M-Instruct, fp32, CPU, 20 HumanEval prompts, 256 new tokens, greedy, batch 1:
+transformers greedy, transformers prompt-lookup decoding, and ours: ar, jacobi, multiblock.
+Each benchmark decodes all prompts once (one round; the prompts are the repetitions); the
+tokens/s, TPF, speedup over transformers greedy and whether outputs are identical to greedy go
+into extra_info.
+
+    pytest bench/bench_decoding.py --benchmark-json=out/decoding.json
+    JACOBI_BENCH_QUICK=1 pytest bench/bench_decoding.py     # tiny model, seconds
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from jacobi_ext import generate
+
+_greedy: dict[str, object] = {}
+
+
+def _hf(model, ids, max_new, **kw):
+    eos = model.generation_config.eos_token_id
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        pad_token_id=eos if eos is not None else 0,
+        **kw,
+    )
+    toks = out[0, ids.shape[1] :].tolist()
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    for i, t in enumerate(toks):
+        if t in eos:
+            return toks[: i + 1]
+    return toks
+
+
+def _run(method, model, prompts, max_new):
+    outs, secs, forwards = [], 0.0, 0
+    for ids in prompts:
+        if method == "hf-greedy":
+            t0 = time.perf_counter()
+            toks = _hf(model, ids, max_new)
+            secs += time.perf_counter() - t0
+            forwards += len(toks) - 1
+        elif method == "hf-prompt-lookup":
+            t0 = time.perf_counter()
+            toks = _hf(model, ids, max_new, prompt_lookup_num_tokens=10)
+            secs += time.perf_counter() - t0
+            forwards += 0  # not reported by transformers
+        else:
+            kw = {
+                "ar": dict(method="ar"),
+                "jacobi": dict(method="jacobi", block_size=16),
+                "jacobi-tuned": dict(method="jacobi"),
+                "multiblock": dict(method="multiblock"),
+            }[method]
+            res = generate(model, ids, max_new_tokens=max_new, **kw)
+            toks = res.tokens[0].tolist()
+            secs += res.seconds + res.prefill_seconds
+            forwards += res.forwards
+        outs.append(toks)
+    return outs, secs, forwards
+
+
+METHODS = ["hf-greedy", "hf-prompt-lookup", "ar", "jacobi", "jacobi-tuned", "multiblock"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_decoding(benchmark, bench_model, method):
+    model, _, prompts, max_new = bench_model
+    with torch.inference_mode():
+        if "hf-greedy" not in _greedy:  # warm up and fix the reference once
+            _greedy["hf-greedy"] = _run("hf-greedy", model, prompts[:1], 8)
+            _greedy["ref"] = None
+        result = {}
+
+        def run():
+            result["v"] = _run(method, model, prompts, max_new)
+
+        benchmark.pedantic(run, rounds=1, iterations=1)
+    outs, secs, forwards = result["v"]
+    tokens = sum(len(o) for o in outs)
+    if method == "hf-greedy":
+        _greedy["ref"] = outs
+        _greedy["tps"] = tokens / secs
+    ref = _greedy.get("ref")
+    benchmark.extra_info.update(
+        method=method,
+        prompts=len(prompts),
+        max_new_tokens=max_new,
+        new_tokens=tokens,
+        seconds_with_prefill=secs,
+        tokens_per_s=tokens / secs,
+        tpf=tokens / forwards if forwards else None,
+        speedup_vs_hf_greedy=(tokens / secs) / _greedy["tps"] if "tps" in _greedy else None,
+        identical_to_greedy=(outs == ref) if ref is not None else None,
+    )
+    if ref is not None and method != "hf-prompt-lookup":
+        assert outs == ref, f"{method} diverged from greedy"

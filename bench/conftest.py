@@ -1,0 +1,41 @@
+"""Shared benchmark fixtures. JACOBI_BENCH_QUICK=1 runs every suite on tiny sizes (a tiny random
+model, few prompts, one round) so CI can check that the suites still run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+QUICK = os.environ.get("JACOBI_BENCH_QUICK", "") not in ("", "0")
+
+
+@pytest.fixture(scope="session")
+def quick() -> bool:
+    return QUICK
+
+
+@pytest.fixture(scope="session")
+def bench_model():
+    """(model, tokenizer-or-None, prompts as [1, P] id tensors, max_new_tokens)."""
+    if QUICK:
+        from jacobi_ext.models import tiny_llama
+
+        model = tiny_llama(vocab_size=128, seed=0)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 128, (1, 12), generator=g) for _ in range(2)]
+        return model, None, prompts, 16
+    from jacobi_ext.data import humaneval_input_ids, load_humaneval
+    from jacobi_ext.models import load_model
+
+    n_prompts = int(os.environ.get("JACOBI_BENCH_PROMPTS", "20"))
+    max_new = int(os.environ.get("JACOBI_BENCH_NEW_TOKENS", "256"))
+    model, tok = load_model()
+    prompts = [humaneval_input_ids(tok, p) for p in load_humaneval(n_prompts)]
+    # The tuner's forward-time curve is measured once per machine and cached: do it before any
+    # timed run so "tuned" methods are not charged for it.
+    from jacobi_ext.decoding.tuning import step_curve
+
+    step_curve(model)
+    return model, tok, prompts, max_new

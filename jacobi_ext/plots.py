@@ -1,0 +1,34 @@
+"""Figures (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_step_curve(curve, path: str | Path) -> Path:
+    """Forward latency vs parallel tokens (log x), with the knee marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ms = [1e3 * s for s in curve.seconds]
+    ax.plot(curve.sizes, ms, "o-", label="forward")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("latency (ms)")
+    knee = curve.knee()
+    ax.axvline(knee, color="gray", ls="--", label=f"knee: {knee} tokens")
+    ax.set_title(
+        f"{curve.hardware}\n{curve.dtype}, {curve.threads} threads, cache {curve.context}",
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

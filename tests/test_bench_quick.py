@@ -1,0 +1,44 @@
+"""The benchmark suites run (quick mode: tiny sizes, one round) so they cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = sorted(p.name for p in (ROOT / "bench").glob("bench_*.py"))
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, JACOBI_BENCH_QUICK="1", JACOBI_EXT_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(ROOT / "bench" / suite),
+            f"--benchmark-json={out}",
+            "-o",
+            "python_files=bench_*.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["benchmarks"], "the suite produced no benchmark"
+    for b in data["benchmarks"]:
+        assert b["stats"]["median"] > 0
