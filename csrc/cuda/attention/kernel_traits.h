@@ -104,8 +104,9 @@ struct BwdDkdvTraits : BaseTraits<Element_, kHeadDim_> {
 
   static constexpr int kSmemRows = int(size(SmemLayoutQ{})) * int(sizeof(Element));
   static constexpr int kSmemPdS = int(size(SmemLayoutPdS{})) * int(sizeof(Element));
-  // sQ, sdO, sK, sV, sP, sdS, then lse and row sums of the query tile.
-  static constexpr int kSmemSize = 4 * kSmemRows + 2 * kSmemPdS + 2 * kBlockM * int(sizeof(float));
+  // sQ, sdO, sK, sV, sP, sdS, then lse and row sums of the query tile, then mask words.
+  static constexpr int kSmemSize =
+      4 * kSmemRows + 2 * kSmemPdS + 2 * kBlockM * int(sizeof(float)) + kBlockM * 8;
 };
 
 // Backward, deterministic dQ pass: one CTA per (kBlockM query rows, batch * query head), the
@@ -127,8 +128,8 @@ struct BwdDqTraits : BaseTraits<Element_, kHeadDim_> {
   using SmemLayoutKt = typename Base::template SmemLayoutRowsT<kBlockN>;
   using SmemLayoutKtNoSwizzle = typename Base::template SmemLayoutRowsTNoSwizzle<kBlockN>;
 
-  // sQ, sdO, sK, sV.
-  static constexpr int kSmemSize = 4 * int(size(SmemLayoutQ{})) * int(sizeof(Element));
+  // sQ, sdO, sK, sV, mask words.
+  static constexpr int kSmemSize = 4 * int(size(SmemLayoutQ{})) * int(sizeof(Element)) + kBlockM * 8;
 };
 
 }  // namespace jacobi::cuda::attn

@@ -1,6 +1,8 @@
-// Device-side plan construction (jacobi/attention_plan.h) and the forward's dispatch.
-// No CuTe here: three small kernels, cheap to compile.
+// Device-side plan construction (jacobi/attention_plan.h), the backward's element-wise pre- and
+// post-passes, and the (dtype, head dim) dispatch. No CuTe here: small kernels, cheap to compile.
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "cuda/attention/attention_cuda.h"
 #include "cuda/attention/launch.h"
@@ -54,6 +56,44 @@ __global__ void plan_tiles_kernel(BlockTable t, const int32_t* order, const int3
   }
 }
 
+// D_i = rowsum(dO * O) over the head dim, per (b, h, token): 16 lanes per row, coalesced along
+// the row, reduced with shuffles inside the 16-lane group.
+template <typename Element>
+__global__ void bwd_dsum_kernel(const BwdParams p) {
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seq_len;
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const int lane = threadIdx.x % 16;
+  float acc = 0.f;
+  if (r < rows) {
+    const int64_t s = r % p.seq_len;
+    const int64_t h = (r / p.seq_len) % p.heads_q;
+    const int64_t b = r / (int64_t(p.seq_len) * p.heads_q);
+    const Element* o = static_cast<const Element*>(p.out) + b * p.o_stride.batch +
+                       h * p.o_stride.head + s * p.o_stride.row;
+    const Element* d = static_cast<const Element*>(p.dout) + b * p.do_stride.batch +
+                       h * p.do_stride.head + s * p.do_stride.row;
+    for (int c = lane; c < p.head_dim; c += 16) acc += float(o[c]) * float(d[c]);
+  }
+  #pragma unroll
+  for (int off = 8; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (r < rows && lane == 0) p.dsum[r] = acc;
+}
+
+// Fast mode's last step: dq = scale * dq_accum, cast to the input dtype (dq may be strided).
+template <typename Element>
+__global__ void bwd_dq_convert_kernel(const BwdParams p) {
+  const int64_t n = int64_t(p.batch) * p.heads_q * p.seq_len * p.head_dim;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % p.head_dim;
+    const int64_t s = (i / p.head_dim) % p.seq_len;
+    const int64_t h = (i / (int64_t(p.head_dim) * p.seq_len)) % p.heads_q;
+    const int64_t b = i / (int64_t(p.head_dim) * p.seq_len * p.heads_q);
+    static_cast<Element*>(p.dq)[b * p.dq_stride.batch + h * p.dq_stride.head +
+                                s * p.dq_stride.row + c] = Element(p.dq_accum[i] * p.scale);
+  }
+}
+
 }  // namespace
 
 size_t plan_workspace_bytes(int32_t seq_len, int32_t num_blocks) {
@@ -90,6 +130,23 @@ cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream
   return JACOBI_DTYPE_SWITCH(dtype, [&] {
     return JACOBI_HEADDIM_SWITCH(params.head_dim,
                                  [&] { return run_fwd<Element, kHeadDim>(params, stream); });
+  });
+}
+
+cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream) {
+  if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
+  return JACOBI_DTYPE_SWITCH(dtype, [&] {
+    const int64_t rows = int64_t(params.batch) * params.heads_q * params.seq_len;
+    bwd_dsum_kernel<Element><<<unsigned((rows * 16 + 255) / 256), 256, 0, stream>>>(params);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    e = JACOBI_HEADDIM_SWITCH(params.head_dim,
+                              [&] { return run_bwd<Element, kHeadDim>(params, stream); });
+    if (e != cudaSuccess || params.deterministic) return e;
+    const int64_t n = rows * params.head_dim;
+    const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 65535));
+    bwd_dq_convert_kernel<Element><<<blocks, 256, 0, stream>>>(params);
+    return cudaGetLastError();
   });
 }
 
