@@ -1,0 +1,153 @@
+// Device-side plan construction (jacobi/attention_plan.h), the backward's element-wise pre- and
+// post-passes, and the (dtype, head dim) dispatch. No CuTe here: small kernels, cheap to compile.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda/attention/attention_cuda.h"
+#include "cuda/attention/launch.h"
+#include "cuda/attention/static_switch.h"
+#include "jacobi/attention_plan.h"
+
+namespace jacobi::cuda::attn {
+namespace {
+
+constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
+
+struct WorkspaceLayout {
+  size_t order, scratch, pstart, perm, pblk, tile_class, total;
+  WorkspaceLayout(int32_t seq_len, int32_t nb) {
+    const int32_t nt = jacobi::attn::ceil_div(seq_len, jacobi::attn::kPlanTile);
+    order = 0;
+    scratch = order + align16(sizeof(int32_t) * size_t(nb));
+    pstart = scratch + align16(sizeof(int32_t) * 2 * size_t(nb));
+    perm = pstart + align16(sizeof(int32_t) * (size_t(nb) + 1));
+    pblk = perm + align16(sizeof(int32_t) * size_t(seq_len));
+    tile_class = pblk + align16(sizeof(int32_t) * size_t(seq_len));
+    total = tile_class + align16(size_t(nt) * size_t(nt));
+  }
+};
+
+// The block order is inherently sequential (a walk over a forest of num_blocks nodes, a few
+// thousand at most); one thread does it, like the decoding step's bookkeeping.
+__global__ void plan_order_kernel(BlockTable t, int32_t* order, int32_t* scratch,
+                                  int32_t* pstart) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  jacobi::attn::plan_block_order(t, order, scratch);
+  jacobi::attn::plan_block_starts(t, order, pstart);
+}
+
+__global__ void plan_tokens_kernel(BlockTable t, const int32_t* order, const int32_t* pstart,
+                                   int32_t seq_len, int32_t* perm, int32_t* pblk) {
+  const int32_t p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= seq_len) return;
+  const jacobi::attn::PermutedToken tok = jacobi::attn::plan_token(t, order, pstart, p);
+  perm[p] = tok.token;
+  pblk[p] = tok.block;
+}
+
+// One CTA per query tile row of the plan, threads over key tiles.
+__global__ void plan_tiles_kernel(BlockTable t, const int32_t* order, const int32_t* pstart,
+                                  int32_t seq_len, int32_t num_tiles, uint8_t* tile_class) {
+  const int32_t i = blockIdx.x;
+  for (int32_t j = threadIdx.x; j < num_tiles; j += blockDim.x) {
+    tile_class[int64_t(i) * num_tiles + j] =
+        jacobi::attn::plan_classify_tile(t, order, pstart, seq_len, i, j);
+  }
+}
+
+// D_i = rowsum(dO * O) over the head dim, per (b, h, token): 16 lanes per row, coalesced along
+// the row, reduced with shuffles inside the 16-lane group.
+template <typename Element>
+__global__ void bwd_dsum_kernel(const BwdParams p) {
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seq_len;
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const int lane = threadIdx.x % 16;
+  float acc = 0.f;
+  if (r < rows) {
+    const int64_t s = r % p.seq_len;
+    const int64_t h = (r / p.seq_len) % p.heads_q;
+    const int64_t b = r / (int64_t(p.seq_len) * p.heads_q);
+    const Element* o = static_cast<const Element*>(p.out) + b * p.o_stride.batch +
+                       h * p.o_stride.head + s * p.o_stride.row;
+    const Element* d = static_cast<const Element*>(p.dout) + b * p.do_stride.batch +
+                       h * p.do_stride.head + s * p.do_stride.row;
+    for (int c = lane; c < p.head_dim; c += 16) acc += float(o[c]) * float(d[c]);
+  }
+  #pragma unroll
+  for (int off = 8; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (r < rows && lane == 0) p.dsum[r] = acc;
+}
+
+// Fast mode's last step: dq = scale * dq_accum, cast to the input dtype (dq may be strided).
+template <typename Element>
+__global__ void bwd_dq_convert_kernel(const BwdParams p) {
+  const int64_t n = int64_t(p.batch) * p.heads_q * p.seq_len * p.head_dim;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % p.head_dim;
+    const int64_t s = (i / p.head_dim) % p.seq_len;
+    const int64_t h = (i / (int64_t(p.head_dim) * p.seq_len)) % p.heads_q;
+    const int64_t b = i / (int64_t(p.head_dim) * p.seq_len * p.heads_q);
+    static_cast<Element*>(p.dq)[b * p.dq_stride.batch + h * p.dq_stride.head +
+                                s * p.dq_stride.row + c] = Element(p.dq_accum[i] * p.scale);
+  }
+}
+
+}  // namespace
+
+size_t plan_workspace_bytes(int32_t seq_len, int32_t num_blocks) {
+  return WorkspaceLayout(seq_len, num_blocks).total;
+}
+
+cudaError_t build_plan(const BlockTable& table, int32_t seq_len, void* workspace, Plan* plan,
+                       cudaStream_t stream) {
+  const WorkspaceLayout w(seq_len, table.num_blocks);
+  char* base = static_cast<char*>(workspace);
+  auto* order = reinterpret_cast<int32_t*>(base + w.order);
+  auto* scratch = reinterpret_cast<int32_t*>(base + w.scratch);
+  auto* pstart = reinterpret_cast<int32_t*>(base + w.pstart);
+  auto* perm = reinterpret_cast<int32_t*>(base + w.perm);
+  auto* pblk = reinterpret_cast<int32_t*>(base + w.pblk);
+  auto* tile_class = reinterpret_cast<uint8_t*>(base + w.tile_class);
+  const int32_t nt = jacobi::attn::ceil_div(seq_len, jacobi::attn::kPlanTile);
+  plan_order_kernel<<<1, 32, 0, stream>>>(table, order, scratch, pstart);
+  if (seq_len > 0) {
+    plan_tokens_kernel<<<jacobi::attn::ceil_div(seq_len, 256), 256, 0, stream>>>(
+        table, order, pstart, seq_len, perm, pblk);
+    plan_tiles_kernel<<<nt, 128, 0, stream>>>(table, order, pstart, seq_len, nt, tile_class);
+  }
+  plan->table = table;
+  plan->perm = perm;
+  plan->pblk = pblk;
+  plan->tile_class = tile_class;
+  plan->num_tiles = nt;
+  return cudaGetLastError();
+}
+
+cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream_t stream) {
+  if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
+  return JACOBI_DTYPE_SWITCH(dtype, [&] {
+    return JACOBI_HEADDIM_SWITCH(params.head_dim,
+                                 [&] { return run_fwd<Element, kHeadDim>(params, stream); });
+  });
+}
+
+cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream) {
+  if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
+  return JACOBI_DTYPE_SWITCH(dtype, [&] {
+    const int64_t rows = int64_t(params.batch) * params.heads_q * params.seq_len;
+    bwd_dsum_kernel<Element><<<unsigned((rows * 16 + 255) / 256), 256, 0, stream>>>(params);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    e = JACOBI_HEADDIM_SWITCH(params.head_dim,
+                              [&] { return run_bwd<Element, kHeadDim>(params, stream); });
+    if (e != cudaSuccess || params.deterministic) return e;
+    const int64_t n = rows * params.head_dim;
+    const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 65535));
+    bwd_dq_convert_kernel<Element><<<blocks, 256, 0, stream>>>(params);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace jacobi::cuda::attn

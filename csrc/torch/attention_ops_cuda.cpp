@@ -1,0 +1,204 @@
+// block_attention_fwd / block_attention_bwd: the CUDA implementation (checks, allocation, launch).
+// Kernels: csrc/cuda/attention/ (torch-free). Schemas: module.cpp.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <tuple>
+
+#include "checks.h"
+#include "cuda/attention/attention_cuda.h"
+
+namespace jacobi::ops {
+namespace {
+
+namespace ca = jacobi::cuda::attn;
+namespace ck = jacobi::checks;
+
+struct AttnShape {
+  int32_t batch, heads_q, heads_kv, seq_len, head_dim;
+  ca::DType dtype;
+};
+
+// The kernels read rows of 16-byte chunks: a unit last-dim stride, other strides multiples of 8
+// elements and a 16-byte aligned base. Anything else (rare: slicing the head dim) is copied.
+at::Tensor rows_ready(const at::Tensor& t) {
+  const bool ok = t.stride(3) == 1 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+                  t.stride(2) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  return ok ? t : t.contiguous();
+}
+
+ca::Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+AttnShape check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  ck::rank(q, "q", 4, "[B, Hq, S, D]");
+  ck::rank(k, "k", 4, "[B, Hkv, S, D]");
+  ck::rank(v, "v", 4, "[B, Hkv, S, D]");
+  TORCH_CHECK_VALUE(q.is_cuda(), op, ": q must be a CUDA tensor here, got ", q.device());
+  ck::same_device(k, "k", q, "q");
+  ck::same_device(v, "v", q, "q");
+  const auto st = q.scalar_type();
+  TORCH_CHECK_VALUE(st == at::kBFloat16 || st == at::kHalf, op,
+                    ": the CUDA kernels take bfloat16 or float16 q/k/v, got ", st,
+                    "; cast them (e.g. q.to(torch.bfloat16)) or run on CPU for float32");
+  ck::dtype(k, "k", st);
+  ck::dtype(v, "v", st);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ",
+                    k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
+                    op, ": q ", q.sizes(), " and k ", k.sizes(),
+                    " must agree on batch, sequence length and head dim");
+  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op,
+                    ": query heads (", q.size(1), ") must be a multiple of key/value heads (",
+                    k.size(1), ")");
+  TORCH_CHECK_VALUE(ca::supported_head_dim(q.size(3)), op, ": head dim ", q.size(3),
+                    " has no CUDA kernel (supported: 64, 128)");
+  TORCH_CHECK_VALUE(q.size(2) < (int64_t(1) << 30), op, ": sequence too long");
+  return {int32_t(q.size(0)), int32_t(q.size(1)), int32_t(k.size(1)), int32_t(q.size(2)),
+          int32_t(q.size(3)), st == at::kBFloat16 ? ca::DType::bf16 : ca::DType::fp16};
+}
+
+// Block table tensors: int32, 1-D, contiguous, on q's device (values are not read on the host:
+// that would synchronise; the layout layer builds them, jacobi/block_table.h fixes the format).
+BlockTable check_table(const char* op, const at::Tensor& q, const at::Tensor& block_start,
+                       const at::Tensor& kv_ptr, const at::Tensor& kv_idx) {
+  for (auto [t, name] : {std::pair{&block_start, "block_start"}, {&kv_ptr, "kv_ptr"},
+                         {&kv_idx, "kv_idx"}}) {
+    ck::rank(*t, name, 1, "[n]");
+    ck::dtype(*t, name, at::kInt);
+    ck::same_device(*t, name, q, "q");
+    ck::contiguous(*t, name);
+  }
+  TORCH_CHECK_VALUE(block_start.numel() >= 1 && kv_ptr.numel() == block_start.numel(), op,
+                    ": block_start and kv_ptr must both have num_blocks + 1 entries, got ",
+                    block_start.numel(), " and ", kv_ptr.numel());
+  return {block_start.data_ptr<int32_t>(), kv_ptr.data_ptr<int32_t>(),
+          kv_idx.numel() ? kv_idx.data_ptr<int32_t>() : kv_ptr.data_ptr<int32_t>(),
+          int32_t(block_start.numel() - 1)};
+}
+
+void check_launch(const char* op, cudaError_t err) {
+  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::", op, ": CUDA launch failed: ",
+              cudaGetErrorString(err));
+}
+
+ca::Plan make_plan(const char* op, const BlockTable& table, int32_t seq_len, const at::Tensor& q,
+                   at::Tensor& workspace, cudaStream_t stream) {
+  workspace = at::empty({int64_t(ca::plan_workspace_bytes(seq_len, table.num_blocks)) + 16},
+                        q.options().dtype(at::kByte));
+  ca::Plan plan{};
+  check_launch(op, ca::build_plan(table, seq_len, workspace.data_ptr(), &plan, stream));
+  return plan;
+}
+
+std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& block_start, const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
+    double scale) {
+  const char* op = "block_attention_fwd";
+  const AttnShape s = check_qkv(op, q_in, k_in, v_in);
+  const BlockTable table = check_table(op, q_in, block_start, kv_ptr, kv_idx);
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = rows_ready(q_in), k = rows_ready(k_in), v = rows_ready(v_in);
+  at::Tensor out = at::empty(q.sizes(), q.options());  // every row is written
+  at::Tensor lse = at::empty({s.batch, s.heads_q, s.seq_len}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {out, lse};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  at::Tensor workspace;
+  ca::FwdParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q_stride = strides_of(q);
+  p.k_stride = strides_of(k);
+  p.v_stride = strides_of(v);
+  p.o_stride = strides_of(out);
+  p.batch = s.batch;
+  p.heads_q = s.heads_q;
+  p.heads_kv = s.heads_kv;
+  p.seq_len = s.seq_len;
+  p.head_dim = s.head_dim;
+  p.scale = float(scale);
+  p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
+  check_launch(op, ca::block_attention_fwd(p, s.dtype, stream));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
+    const at::Tensor& block_start, const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
+    double scale, bool deterministic) {
+  const char* op = "block_attention_bwd";
+  const AttnShape s = check_qkv(op, q_in, k_in, v_in);
+  const BlockTable table = check_table(op, q_in, block_start, kv_ptr, kv_idx);
+  for (auto [t, name] : {std::pair{&dout_in, "grad_out"}, {&out_in, "out"}}) {
+    ck::same_device(*t, name, q_in, "q");
+    ck::dtype(*t, name, q_in.scalar_type());
+    TORCH_CHECK_VALUE(t->sizes() == q_in.sizes(), op, ": ", name, " must have q's shape ",
+                      q_in.sizes(), ", got ", t->sizes());
+  }
+  ck::same_device(lse_in, "lse", q_in, "q");
+  ck::dtype(lse_in, "lse", at::kFloat);
+  TORCH_CHECK_VALUE(lse_in.dim() == 3 && lse_in.size(0) == s.batch && lse_in.size(1) == s.heads_q &&
+                        lse_in.size(2) == s.seq_len,
+                    op, ": lse must be [B, Hq, S] = [", s.batch, ", ", s.heads_q, ", ", s.seq_len,
+                    "], got ", lse_in.sizes());
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = rows_ready(q_in), k = rows_ready(k_in), v = rows_ready(v_in);
+  const at::Tensor dout = rows_ready(dout_in), out = rows_ready(out_in);
+  const at::Tensor lse = lse_in.contiguous();
+  at::Tensor dq = at::empty(q.sizes(), q.options());  // every row is written
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  if (q.numel() == 0) return {dq, dk, dv};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  at::Tensor workspace;
+  at::Tensor dsum = at::empty({s.batch, s.heads_q, s.seq_len}, q.options().dtype(at::kFloat));
+  at::Tensor dq_accum;
+  if (!deterministic) dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  ca::BwdParams p{};
+  p.dout = dout.data_ptr();
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
+  p.dsum = dsum.data_ptr<float>();
+  p.do_stride = strides_of(dout);
+  p.q_stride = strides_of(q);
+  p.k_stride = strides_of(k);
+  p.v_stride = strides_of(v);
+  p.o_stride = strides_of(out);
+  p.dq_stride = strides_of(dq);
+  p.dk_stride = strides_of(dk);
+  p.dv_stride = strides_of(dv);
+  p.batch = s.batch;
+  p.heads_q = s.heads_q;
+  p.heads_kv = s.heads_kv;
+  p.seq_len = s.seq_len;
+  p.head_dim = s.head_dim;
+  p.scale = float(scale);
+  p.deterministic = deterministic;
+  p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
+  check_launch(op, ca::block_attention_bwd(p, s.dtype, stream));
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(jacobi_ext, CUDA, m) {
+  m.impl("block_attention_fwd", &block_attention_fwd_cuda);
+  m.impl("block_attention_bwd", &block_attention_bwd_cuda);
+}
+
+}  // namespace jacobi::ops

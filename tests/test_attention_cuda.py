@@ -1,0 +1,294 @@
+"""CUDA block-causal training attention (csrc/cuda/attention) against a float64 dense reference.
+
+The JF block table is built here from a small restatement of csrc/include/jacobi/block_table.h
+(JfLayout), and the dense mask straight from SPEC §4: no dependency on the Python layout code.
+Plan tests (permutation + tile classes via the CPU op jacobi_ext::debug_tile_plan, the same header
+the GPU runs) need no GPU; kernel tests are marked `gpu` and skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import jacobi_ext  # noqa: F401  (registers torch.ops.jacobi_ext)
+
+VARIANTS = ("noisy_context", "clean_context", "windowed")
+TILE = 64
+
+
+# ---- the JF layout, restated -------------------------------------------------------------------
+def token_kinds(P: int, n: int, T: int) -> tuple[list[str], list[int], list[int]]:
+    """Per token: kind, pair (-1 for the prompt), block id."""
+    kinds, pairs, blocks = ["prompt"] * P, [-1] * P, [0] * P
+    first = 1 if P > 0 else 0
+    for i in range(2 * T * n):
+        b = i // n
+        kinds.append("noisy" if b % 2 == 0 else "clean")
+        pairs.append(b // 2)
+        blocks.append(first + b)
+    return kinds, pairs, blocks
+
+
+def dense_mask(P: int, n: int, T: int, variant: str, window: int = 1) -> torch.Tensor:
+    """SPEC §4, token by token."""
+    kinds, pairs, blocks = token_kinds(P, n, T)
+    L = len(kinds)
+    m = torch.zeros(L, L, dtype=torch.bool)
+    for q in range(L):
+        for k in range(q + 1):
+            kq, kk = kinds[q], kinds[k]
+            if kq != "noisy" or variant == "noisy_context":
+                vis = kk == "prompt" or kk == kq
+            else:
+                j = pairs[q]
+                i0 = j if variant == "clean_context" else (j // window) * window
+                vis = (
+                    kk == "prompt"
+                    or (kk == "clean" and pairs[k] < i0)
+                    or (kk == "noisy" and i0 <= pairs[k] < j)
+                    or blocks[k] == blocks[q]
+                )
+            m[q, k] = vis
+    return m
+
+
+def jf_block_table(P: int, n: int, T: int, variant: str, window: int = 1):
+    """block_start, kv_ptr, kv_idx (int32) as JfLayout in block_table.h defines them."""
+    first = 1 if P > 0 else 0
+    nb = first + 2 * T
+
+    def kind(b):
+        r = b - first
+        return "prompt" if r < 0 else ("noisy" if r % 2 == 0 else "clean")
+
+    def pair(b):
+        r = b - first
+        return -1 if r < 0 else r // 2
+
+    def i0_of(j):
+        if variant == "noisy_context":
+            return 0
+        if variant == "clean_context":
+            return j
+        return (j // window) * window
+
+    def visible(qb, kb):
+        if kb >= qb:
+            return False
+        if kind(kb) == "prompt":
+            return True
+        if kind(qb) == "clean":
+            return kind(kb) == "clean"
+        i0 = i0_of(pair(qb))
+        return pair(kb) < i0 if kind(kb) == "clean" else pair(kb) >= i0
+
+    starts = [0] + ([P] if P > 0 else [])
+    for _ in range(2 * T):
+        starts.append(starts[-1] + n)
+    ptr, idx = [0], []
+    for qb in range(nb):
+        idx += [kb for kb in range(qb) if visible(qb, kb)]
+        ptr.append(len(idx))
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return as_t(starts), as_t(ptr), as_t(idx)
+
+
+def table_mask(starts, ptr, idx, S):
+    """Dense mask of an arbitrary block table (block_table.h's visible_token)."""
+    starts, ptr, idx = starts.tolist(), ptr.tolist(), idx.tolist()
+    blk = [-1] * S
+    for b in range(len(starts) - 1):
+        for t in range(starts[b], min(starts[b + 1], S)):
+            blk[t] = b
+    m = torch.zeros(S, S, dtype=torch.bool)
+    for q in range(S):
+        if blk[q] < 0:
+            continue
+        vis = set(idx[ptr[blk[q]] : ptr[blk[q] + 1]])
+        for k in range(S):
+            if blk[k] < 0:
+                continue
+            m[q, k] = (k <= q) if blk[k] == blk[q] else (blk[k] in vis)
+    return m
+
+
+CASES = [
+    (256, 32, 4, "noisy_context", 1),
+    (256, 32, 4, "clean_context", 1),
+    (256, 32, 6, "windowed", 2),
+    (0, 16, 5, "noisy_context", 1),
+    (37, 16, 3, "windowed", 2),  # nothing aligned to tiles
+    (100, 64, 2, "clean_context", 1),
+]
+
+
+# ---- the plan (CPU, no GPU needed) -------------------------------------------------------------
+def check_plan(starts, ptr, idx, S, mask):
+    perm, block_of, cls = torch.ops.jacobi_ext.debug_tile_plan(starts, ptr, idx, S)
+    assert sorted(perm.tolist()) == list(range(S)), "perm must be a permutation"
+    mp = mask[perm.long()][:, perm.long()]
+    nt = math.ceil(S / TILE)
+    assert tuple(cls.shape) == (nt, nt)
+    for i in range(nt):
+        for j in range(nt):
+            sub = mp[i * TILE : (i + 1) * TILE, j * TILE : (j + 1) * TILE]
+            overhang = (j + 1) * TILE > S
+            want = 0 if not sub.any() else (1 if sub.all() and not overhang else 2)
+            assert cls[i, j].item() == want, f"tile ({i}, {j}): got {cls[i, j].item()}, want {want}"
+    return perm, cls
+
+
+@pytest.mark.parametrize("P,n,T,variant,w", CASES)
+def test_plan_matches_dense_mask(P, n, T, variant, w):
+    starts, ptr, idx = jf_block_table(P, n, T, variant, w)
+    S = P + 2 * T * n
+    mask = dense_mask(P, n, T, variant, w)
+    assert torch.equal(table_mask(starts, ptr, idx, S), mask), "block table != SPEC §4"
+    check_plan(starts, ptr, idx, S, mask)
+
+
+def test_plan_stream_order_noisy_context():
+    P, n, T = 64, 32, 6
+    starts, ptr, idx = jf_block_table(P, n, T, "noisy_context")
+    perm, cls = check_plan(starts, ptr, idx, P + 2 * T * n, dense_mask(P, n, T, "noisy_context"))
+    kinds, _, _ = token_kinds(P, n, T)
+    order = [kinds[t] for t in perm.tolist()]
+    assert order == ["prompt"] * P + ["noisy"] * (T * n) + ["clean"] * (T * n)
+    # Aligned streams: only diagonal tiles (and the prompt's own) are partial.
+    assert int((cls == 2).sum()) == cls.shape[0]
+
+
+def test_plan_random_tables():
+    rng = random.Random(0)
+    for _ in range(20):
+        sizes = [rng.randint(1, 70) for _ in range(rng.randint(1, 9))]
+        starts = [0]
+        for s in sizes:
+            starts.append(starts[-1] + s)
+        S = starts[-1] + rng.choice([0, 0, 5])  # sometimes uncovered tail tokens
+        ptr, idx = [0], []
+        for qb in range(len(sizes)):
+            idx += [kb for kb in range(qb) if rng.random() < 0.5]
+            ptr.append(len(idx))
+        t = [torch.tensor(x, dtype=torch.int32) for x in (starts, ptr, idx)]
+        check_plan(*t, S, table_mask(*t, S))
+
+
+# ---- kernels (GPU) -----------------------------------------------------------------------------
+def reference(q, k, v, mask, scale):
+    g = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(g, 1)
+    vv = v.double().repeat_interleave(g, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ vv, lse
+
+
+def make_inputs(B, Hq, Hkv, S, D, dtype, device="cuda"):
+    q = torch.randn(B, Hq, S, D, device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, S, D, device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, S, D, device=device, dtype=dtype)
+    return q, k, v
+
+
+def poison_allocator():
+    """Fill free blocks of the caching allocator with NaN so an unwritten output shows."""
+    x = torch.full((64 << 20,), float("nan"), device="cuda")
+    del x
+
+
+GPU_CASES = [
+    (1, 4, 4, 64, torch.bfloat16, 256, 32, 3, "noisy_context", 1),
+    (2, 6, 2, 128, torch.float16, 37, 16, 4, "clean_context", 1),
+    (1, 9, 3, 64, torch.bfloat16, 100, 32, 5, "windowed", 2),
+    (1, 8, 1, 128, torch.bfloat16, 0, 64, 2, "noisy_context", 1),
+    (2, 4, 2, 64, torch.float16, 64, 16, 7, "windowed", 3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,Hq,Hkv,D,dtype,P,n,T,variant,w", GPU_CASES)
+def test_forward_backward(B, Hq, Hkv, D, dtype, P, n, T, variant, w):
+    S = P + 2 * T * n
+    starts, ptr, idx = (t.cuda() for t in jf_block_table(P, n, T, variant, w))
+    mask = dense_mask(P, n, T, variant, w).cuda()
+    q, k, v = make_inputs(B, Hq, Hkv, S, D, dtype)
+    scale = D**-0.5
+    poison_allocator()
+    out, lse = torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts, ptr, idx, scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, Hq, S)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference(qr, kr, vr, mask, scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-3)
+
+    dout = torch.randn_like(out)
+    ref.backward(dout.double())
+    for det in (False, True):
+        poison_allocator()
+        dq, dk, dv = torch.ops.jacobi_ext.block_attention_bwd(
+            dout, q, k, v, out, lse, starts, ptr, idx, scale, det
+        )
+        for got, want, name in ((dq, qr.grad, "dq"), (dk, kr.grad, "dk"), (dv, vr.grad, "dv")):
+            assert torch.isfinite(got).all(), name
+            torch.testing.assert_close(got.double(), want, atol=4 * tol, rtol=4 * tol, msg=name)
+
+
+@pytest.mark.gpu
+def test_deterministic_bit_identical():
+    P, n, T, D = 128, 32, 8, 64
+    S = P + 2 * T * n
+    starts, ptr, idx = (t.cuda() for t in jf_block_table(P, n, T, "noisy_context"))
+    q, k, v = make_inputs(1, 6, 2, S, D, torch.bfloat16)
+    out, lse = torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts, ptr, idx, D**-0.5)
+    dout = torch.randn_like(out)
+    runs = [
+        torch.ops.jacobi_ext.block_attention_bwd(
+            dout, q, k, v, out, lse, starts, ptr, idx, D**-0.5, True
+        )
+        for _ in range(3)
+    ]
+    for r in runs[1:]:
+        for a, b in zip(runs[0], r, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_strided_inputs():
+    """[B, S, H, D] storage viewed as [B, H, S, D] (what transformers passes) works in place."""
+    P, n, T, D = 64, 32, 3, 128
+    S = P + 2 * T * n
+    starts, ptr, idx = (t.cuda() for t in jf_block_table(P, n, T, "noisy_context"))
+    q = torch.randn(1, S, 4, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, S, 2, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn(1, S, 2, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    out, _ = torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts, ptr, idx, D**-0.5)
+    out2, _ = torch.ops.jacobi_ext.block_attention_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), starts, ptr, idx, D**-0.5
+    )
+    assert torch.equal(out, out2)
+
+
+@pytest.mark.gpu
+def test_argument_errors():
+    starts, ptr, idx = (t.cuda() for t in jf_block_table(0, 16, 2, "noisy_context"))
+    q, k, v = make_inputs(1, 2, 2, 64, 64, torch.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts, ptr, idx, 0.1)
+    q, k, v = make_inputs(1, 3, 2, 64, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple"):
+        torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts, ptr, idx, 0.1)
+    q, k, v = make_inputs(1, 2, 2, 64, 96, torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim"):
+        torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts, ptr, idx, 0.1)
+    q, k, v = make_inputs(1, 2, 2, 64, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="int32|Int"):
+        torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts.long(), ptr, idx, 0.1)
