@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = sorted(p.name for p in (ROOT / "bench").glob("bench_*.py"))
@@ -16,6 +17,8 @@ SUITES = sorted(p.name for p in (ROOT / "bench").glob("bench_*.py"))
 
 @pytest.mark.parametrize("suite", SUITES)
 def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
+    if "cuda" in suite and not torch.cuda.is_available():
+        pytest.skip("a CUDA-only suite (needs a GPU)")
     out = tmp_path / "bench.json"
     env = dict(os.environ, JACOBI_BENCH_QUICK="1", JACOBI_EXT_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(
