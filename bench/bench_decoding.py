@@ -103,3 +103,66 @@ def test_decoding(benchmark, bench_model, method):
     )
     if ref is not None and method != "hf-prompt-lookup":
         assert outs == ref, f"{method} diverged from greedy"
+
+
+# ---- block-size sweep (feeds the "tokens/s and TPF vs block size" figure) --------------------
+SWEEP = [("jacobi", n, 0) for n in (4, 8, 16, 32, 64)] + [
+    ("multiblock", n, p) for n in (4, 8, 16, 32, 64) for p in (0, 4)
+]
+
+
+@pytest.fixture(scope="module")
+def sweep_prompts(bench_model, quick):
+    import os
+
+    model, _, prompts, max_new = bench_model
+    k = 1 if quick else int(os.environ.get("JACOBI_BENCH_SWEEP_PROMPTS", "4"))
+    new = max_new if quick else int(os.environ.get("JACOBI_BENCH_SWEEP_NEW_TOKENS", "128"))
+    return prompts[:k], new
+
+
+@pytest.mark.parametrize("baseline", ["hf-greedy", "hf-prompt-lookup"])
+def test_sweep_reference(benchmark, bench_model, sweep_prompts, baseline):
+    """The horizontal reference lines of the sweep figure, on the sweep's prompts."""
+    model = bench_model[0]
+    prompts, new = sweep_prompts
+    box = {}
+    benchmark.pedantic(
+        lambda: box.update(v=_run(baseline, model, prompts, new)), rounds=1, iterations=1
+    )
+    outs, secs, _ = box["v"]
+    tokens = sum(len(o) for o in outs)
+    benchmark.extra_info.update(sweep=True, method=baseline, tokens_per_s=tokens / secs)
+
+
+@pytest.mark.parametrize("method,n,pool", SWEEP, ids=[f"{m}-n{n}-p{p}" for m, n, p in SWEEP])
+def test_sweep(benchmark, bench_model, sweep_prompts, method, n, pool):
+    model = bench_model[0]
+    prompts, new = sweep_prompts
+    box = {"tokens": 0, "forwards": 0, "seconds": 0.0}
+
+    def run():
+        for ids in prompts:
+            r = generate(
+                model,
+                ids,
+                max_new_tokens=new,
+                method=method,
+                block_size=n,
+                num_blocks=2,
+                pool_size=pool,
+            )
+            box["tokens"] += r.new_tokens
+            box["forwards"] += r.forwards
+            box["seconds"] += r.seconds + r.prefill_seconds
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    benchmark.extra_info.update(
+        sweep=True,
+        method=method,
+        block_size=n,
+        pool_size=pool,
+        num_blocks=2,
+        tokens_per_s=box["tokens"] / box["seconds"],
+        tpf=box["tokens"] / box["forwards"],
+    )

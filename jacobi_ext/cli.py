@@ -200,11 +200,40 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_demo)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from jacobi_ext.report import cmd_bench
+
+    return cmd_bench(args)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run the benchmark suites (pytest-benchmark) and render figures + a Markdown report",
+    )
+    p.add_argument("suites", nargs="*", help="decoding, verify, attention (default: all)")
+    p.add_argument("--out", default="bench-results", help="folder for JSON, PNGs and REPORT.md")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke run)")
+    p.add_argument("-k", default=None, help="pytest -k expression to pick benchmarks")
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="baseline pytest-benchmark JSON(s): flag regressions (>10%% slower)",
+    )
+    p.add_argument(
+        "--render-only", action="store_true", help="do not run; render the JSON already in --out"
+    )
+    p.set_defaults(handler=_cmd_bench)
+
+
 # Subcommand registrars, in the order `--help` lists them.
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_demo,
     _add_generate,
     _add_tune,
+    _add_bench,
     _add_info,
 ]
 

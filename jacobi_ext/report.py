@@ -1,0 +1,372 @@
+"""`jacobi-forcing bench`: run the pytest-benchmark suites in bench/, then render their JSON into
+three figures and one Markdown report (medians, ratios, the machine they ran on).
+
+Figures:
+  forward_latency.png   forward latency vs parallel tokens, knee marked (bench_verify.py)
+  decoding_sweep.png    tokens/s and TPF vs block size for jacobi and multiblock, pool sizes as
+                        lines, transformers greedy / prompt lookup as horizontal references
+                        (bench_decoding.py)
+  attention.png         training attention time vs sequence length, forward and
+                        forward+backward, per implementation (bench_attention.py)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+SUITES = ("decoding", "verify", "attention")
+
+
+def _machine() -> dict:
+    import torch
+
+    from jacobi_ext.decoding.tuning import _cpu_name
+
+    return {
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "torch threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+    }
+
+
+def run_suites(suites, out_dir: Path, quick: bool = False, extra_args=()) -> list[Path]:
+    """Run bench/bench_<suite>.py for each suite; one JSON per suite in out_dir."""
+    root = Path(__file__).resolve().parent.parent / "bench"
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"{root} not found: `jacobi-forcing bench` runs from a source checkout (the bench/ "
+            "suites are not installed with the wheel)"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    env = dict(os.environ)
+    if quick:
+        env["JACOBI_BENCH_QUICK"] = "1"
+    for suite in suites:
+        path = out_dir / f"{suite}.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(root / f"bench_{suite}.py"),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "python_files=bench_*.py",
+            f"--benchmark-json={path}",
+            "--benchmark-columns=median,rounds",
+            *extra_args,
+        ]
+        print("$", " ".join(cmd), flush=True)
+        rc = subprocess.call(cmd, env=env, cwd=out_dir)
+        if rc not in (0, 5):  # 5: nothing collected (e.g. a GPU-only suite on a CPU machine)
+            raise RuntimeError(f"benchmark suite {suite} failed (exit {rc})")
+        if path.is_file():
+            paths.append(path)
+    return paths
+
+
+def load(paths) -> list[dict]:
+    benches = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        for b in data.get("benchmarks", []):
+            b["_file"] = str(p)
+            benches.append(b)
+    return benches
+
+
+def _median(b: dict) -> float:
+    return float(b["stats"]["median"])
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def figure_forward_latency(benches, path: Path) -> Path | None:
+    pts = sorted(
+        (b["extra_info"]["tokens"], _median(b))
+        for b in benches
+        if b["name"].startswith("test_forward_latency_vs_tokens")
+    )
+    if not pts:
+        return None
+    from jacobi_ext.decoding.tuning import StepCurve
+
+    curve = StepCurve([q for q, _ in pts], [s for _, s in pts], 256, "", "", 0, "")
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(curve.sizes, [1e3 * s for s in curve.seconds], "o-", label="one forward")
+    ax.axvline(curve.knee(), color="gray", ls="--", label=f"knee: {curve.knee()} tokens")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("parallel tokens per forward")
+    ax.set_ylabel("latency (ms, median)")
+    ax.set_title("forward latency vs parallel tokens (cache of 256)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def figure_sweep(benches, path: Path) -> Path | None:
+    sweep = [b for b in benches if b["name"].startswith("test_sweep[")]
+    refs = [b for b in benches if b["name"].startswith("test_sweep_reference")]
+    if not sweep:
+        return None
+    lines = defaultdict(list)
+    for b in sweep:
+        e = b["extra_info"]
+        label = e["method"] + (f", pool {e['pool_size']}" if e["method"] == "multiblock" else "")
+        lines[label].append((e["block_size"], e["tokens_per_s"], e["tpf"]))
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, pts in sorted(lines.items()):
+        pts.sort()
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+    for b, style in zip(refs, ("k--", "k:"), strict=False):
+        e = b["extra_info"]
+        a1.axhline(e["tokens_per_s"], color="k", ls=style[1:], label=e["method"])
+    a2.axhline(1.0, color="k", ls="--", label="greedy (1 token/forward)")
+    for ax, yl in ((a1, "tokens / s"), (a2, "tokens per forward")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size n")
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("decoding vs block size (same prompts for every line)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _attention_rows(benches):
+    rows = []
+    for b in benches:
+        e = b.get("extra_info", {})
+        if "seq_len" in e and ("impl" in e or "kernel" in e) and "pass" in e:
+            rows.append(
+                dict(
+                    impl=e.get("impl", e.get("kernel")),
+                    seq_len=e["seq_len"],
+                    passes=e["pass"],
+                    dtype=e.get("dtype", ""),
+                    variant=e.get("variant", ""),
+                    median=_median(b),
+                    gflops=e.get("gflops"),
+                    peak_mb=e.get("peak_mb"),
+                )
+            )
+    return rows
+
+
+def figure_attention(benches, path: Path, dtype="float32", variant="noisy_context") -> Path | None:
+    rows = [
+        r
+        for r in _attention_rows(benches)
+        if r["dtype"] in (dtype, "fp32" if dtype == "float32" else dtype)
+        and r["variant"] == variant
+    ]
+    if not rows:
+        return None
+    plt = _plt()
+    passes = sorted({r["passes"] for r in rows})
+    fig, axes = plt.subplots(1, len(passes), figsize=(5 * len(passes), 4), squeeze=False)
+    for ax, ps in zip(axes[0], passes, strict=True):
+        by = defaultdict(list)
+        for r in rows:
+            if r["passes"] == ps:
+                by[r["impl"]].append((r["seq_len"], 1e3 * r["median"]))
+        for impl, pts in sorted(by.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length S")
+        ax.set_ylabel("time (ms, median)")
+        ax.set_title(f"{ps}, {variant}, {dtype}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _fmt(x, spec=".1f"):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, spec)
+
+
+def markdown(benches, machine: dict, figures: dict, compare: dict | None = None) -> str:
+    out = ["# jacobi_ext benchmark report", ""]
+    out += ["| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in machine.items()]
+    dec = [b for b in benches if b["name"].startswith("test_decoding[")]
+    if dec:
+        e0 = dec[0]["extra_info"]
+        out += [
+            "",
+            f"## Decoding ({e0['prompts']} prompts, up to {e0['max_new_tokens']} new "
+            "tokens, greedy, batch 1)",
+            "",
+            "| method | tokens/s | TPF | speedup vs transformers greedy | identical to greedy |",
+            "|---|---|---|---|---|",
+        ]
+        for b in dec:
+            e = b["extra_info"]
+            ident = e.get("identical_to_greedy")
+            out.append(
+                f"| {e['method']} | {_fmt(e['tokens_per_s'])} | {_fmt(e.get('tpf'), '.2f')}"
+                f" | {_fmt(e.get('speedup_vs_hf_greedy'), '.2f')}x | "
+                f"{'-' if ident is None else ('yes' if ident else 'NO')} |"
+            )
+    ver = [b for b in benches if b["name"] == "test_verify_step_cpu_latency"]
+    loop = [b for b in benches if b["name"] == "test_decoding_loop_overhead"]
+    if ver or loop:
+        out += ["", "## Decoding loop", ""]
+        if ver:
+            out.append(
+                f"- verify_step (n=64, K=2, pool 4): **{1e6 * _median(ver[0]):.1f} us** "
+                "median per call (target <= 20 us)"
+            )
+        if loop:
+            e = loop[0]["extra_info"]
+            out.append(
+                f"- host loop outside the model forward: **{100 * e['loop_share']:.1f}%** "
+                f"of step time ({e['per_step_overhead_ms']:.2f} ms per step; target <= 5%)"
+            )
+    fwd = sorted(
+        (b["extra_info"]["tokens"], _median(b))
+        for b in benches
+        if b["name"].startswith("test_forward_latency_vs_tokens")
+    )
+    if fwd:
+        out += [
+            "",
+            "## Forward latency vs parallel tokens",
+            "",
+            "| tokens | " + " | ".join(str(q) for q, _ in fwd) + " |",
+            "|---|" + "---|" * len(fwd),
+            "| ms | " + " | ".join(f"{1e3 * s:.1f}" for _, s in fwd) + " |",
+            "| x one token | " + " | ".join(f"{s / fwd[0][1]:.2f}" for _, s in fwd) + " |",
+        ]
+    sweep = [b for b in benches if b["name"].startswith("test_sweep[")]
+    if sweep:
+        out += [
+            "",
+            "## Decoding vs block size",
+            "",
+            "| method | n | pool | tokens/s | TPF |",
+            "|---|---|---|---|---|",
+        ]
+        for b in sorted(
+            sweep,
+            key=lambda b: (
+                b["extra_info"]["method"],
+                b["extra_info"]["pool_size"],
+                b["extra_info"]["block_size"],
+            ),
+        ):
+            e = b["extra_info"]
+            out.append(
+                f"| {e['method']} | {e['block_size']} | {e['pool_size']} | "
+                f"{_fmt(e['tokens_per_s'])} | {_fmt(e['tpf'], '.2f')} |"
+            )
+    att = _attention_rows(benches)
+    if att:
+        out += [
+            "",
+            "## Training attention",
+            "",
+            "| impl | variant | dtype | S | pass | ms | GFLOP/s (useful) | peak MB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted(
+            att, key=lambda r: (r["variant"], r["dtype"], r["passes"], r["seq_len"], r["impl"])
+        ):
+            out.append(
+                f"| {r['impl']} | {r['variant']} | {r['dtype']} | {r['seq_len']} | "
+                f"{r['passes']} | {1e3 * r['median']:.1f} | {_fmt(r['gflops'])} | "
+                f"{_fmt(r['peak_mb'])} |"
+            )
+    if figures:
+        out += ["", "## Figures", ""] + [f"![{k}]({v.name})" for k, v in figures.items()]
+    if compare:
+        out += [
+            "",
+            "## Against the baseline",
+            "",
+            "| benchmark | baseline ms | now ms | ratio | |",
+            "|---|---|---|---|---|",
+        ]
+        for name, (old, new) in sorted(compare.items()):
+            ratio = new / old
+            flag = "REGRESSION" if ratio > 1.10 else ("faster" if ratio < 0.90 else "")
+            out.append(f"| {name} | {1e3 * old:.2f} | {1e3 * new:.2f} | {ratio:.2f} | {flag} |")
+    return "\n".join(out) + "\n"
+
+
+def compare_runs(benches, baseline_paths) -> dict:
+    base = {b["fullname"]: _median(b) for b in load(baseline_paths)}
+    return {
+        b["fullname"]: (base[b["fullname"]], _median(b)) for b in benches if b["fullname"] in base
+    }
+
+
+def render(paths, out_dir: Path, baseline=None) -> Path:
+    benches = load(paths)
+    figures = {}
+    for name, fn in (
+        ("forward latency", figure_forward_latency),
+        ("decoding sweep", figure_sweep),
+        ("attention", figure_attention),
+    ):
+        fname = name.replace(" ", "_") + ".png"
+        p = fn(benches, out_dir / fname)
+        if p is not None:
+            figures[name] = p
+    cmp = compare_runs(benches, baseline) if baseline else None
+    report = out_dir / "REPORT.md"
+    report.write_text(markdown(benches, _machine(), figures, cmp))
+    return report
+
+
+def cmd_bench(args) -> int:
+    out_dir = Path(args.out)
+    if args.render_only:
+        paths = sorted(out_dir.glob("*.json"))
+        if not paths:
+            raise FileNotFoundError(f"no benchmark JSON in {out_dir} to render")
+    else:
+        suites = args.suites or list(SUITES)
+        unknown = set(suites) - set(SUITES) - {"attention_cuda"}
+        if unknown:
+            raise ValueError(f"unknown suite(s) {sorted(unknown)}; choose from {SUITES}")
+        paths = run_suites(
+            suites, out_dir, quick=args.quick, extra_args=["-k", args.k] if args.k else []
+        )
+    report = render(paths, out_dir, baseline=args.compare)
+    print(f"report: {report}")
+    print(report.read_text())
+    return 0
