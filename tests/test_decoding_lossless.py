@@ -146,3 +146,25 @@ def test_bad_prompts(models) -> None:
         generate(model, torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="vocabulary"):
         generate(model, torch.tensor([[VOCAB + 3]]))
+
+
+def test_trajectory_states_end_at_greedy_fixed_points(models) -> None:
+    from jacobi_ext.decoding.engine import TrajectoryRecorder
+
+    model = models[("llama", 1)]
+    ids = torch.randint(0, VOCAB, (1, 8))
+    n = 6
+    rec = TrajectoryRecorder()
+    res = generate(model, ids, max_new_tokens=4 * n, method="jacobi", block_size=n, trajectory=rec)
+    assert len(rec.blocks) == 4
+    fixed = [b[-1] for b in rec.blocks]
+    assert sum(fixed, []) == res.tokens[0].tolist()  # the last states are greedy's tokens
+    for b in rec.blocks:
+        assert all(len(s) == n for s in b)
+        assert len({id(s) for s in b}) == len(b)  # every state its own list (no aliasing)
+        # the converged prefix never shrinks from one iteration to the next
+        d = [next((i for i in range(n) if s[i] != b[-1][i]), n) for s in b]
+        assert d == sorted(d) and d[-1] == n
+    assert sum(len(b) for b in rec.blocks) - len(rec.blocks) <= res.forwards
+    with pytest.raises(ValueError, match="trajectory"):
+        generate(model, ids, method="multiblock", block_size=4, trajectory=TrajectoryRecorder())

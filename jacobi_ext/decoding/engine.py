@@ -168,6 +168,31 @@ def _decode_ar(model, prompt: torch.Tensor, max_new: int, eos: set[int], streams
     return out, forwards, t2 - t1, t1 - t0, [1] * forwards, 0.0, 0
 
 
+class TrajectoryRecorder:
+    """Records plain Jacobi's trajectory (SPEC §2): for every n-token block, every iteration's
+    full state (the block's committed prefix ++ the current draft), each a fresh list, ending with
+    the fixed point (greedy's tokens). A block cut short by EOS or the token cap ends with its
+    shorter committed tokens; the caller pads it."""
+
+    def __init__(self) -> None:
+        self.blocks: list[list[list[int]]] = []
+        self._prefix: list[int] = []
+        self._states: list[list[int]] = []
+
+    def before_forward(self, draft: list[int]) -> None:
+        self._states.append(self._prefix + draft)
+
+    def after_commit(self, committed: list[int], draft_len: int, stop: bool) -> None:
+        if len(committed) >= draft_len or stop:
+            final = self._prefix + committed
+            if self._states[-1] != final:
+                self._states.append(final)
+            self.blocks.append(self._states)
+            self._prefix, self._states = [], []
+        else:
+            self._prefix = self._prefix + committed
+
+
 class _Controller:
     """Falls back to greedy AR when parallel steps commit fewer tokens per second than AR would
     (its step time t(1) comes from the measured curve). Judged on a sliding window of steps."""
@@ -219,6 +244,7 @@ def _decode_parallel(
     generator: torch.Generator,
     streams: _Streams,
     controller: _Controller,
+    recorder: TrajectoryRecorder | None = None,
 ):
     dev = prompt.device
     P = prompt.numel()
@@ -271,6 +297,8 @@ def _decode_parallel(
             [torch.arange(L, L + main_len, device=dev)] + [torch.arange(L, L + m, device=dev)] * C
         )
         mask = _tree_mask(model, L, main_len, m, C, dev, dtype) if C else None
+        if recorder is not None:
+            recorder.before_forward(main[:main_len].tolist())
         logits = model(
             input_ids=ids[None],
             position_ids=pos[None],
@@ -325,7 +353,10 @@ def _decode_parallel(
         streams.put(committed)
         te = time.perf_counter()
         verify_s += te - tv
-        if finished or len(out) >= max_new:
+        stop = bool(finished) or len(out) >= max_new
+        if recorder is not None:
+            recorder.after_commit(committed, main_len, stop)
+        if stop:
             break
         controller.observe(a, te - ts)
         ts = te
@@ -357,6 +388,7 @@ def generate(
     streamer=None,
     seed: int = 0,
     pad_token_id: int | None = None,
+    trajectory: TrajectoryRecorder | None = None,
 ) -> GenerateResult:
     """Generate greedily with `method` ("ar" | "jacobi" | "multiblock"); the tokens equal
     greedy autoregressive decoding's for every method.
@@ -367,6 +399,8 @@ def generate(
     `activation_ratio` of its tokens) and verifies up to `pool_size` recycled candidates per
     step. Generation stops at EOS (`eos_token_id`, default: the model's generation config) or
     after `max_new_tokens`. A batch is decoded one sequence at a time (correct, not batched).
+    `trajectory` (method "jacobi" with a fixed block_size, batch 1) records every iteration's
+    block states for distillation (python_training).
     """
     _check_args(
         model,
@@ -378,6 +412,13 @@ def generate(
         pool_size,
         activation_ratio,
     )
+    if trajectory is not None and (
+        method != "jacobi" or block_size is None or input_ids.shape[0] != 1
+    ):
+        raise ValueError(
+            "recording a trajectory needs method='jacobi', a fixed block_size and "
+            "a batch of one prompt"
+        )
     eos = _eos_ids(model, eos_token_id)
     limit = _max_positions(model)
     if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
@@ -414,7 +455,18 @@ def generate(
         else:
             ctl = _Controller(ar_step_seconds)
             res = _decode_parallel(
-                model, prompt, max_new_tokens, eos, n, K, p, activation_ratio, gen, streams, ctl
+                model,
+                prompt,
+                max_new_tokens,
+                eos,
+                n,
+                K,
+                p,
+                activation_ratio,
+                gen,
+                streams,
+                ctl,
+                trajectory,
             )
             if ar_step_seconds is not None and ctl.acc:
                 from .tuning import estimate_rho, remember_acceptance
