@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_step_curve(curve, path: str | Path) -> Path:
+def plot_step_curve(curve, path: str | Path, title: str | None = None) -> Path:
     """Forward latency vs parallel tokens (log x), with the knee marked."""
     import matplotlib
 
@@ -22,10 +22,9 @@ def plot_step_curve(curve, path: str | Path) -> Path:
     ax.set_ylabel("latency (ms)")
     knee = curve.knee()
     ax.axvline(knee, color="gray", ls="--", label=f"knee: {knee} tokens")
-    ax.set_title(
-        f"{curve.hardware}\n{curve.dtype}, {curve.threads} threads, cache {curve.context}",
-        fontsize=9,
-    )
+    if title is None:
+        title = f"{curve.hardware}\n{curve.dtype}, {curve.threads} threads, cache {curve.context}"
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -109,22 +109,10 @@ def figure_forward_latency(benches, path: Path) -> Path | None:
     if not pts:
         return None
     from jacobi_ext.decoding.tuning import StepCurve
+    from jacobi_ext.plots import plot_step_curve
 
     curve = StepCurve([q for q, _ in pts], [s for _, s in pts], 256, "", "", 0, "")
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(curve.sizes, [1e3 * s for s in curve.seconds], "o-", label="one forward")
-    ax.axvline(curve.knee(), color="gray", ls="--", label=f"knee: {curve.knee()} tokens")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("parallel tokens per forward")
-    ax.set_ylabel("latency (ms, median)")
-    ax.set_title("forward latency vs parallel tokens (cache of 256)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return plot_step_curve(curve, path, title="forward latency vs parallel tokens (cache of 256)")
 
 
 def figure_sweep(benches, path: Path) -> Path | None:
