@@ -168,3 +168,21 @@ def test_trajectory_states_end_at_greedy_fixed_points(models) -> None:
     assert sum(len(b) for b in rec.blocks) - len(rec.blocks) <= res.forwards
     with pytest.raises(ValueError, match="trajectory"):
         generate(model, ids, method="multiblock", block_size=4, trajectory=TrajectoryRecorder())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(4))
+def test_all_methods_equal_greedy_on_cuda(case: int) -> None:
+    """The same contract on a GPU: the verify step runs as the CUDA op, the cache on device."""
+    rng = random.Random(100 + case)
+    model = tiny_llama(vocab_size=VOCAB, seed=case, dtype=torch.float64).cuda()
+    ids = torch.tensor([[rng.randrange(VOCAB) for _ in range(rng.randint(1, 16))]]).cuda()
+    max_new = rng.randint(20, 80)
+    want = _hf_greedy(model, ids, max_new, None)
+    for kw in (
+        dict(method="ar"),
+        dict(method="jacobi", block_size=8),
+        dict(method="multiblock", block_size=6, num_blocks=3, pool_size=4),
+    ):
+        res = generate(model, ids, max_new_tokens=max_new, **kw)
+        assert res.tokens[0].tolist() == want, kw
