@@ -8,8 +8,20 @@ Public API (filled in by the layers below; see README):
 
 from ._native import BUILT_WITH_TORCH, CPU_ISA, WITH_CUDA
 from ._version import __version__
+from .attention import block_attention, jacobi_attention
+from .layout import BlockTable, JacobiLayout
 
-__all__ = ["__version__", "BUILT_WITH_TORCH", "CPU_ISA", "WITH_CUDA", "build_info"]
+__all__ = [
+    "__version__",
+    "BUILT_WITH_TORCH",
+    "CPU_ISA",
+    "WITH_CUDA",
+    "build_info",
+    "BlockTable",
+    "JacobiLayout",
+    "block_attention",
+    "jacobi_attention",
+]
 
 
 def build_info() -> dict[str, object]:
