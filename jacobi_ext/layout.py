@@ -37,14 +37,17 @@ class BlockTable:
     block_start: torch.Tensor
     kv_ptr: torch.Tensor
     kv_idx: torch.Tensor
+    # Read once from block_start[-1] at construction, so that using a table inside a
+    # torch.compile'd function needs no data-dependent read of its tensors.
+    seq_len: int = field(default=-1, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 0:
+            object.__setattr__(self, "seq_len", int(self.block_start[-1]))
 
     @property
     def num_blocks(self) -> int:
         return self.block_start.numel() - 1
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.block_start[-1])
 
     @property
     def device(self) -> torch.device:
@@ -54,7 +57,7 @@ class BlockTable:
         device = torch.device(device)
         if device == self.device:
             return self
-        return BlockTable(*(t.to(device) for t in self.tensors()))
+        return BlockTable(*(t.to(device) for t in self.tensors()), seq_len=self.seq_len)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.block_start, self.kv_ptr, self.kv_idx

@@ -3,7 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
+#include <ATen/ops/fill.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -123,6 +123,20 @@ std::pair<int, int> tile_sizes() {
   return {bq, bk};
 }
 
+// Test hook: with JACOBI_EXT_ATTN_POISON=1 every output and workspace is filled with NaN before
+// the kernel runs, so a test can prove that each output element is written and that no unwritten
+// workspace element is read (torch.empty alone would hide both).
+bool poison_requested() {
+  const char* env = std::getenv("JACOBI_EXT_ATTN_POISON");
+  return env != nullptr && env[0] == '1';
+}
+
+void poison(std::initializer_list<at::Tensor*> ts) {
+  if (!poison_requested()) return;
+  for (at::Tensor* t : ts)
+    if (t->defined()) t->fill_(std::numeric_limits<double>::quiet_NaN());
+}
+
 std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                            const at::Tensor& v,
                                                            const at::Tensor& block_start,
@@ -140,6 +154,7 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, 
   at::Tensor kt = at::empty({d.B, d.Hkv, d.D, d.S}, f32);
   at::Tensor vf;
   if (sh.dtype != cpu::DType::f32) vf = at::empty({d.B, d.Hkv, d.S, d.D}, f32);
+  poison({&out, &lse, &kt, &vf});
   const cpu::AttnFwdArgs args{sh.dtype,
                               d,
                               static_cast<float>(scale),
@@ -205,6 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cpu(
   if (sh.dtype != cpu::DType::f32) kf = at::empty({d.B, d.Hkv, d.S, d.D}, f32);
   if (sh.dtype != cpu::DType::f32 || chunks > 1)
     dq_acc = at::empty({chunks, d.B, d.Hq, d.S, d.D}, f32);
+  poison({&dq, &dk, &dv, &delta, &kt, &vt, &kf, &dq_acc});
   const cpu::AttnBwdArgs args{sh.dtype,
                               d,
                               static_cast<float>(scale),
