@@ -1,12 +1,12 @@
 // Block-causal flash attention on the CPU: forward (online softmax, saves the log-sum-exp) and
 // backward (recomputes P from the lse). Compiled once per vector ISA (see csrc/cpu/isa.h).
 //
-// Every tile product is an fp32 row-major A * B through at::native::cpublas::brgemm; K^T (and
-// V^T) are laid out once per head so no product needs a transposed operand, and bf16/fp16
-// inputs are widened to fp32 on load (fp32 accumulation; outputs rounded once). Softmax and the
-// elementwise backward are at::vec::Vectorized loops. Memory beyond the outputs: the fp32 K^T /
-// V^T copies, per-thread tile buffers, the fp32 lse/delta rows and, in the backward, fp32 dQ
-// accumulators (one per key-tile chunk; see AttnBwdArgs).
+// Every tile product is an fp32 row-major A * B through at::native::cpublas::brgemm; operands
+// are laid out once per call (K^T, and in the backward group-interleaved Q / dO and their
+// transposes) so that no product needs a transposed operand, and bf16/fp16 inputs are widened to
+// fp32 there (fp32 accumulation; outputs rounded once). Softmax and the elementwise backward are
+// at::vec::Vectorized loops. Memory beyond the outputs is O(B * H * S * D): those layouts, the
+// fp32 dQ^T accumulators (one per key-tile chunk) and per-thread tile buffers.
 #include "cpu/attention_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -101,27 +101,11 @@ inline float exp_sub_sum(float* x, int64_t n, float sub) {
   return s;
 }
 
-inline void exp_sub(float* x, int64_t n, float sub) {
-  int64_t i = 0;
-  const Vec vs(sub);
-  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(x + i) - vs).exp_u20().store(x + i);
-  for (; i < n; ++i) x[i] = std::exp(x[i] - sub);
-}
-
 inline void scale_row(float* x, int64_t n, float a) {
   int64_t i = 0;
   const Vec va(a);
   for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(x + i) * va).store(x + i);
   for (; i < n; ++i) x[i] *= a;
-}
-
-// ds = p * (dp - delta), written over dp.
-inline void ds_row(const float* p, float* dp, int64_t n, float delta) {
-  int64_t i = 0;
-  const Vec vd(delta);
-  for (; i + Vec::size() <= n; i += Vec::size())
-    (Vec::loadu(p + i) * (Vec::loadu(dp + i) - vd)).store(dp + i);
-  for (; i < n; ++i) dp[i] = p[i] * (dp[i] - delta);
 }
 
 inline float dot_row(const float* a, const float* b, int64_t n) {
@@ -195,34 +179,46 @@ int max_tile(const std::vector<int32_t>& st) {
 // Rows [r0, r0 + M) of one head as fp32 times `mult`, into dst [M x D]. The copy makes every
 // GEMM operand fp32 (bf16/fp16 inputs are widened once per tile) and folds the softmax scale in.
 template <typename T>
-inline void load_rows(const T* src, int64_t lds, int64_t M, int64_t D, float mult, float* dst) {
+inline void load_rows(const T* src, int64_t lds, int64_t M, int64_t D, float mult, float* dst,
+                      int64_t ldd) {
   for (int64_t i = 0; i < M; ++i) {
-    load_float(src + i * lds, dst + i * D, D);
-    if (mult != 1.f) scale_row(dst + i * D, D, mult);
+    load_float(src + i * lds, dst + i * ldd, D);
+    if (mult != 1.f) scale_row(dst + i * ldd, D, mult);
   }
 }
 
-// K^T (and V^T / widened K or V) of every (batch, kv head) in fp32, so that all tile products
-// are plain row-major A * B. O(S * D) per head, computed once per call.
-template <typename T>
-void prepare_kv(const AttnDims& d, const T* x, Strides4 sx, float* xt, float* xf) {
-  const int64_t S = d.S, D = d.D;
+// Runs f(b, h, r0, r1) over (batch, head, 64-token chunk) in parallel: the O(S * D) layout passes.
+template <typename F>
+void for_row_chunks(int64_t B, int64_t H, int64_t S, F&& f) {
   constexpr int64_t kRows = 64;
   const int64_t chunks = (S + kRows - 1) / kRows;
-  at::parallel_for(0, d.B * d.Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t c = it % chunks, bh = it / chunks, h = bh % d.Hkv, b = bh / d.Hkv;
-      const int64_t r0 = c * kRows, r1 = std::min(S, r0 + kRows);
-      const T* src = x + b * sx.b + h * sx.h + r0 * sx.s;
-      if (xt != nullptr) transpose(src, sx.s, r1 - r0, D, xt + bh * D * S + r0, S);
-      if (xf != nullptr)
-        for (int64_t r = r0; r < r1; ++r)
-          load_float(src + (r - r0) * sx.s, xf + (bh * S + r) * D, D);
+      const int64_t c = it % chunks, bh = it / chunks;
+      f(bh / H, bh % H, c * kRows, std::min(S, (c + 1) * kRows));
     }
   });
 }
 
+// K^T [B, Hkv, D, S] (and optionally K widened to fp32 rows [B, Hkv, S, D]).
+template <typename T>
+void prepare_kv(const AttnDims& d, const T* x, Strides4 sx, float* xt, float* xf) {
+  const int64_t S = d.S, D = d.D;
+  for_row_chunks(d.B, d.Hkv, S, [&](int64_t b, int64_t h, int64_t r0, int64_t r1) {
+    const int64_t bh = b * d.Hkv + h;
+    const T* src = x + b * sx.b + h * sx.h + r0 * sx.s;
+    if (xt != nullptr) transpose(src, sx.s, r1 - r0, D, xt + bh * D * S + r0, S);
+    if (xf != nullptr)
+      for (int64_t r = r0; r < r1; ++r) load_float(src + (r - r0) * sx.s, xf + (bh * S + r) * D, D);
+  });
+}
+
 // ---- forward --------------------------------------------------------------------------------
+//
+// Work item = (batch, kv head, query tile), with the G = Hq / Hkv query heads of the group
+// stacked into one [G*M x D] operand: every tile product is a single GEMM with G times the rows,
+// and K^T / V tiles are read once per group. fp32 workspace: K^T [B, Hkv, D, S], then (bf16 /
+// fp16 inputs only) V [B, Hkv, S, D].
 
 struct FwdBuf {
   std::vector<float> q, s, acc, m, l;
@@ -237,55 +233,56 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
   const T* q = static_cast<const T*>(a.q);
   const T* v = static_cast<const T*>(a.v);
   T* out = static_cast<T*>(a.out);
-  prepare_kv<T>(d, static_cast<const T*>(a.k), a.sk, a.kt, nullptr);
-  if (a.vf != nullptr) prepare_kv<T>(d, v, a.sv, nullptr, a.vf);
+  float* ws_kt = a.workspace;
+  float* ws_v = std::is_same_v<T, float> ? nullptr : ws_kt + d.B * d.Hkv * D * S;
+  prepare_kv<T>(d, static_cast<const T*>(a.k), a.sk, ws_kt, nullptr);
+  if (ws_v != nullptr) prepare_kv<T>(d, v, a.sv, nullptr, ws_v);
 
-  // item = (b * Hq + h) * nq + qt
-  std::vector<int64_t> cost(d.B * d.Hq * nq);
-  for (int64_t bh = 0; bh < d.B * d.Hq; ++bh)
+  std::vector<int64_t> cost(d.B * d.Hkv * nq);
+  for (int64_t bh = 0; bh < d.B * d.Hkv; ++bh)
     for (int qt = 0; qt < nq; ++qt) cost[bh * nq + qt] = plan.q_cost[qt];
   const auto order = order_by_cost(cost);
 
+  const int64_t gbq = G * bq;
   auto make_buf = [&] {
     FwdBuf b;
-    b.q.resize(static_cast<size_t>(bq) * D);
-    b.s.resize(static_cast<size_t>(bq) * bk);
-    b.acc.resize(static_cast<size_t>(bq) * D);
-    b.m.resize(bq);
-    b.l.resize(bq);
+    b.q.resize(gbq * D);
+    b.s.resize(gbq * bk);
+    b.acc.resize(gbq * D);
+    b.m.resize(gbq);
+    b.l.resize(gbq);
     return b;
   };
   run_items<FwdBuf>(order, make_buf, [&](int64_t item, FwdBuf& buf) {
     const int qt = static_cast<int>(item % nq);
-    const int64_t h = (item / nq) % d.Hq, b = item / nq / d.Hq, bhk = b * d.Hkv + h / G;
+    const int64_t bhk = item / nq, b = bhk / d.Hkv, hk = bhk % d.Hkv;
     const int32_t r0 = plan.q_start[qt], r1 = plan.q_start[qt + 1];
-    const int M = r1 - r0;
-    float* qs = buf.q.data();
-    load_rows(q + b * a.sq.b + h * a.sq.h + r0 * a.sq.s, a.sq.s, M, D, a.scale, qs);
-    const float* kt = a.kt + bhk * D * S;
-    const float* vrows;
-    int64_t ldv;
-    if (a.vf != nullptr) {
-      vrows = a.vf + bhk * S * D;
-      ldv = D;
-    } else {
-      vrows = reinterpret_cast<const float*>(v) + b * a.sv.b + (h / G) * a.sv.h;
-      ldv = a.sv.s;
-    }
+    const int64_t M = r1 - r0, GM = G * M;
+    float* qs = buf.q.data();  // row g * M + i: head hk * G + g, token r0 + i
+    for (int64_t g = 0; g < G; ++g)
+      load_rows(q + b * a.sq.b + (hk * G + g) * a.sq.h + r0 * a.sq.s, a.sq.s, M, D, a.scale,
+                qs + g * M * D, D);
+    const float* kt = ws_kt + bhk * D * S;
+    const float* vrows = ws_v != nullptr
+                             ? ws_v + bhk * S * D
+                             : reinterpret_cast<const float*>(v) + b * a.sv.b + hk * a.sv.h;
+    const int64_t ldv = ws_v != nullptr ? D : a.sv.s;
     float* s = buf.s.data();
     float* acc = buf.acc.data();
-    std::fill(acc, acc + static_cast<size_t>(M) * D, 0.f);
-    std::fill(buf.m.begin(), buf.m.begin() + M, kNegInf);
-    std::fill(buf.l.begin(), buf.l.begin() + M, 0.f);
+    std::fill_n(acc, GM * D, 0.f);
+    std::fill_n(buf.m.begin(), GM, kNegInf);
+    std::fill_n(buf.l.begin(), GM, 0.f);
 
     for (int e = plan.fwd_ptr[qt]; e < plan.fwd_ptr[qt + 1]; ++e) {
       const int ktile = plan.fwd_kt[e];
       const int32_t c0 = plan.k_start[ktile];
       const int N = plan.k_start[ktile + 1] - c0;
-      mm(M, N, D, qs, D, kt + c0, S, s, bk, false);  // scale * Q K^T
-      if (plan.fwd_partial[e]) apply_mask(s, bk, r0, M, c0, N, plan.token_block.data(), table);
-      for (int i = 0; i < M; ++i) {
-        float* row = s + static_cast<int64_t>(i) * bk;
+      mm(GM, N, D, qs, D, kt + c0, S, s, bk, false);  // scale * Q K^T
+      if (plan.fwd_partial[e])
+        for (int64_t g = 0; g < G; ++g)
+          apply_mask(s + g * M * bk, bk, r0, M, c0, N, plan.token_block.data(), table);
+      for (int64_t i = 0; i < GM; ++i) {
+        float* row = s + i * bk;
         const float m_old = buf.m[i];
         const float m_new = std::max(m_old, row_max(row, N));
         if (m_new == kNegInf) {  // nothing visible to this row yet
@@ -295,62 +292,140 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
         const float sum = exp_sub_sum(row, N, m_new);
         const float corr = std::exp(m_old - m_new);  // 0 when m_old = -inf
         buf.l[i] = buf.l[i] * corr + sum;
-        if (corr != 1.f) scale_row(acc + static_cast<int64_t>(i) * D, D, corr);
+        if (corr != 1.f) scale_row(acc + i * D, D, corr);
         buf.m[i] = m_new;
       }
-      mm(M, D, N, s, bk, vrows + c0 * ldv, ldv, acc, D, true);  // O += P V
+      mm(GM, D, N, s, bk, vrows + c0 * ldv, ldv, acc, D, true);  // O += P V
     }
-    T* op = out + ((b * d.Hq + h) * S + r0) * D;
-    float* lp = a.lse + (b * d.Hq + h) * S + r0;
-    for (int i = 0; i < M; ++i) {
-      const float l = buf.l[i];
-      float* arow = acc + static_cast<int64_t>(i) * D;
-      // Every row sees at least itself, so l > 0; the guard keeps a malformed table finite.
-      scale_row(arow, D, l > 0.f ? 1.f / l : 0.f);
-      store_float(arow, op + static_cast<int64_t>(i) * D, D);
-      lp[i] = l > 0.f ? buf.m[i] + std::log(l) : kNegInf;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t bh = b * d.Hq + hk * G + g;
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t row = g * M + i;
+        const float l = buf.l[row];
+        float* arow = acc + row * D;
+        // Every row sees at least itself, so l > 0; the guard keeps a malformed table finite.
+        scale_row(arow, D, l > 0.f ? 1.f / l : 0.f);
+        store_float(arow, out + (bh * S + r0 + i) * D, D);
+        a.lse[bh * S + r0 + i] = l > 0.f ? buf.m[row] + std::log(l) : kNegInf;
+      }
     }
   });
 }
 
 // ---- backward -------------------------------------------------------------------------------
+//
+// Computed transposed, key rows x query columns, so that every product is a plain A * B with no
+// per-tile transpose: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T.
+// The G query heads of a kv group are interleaved into one column space, column c = s * G + g
+// (token s, head hk * G + g), so a query tile of all G heads is one contiguous column range.
+// fp32 workspace, in order:
+//   kt     K^T                 [B, Hkv, D, S]
+//   qt     Q^T                 [B, Hkv, D, S*G]      (columns c = s*G + g)
+//   qr     Q                   [B, Hkv, S*G, D]
+//   dot    dO^T                [B, Hkv, D, S*G]
+//   dor    dO                  [B, Hkv, S*G, D]
+//   lse    lse (-inf -> +inf)  [B, Hkv, S*G]
+//   delta  rowsum(dO * O)      [B, Hkv, S*G]
+//   dqt    dQ^T per chunk      [chunks, B, Hkv, D, S*G]
+//   kf, vf K, V as fp32 rows   [B, Hkv, S, D]        (bf16/fp16 inputs only)
+
+// Transposed mask: rows are keys [c0, c0 + N), columns are queries [r0, r0 + M) x G heads.
+void apply_mask_t(float* s, int64_t lds, int32_t c0, int N, int32_t r0, int M, int64_t G,
+                  const int32_t* tb, const BlockTable& t) {
+  for (int j0 = 0; j0 < N;) {
+    const int kb = tb[c0 + j0];
+    int j1 = j0 + 1;
+    while (j1 < N && tb[c0 + j1] == kb) ++j1;
+    for (int i0 = 0; i0 < M;) {
+      const int qb = tb[r0 + i0];
+      int i1 = i0 + 1;
+      while (i1 < M && tb[r0 + i1] == qb) ++i1;
+      if (kb == qb) {
+        for (int j = j0; j < j1; ++j) {
+          // query r0 + i sees key c0 + j iff c0 + j <= r0 + i
+          const int hidden_end = std::min(i1, std::max(i0, c0 + j - r0));
+          std::fill(s + j * lds + i0 * G, s + j * lds + hidden_end * G, kNegInf);
+        }
+      } else if (!(kb < qb && block_visible(t, qb, kb))) {
+        for (int j = j0; j < j1; ++j)
+          std::fill(s + j * lds + i0 * G, s + j * lds + i1 * G, kNegInf);
+      }
+      i0 = i1;
+    }
+    j0 = j1;
+  }
+}
+
+// x = exp(x * scale - lse[c]) along a row of S^T.
+inline void exp_scale_sub(float* x, const float* lse, int64_t n, float scale) {
+  int64_t i = 0;
+  const Vec vs(scale);
+  for (; i + Vec::size() <= n; i += Vec::size())
+    at::vec::fmsub(Vec::loadu(x + i), vs, Vec::loadu(lse + i)).exp_u20().store(x + i);
+  for (; i < n; ++i) x[i] = std::exp(x[i] * scale - lse[i]);
+}
+
+// dp = p * (dp - delta[c]) along a row.
+inline void ds_row_vec(const float* p, float* dp, const float* delta, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size())
+    (Vec::loadu(p + i) * (Vec::loadu(dp + i) - Vec::loadu(delta + i))).store(dp + i);
+  for (; i < n; ++i) dp[i] = p[i] * (dp[i] - delta[i]);
+}
 
 struct BwdBuf {
-  std::vector<float> q, dout, s, dp, t, dk, dv;
+  std::vector<float> pt, dpt, dk, dv;
 };
 
 template <typename T>
 void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& table) {
   const auto& d = a.dims;
-  const int64_t D = d.D, G = d.Hq / d.Hkv, S = d.S;
+  const int64_t D = d.D, G = d.Hq / d.Hkv, S = d.S, SG = S * G;
   const int bq = max_tile(plan.q_start), bk = max_tile(plan.k_start);
   const int nk = plan.num_k_tiles();
-  const int C = std::max(1, std::min(a.chunks, nk));
+  const int C = std::max(1, a.chunks);
   const T* q = static_cast<const T*>(a.q);
   const T* k = static_cast<const T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
   const T* dout = static_cast<const T*>(a.dout);
   const T* out = static_cast<const T*>(a.out);
-  T* dq = static_cast<T*>(a.dq);
-  T* dk = static_cast<T*>(a.dk);
-  T* dv = static_cast<T*>(a.dv);
-  // fp32 with one chunk accumulates straight into dq.
-  float* dq_acc = a.dq_acc != nullptr ? a.dq_acc : reinterpret_cast<float*>(a.dq);
-  const int64_t acc_size = d.B * d.Hq * S * D;
-  prepare_kv<T>(d, k, a.sk, a.kt, a.kf);
-  prepare_kv<T>(d, v, a.sv, a.vt, nullptr);
+  const int64_t kv = d.B * d.Hkv * S * D, qo = d.B * d.Hq * S * D, nrows = d.B * d.Hq * S;
+  float* ws_kt = a.workspace;
+  float* ws_qt = ws_kt + kv;
+  float* ws_qr = ws_qt + qo;
+  float* ws_dot = ws_qr + qo;
+  float* ws_dor = ws_dot + qo;
+  float* ws_lse = ws_dor + qo;
+  float* ws_delta = ws_lse + nrows;
+  float* ws_dqt = ws_delta + nrows;
+  float* ws_kf = std::is_same_v<T, float> ? nullptr : ws_dqt + C * qo;
+  float* ws_vf = std::is_same_v<T, float> ? nullptr : ws_kf + kv;
 
-  // delta = rowsum(dout * out), and zeroed dQ accumulators.
-  const int64_t rows = d.B * d.Hq * S;
-  at::parallel_for(0, rows, 256, [&](int64_t r_begin, int64_t r_end) {
-    std::vector<float> x(D), y(D);
-    for (int64_t r = r_begin; r < r_end; ++r) {
-      const int64_t s_ = r % S, bh = r / S, h = bh % d.Hq, b = bh / d.Hq;
-      load_float(dout + b * a.sdo.b + h * a.sdo.h + s_ * a.sdo.s, x.data(), D);
-      load_float(out + b * a.so.b + h * a.so.h + s_ * a.so.s, y.data(), D);
-      a.delta[r] = dot_row(x.data(), y.data(), D);
-      for (int c = 0; c < C; ++c) std::fill_n(dq_acc + c * acc_size + r * D, D, 0.f);
+  prepare_kv<T>(d, k, a.sk, ws_kt, ws_kf);
+  if (ws_vf != nullptr) prepare_kv<T>(d, v, a.sv, nullptr, ws_vf);
+  // Group-interleaved Q, dO (rows and transposed), lse, delta; zeroed dQ^T accumulators.
+  for_row_chunks(d.B, d.Hkv, S, [&](int64_t b, int64_t hk, int64_t r0, int64_t r1) {
+    const int64_t bhk = b * d.Hkv + hk, n = (r1 - r0) * G;
+    float* qr = ws_qr + (bhk * SG + r0 * G) * D;
+    float* dor = ws_dor + (bhk * SG + r0 * G) * D;
+    std::vector<float> orow(D);
+    for (int64_t s_ = r0; s_ < r1; ++s_) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hk * G + g, c = (s_ - r0) * G + g, bh = b * d.Hq + h;
+        load_float(q + b * a.sq.b + h * a.sq.h + s_ * a.sq.s, qr + c * D, D);
+        load_float(dout + b * a.sdo.b + h * a.sdo.h + s_ * a.sdo.s, dor + c * D, D);
+        load_float(out + b * a.so.b + h * a.so.h + s_ * a.so.s, orow.data(), D);
+        const float lse = a.lse[bh * S + s_];
+        ws_lse[bhk * SG + s_ * G + g] =
+            lse == kNegInf ? std::numeric_limits<float>::infinity() : lse;
+        ws_delta[bhk * SG + s_ * G + g] = dot_row(dor + c * D, orow.data(), D);
+      }
     }
+    transpose(qr, D, n, D, ws_qt + bhk * D * SG + r0 * G, SG);
+    transpose(dor, D, n, D, ws_dot + bhk * D * SG + r0 * G, SG);
+    for (int c = 0; c < C; ++c)
+      for (int64_t dd = 0; dd < D; ++dd)
+        std::fill_n(ws_dqt + c * qo + bhk * D * SG + dd * SG + r0 * G, n, 0.f);
   });
 
   // item = (b * Hkv + hk) * C + chunk; chunk c owns key tiles c, c + C, c + 2C, ...
@@ -359,90 +434,86 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     for (int kt = 0; kt < nk; ++kt) cost[bh * C + kt % C] += plan.k_cost[kt];
   const auto order = order_by_cost(cost);
 
+  const int64_t ldt = G * bq;  // leading dim of the [N x G*M] tiles
   auto make_buf = [&] {
     BwdBuf b;
-    b.q.resize(static_cast<size_t>(bq) * D);
-    b.dout.resize(static_cast<size_t>(bq) * D);
-    b.s.resize(static_cast<size_t>(bq) * bk);
-    b.dp.resize(static_cast<size_t>(bq) * bk);
-    b.t.resize(static_cast<size_t>(bq) * bk);
-    b.dk.resize(static_cast<size_t>(bk) * D);
-    b.dv.resize(static_cast<size_t>(bk) * D);
+    b.pt.resize(bk * ldt);
+    b.dpt.resize(bk * ldt);
+    b.dk.resize(bk * D);
+    b.dv.resize(bk * D);
     return b;
   };
+  T* dk = static_cast<T*>(a.dk);
+  T* dv = static_cast<T*>(a.dv);
   run_items<BwdBuf>(order, make_buf, [&](int64_t item, BwdBuf& buf) {
     const int chunk = static_cast<int>(item % C);
-    const int64_t hk = (item / C) % d.Hkv, b = item / C / d.Hkv, bhk = b * d.Hkv + hk;
-    const float* kt = a.kt + bhk * D * S;
-    const float* vt = a.vt + bhk * D * S;
-    const float* krows;
-    int64_t ldk;
-    if (a.kf != nullptr) {
-      krows = a.kf + bhk * S * D;
-      ldk = D;
-    } else {
-      krows = reinterpret_cast<const float*>(k) + b * a.sk.b + hk * a.sk.h;
-      ldk = a.sk.s;
-    }
-    float* dqc = dq_acc + chunk * acc_size;
-    float *s = buf.s.data(), *dp = buf.dp.data(), *tr = buf.t.data();
-    float *qs = buf.q.data(), *dos = buf.dout.data();
+    const int64_t bhk = item / C, b = bhk / d.Hkv, hk = bhk % d.Hkv;
+    const float* kt = ws_kt + bhk * D * S;
+    const float* krows = ws_kf != nullptr
+                             ? ws_kf + bhk * S * D
+                             : reinterpret_cast<const float*>(k) + b * a.sk.b + hk * a.sk.h;
+    const int64_t ldk = ws_kf != nullptr ? D : a.sk.s;
+    const float* vrows = ws_vf != nullptr
+                             ? ws_vf + bhk * S * D
+                             : reinterpret_cast<const float*>(v) + b * a.sv.b + hk * a.sv.h;
+    const int64_t ldv = ws_vf != nullptr ? D : a.sv.s;
+    const float* qt = ws_qt + bhk * D * SG;
+    const float* qr = ws_qr + bhk * SG * D;
+    const float* dot = ws_dot + bhk * D * SG;
+    const float* dor = ws_dor + bhk * SG * D;
+    const float* lse = ws_lse + bhk * SG;
+    const float* delta = ws_delta + bhk * SG;
+    float* dqt = ws_dqt + chunk * qo + bhk * D * SG;
+    float *pt = buf.pt.data(), *dpt = buf.dpt.data();
     for (int ktile = chunk; ktile < nk; ktile += C) {
       const int32_t c0 = plan.k_start[ktile];
-      const int N = plan.k_start[ktile + 1] - c0;
-      std::fill_n(buf.dk.data(), static_cast<size_t>(N) * D, 0.f);
-      std::fill_n(buf.dv.data(), static_cast<size_t>(N) * D, 0.f);
+      const int64_t N = plan.k_start[ktile + 1] - c0;
+      std::fill_n(buf.dk.data(), N * D, 0.f);
+      std::fill_n(buf.dv.data(), N * D, 0.f);
       for (int e = plan.bwd_ptr[ktile]; e < plan.bwd_ptr[ktile + 1]; ++e) {
-        const int qt = plan.bwd_qt[e];
-        const int32_t r0 = plan.q_start[qt];
-        const int M = plan.q_start[qt + 1] - r0;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t h = hk * G + g;
-          load_rows(q + b * a.sq.b + h * a.sq.h + r0 * a.sq.s, a.sq.s, M, D, a.scale, qs);
-          load_rows(dout + b * a.sdo.b + h * a.sdo.h + r0 * a.sdo.s, a.sdo.s, M, D, 1.f, dos);
-          const float* lse = a.lse + (b * d.Hq + h) * S + r0;
-          const float* delta = a.delta + (b * d.Hq + h) * S + r0;
-          // P = exp(scale * Q K^T - lse)
-          mm(M, N, D, qs, D, kt + c0, S, s, bk, false);
-          if (plan.bwd_partial[e]) apply_mask(s, bk, r0, M, c0, N, plan.token_block.data(), table);
-          for (int i = 0; i < M; ++i) {
-            float* row = s + static_cast<int64_t>(i) * bk;
-            if (lse[i] == kNegInf) {
-              std::fill(row, row + N, 0.f);
-            } else {
-              exp_sub(row, N, lse[i]);
-            }
-          }
-          // dP = dO V^T; dS = P * (dP - delta)
-          mm(M, N, D, dos, D, vt + c0, S, dp, bk, false);
-          for (int i = 0; i < M; ++i)
-            ds_row(s + static_cast<int64_t>(i) * bk, dp + static_cast<int64_t>(i) * bk, N,
-                   delta[i]);
-          // dV += P^T dO; dK += dS^T (scale Q); dQ += dS K (scaled once at the end)
-          transpose(s, bk, M, N, tr, bq);
-          mm(N, D, M, tr, bq, dos, D, buf.dv.data(), D, true);
-          transpose(dp, bk, M, N, tr, bq);
-          mm(N, D, M, tr, bq, qs, D, buf.dk.data(), D, true);
-          mm(M, D, N, dp, bk, krows + c0 * ldk, ldk, dqc + ((b * d.Hq + h) * S + r0) * D, D, true);
-        }
+        const int qtile = plan.bwd_qt[e];
+        const int32_t r0 = plan.q_start[qtile];
+        const int64_t M = plan.q_start[qtile + 1] - r0, GM = G * M, col0 = r0 * G;
+        // P^T = exp(scale * K Q^T - lse)
+        mm(N, GM, D, krows + c0 * ldk, ldk, qt + col0, SG, pt, ldt, false);
+        if (plan.bwd_partial[e])
+          apply_mask_t(pt, ldt, c0, static_cast<int>(N), r0, static_cast<int>(M), G,
+                       plan.token_block.data(), table);
+        for (int64_t j = 0; j < N; ++j) exp_scale_sub(pt + j * ldt, lse + col0, GM, a.scale);
+        // dS^T = P^T * (V dO^T - delta)
+        mm(N, GM, D, vrows + c0 * ldv, ldv, dot + col0, SG, dpt, ldt, false);
+        for (int64_t j = 0; j < N; ++j) ds_row_vec(pt + j * ldt, dpt + j * ldt, delta + col0, GM);
+        mm(N, D, GM, pt, ldt, dor + col0 * D, D, buf.dv.data(), D, true);  // dV += P^T dO
+        mm(N, D, GM, dpt, ldt, qr + col0 * D, D, buf.dk.data(), D, true);  // dK += dS^T Q
+        mm(D, GM, N, kt + c0, S, dpt, ldt, dqt + col0, SG, true);          // dQ^T += K^T dS^T
       }
-      store_float(buf.dk.data(), dk + (bhk * S + c0) * D, static_cast<int64_t>(N) * D);
-      store_float(buf.dv.data(), dv + (bhk * S + c0) * D, static_cast<int64_t>(N) * D);
+      // dK carries the softmax scale (S = scale * Q K^T); dV does not.
+      scale_row(buf.dk.data(), N * D, a.scale);
+      store_float(buf.dk.data(), dk + (bhk * S + c0) * D, N * D);
+      store_float(buf.dv.data(), dv + (bhk * S + c0) * D, N * D);
     }
   });
 
-  // dQ = scale * (sum of the chunk accumulators, in chunk order: deterministic).
-  at::parallel_for(0, rows, 256, [&](int64_t r_begin, int64_t r_end) {
-    std::vector<float> x(D);
-    for (int64_t r = r_begin; r < r_end; ++r) {
-      std::copy_n(dq_acc + r * D, D, x.data());
+  // dQ = scale * (sum of the chunks' dQ^T, in chunk order: deterministic), back to [B, Hq, S, D].
+  T* dq = static_cast<T*>(a.dq);
+  for_row_chunks(d.B, d.Hkv, S, [&](int64_t b, int64_t hk, int64_t r0, int64_t r1) {
+    const int64_t bhk = b * d.Hkv + hk, n = (r1 - r0) * G;
+    std::vector<float> sum(D * n), rows(n * D);
+    for (int64_t dd = 0; dd < D; ++dd) {
+      float* dst = sum.data() + dd * n;
+      std::copy_n(ws_dqt + bhk * D * SG + dd * SG + r0 * G, n, dst);
       for (int c = 1; c < C; ++c) {
-        const float* src = dq_acc + c * acc_size + r * D;
-        for (int64_t j = 0; j < D; ++j) x[j] += src[j];
+        const float* src = ws_dqt + c * qo + bhk * D * SG + dd * SG + r0 * G;
+        for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
       }
-      scale_row(x.data(), D, a.scale);
-      store_float(x.data(), dq + r * D, D);
     }
+    transpose(sum.data(), n, D, n, rows.data(), D);  // rows[c * D + dd]
+    for (int64_t s_ = r0; s_ < r1; ++s_)
+      for (int64_t g = 0; g < G; ++g) {
+        float* r = rows.data() + ((s_ - r0) * G + g) * D;
+        scale_row(r, D, a.scale);
+        store_float(r, dq + ((b * d.Hq + hk * G + g) * S + s_) * D, D);
+      }
   });
 }
 

@@ -62,12 +62,9 @@ struct AttnFwdArgs {
   Strides4 sk;
   const void* v;
   Strides4 sv;
-  void* out;   // [B, Hq, S, D] contiguous, q's dtype
-  float* lse;  // [B, Hq, S] contiguous
-  // Workspaces (fp32): kt = K^T [B, Hkv, D, S]; vf = V [B, Hkv, S, D] (bf16/fp16 inputs only,
-  // else nullptr). All tile matmuls run in fp32 on these (see attention_cpu.cpp).
-  float* kt;
-  float* vf;
+  void* out;         // [B, Hq, S, D] contiguous, q's dtype
+  float* lse;        // [B, Hq, S] contiguous
+  float* workspace;  // fwd_workspace_floats(dims, dtype) floats
 };
 
 struct AttnBwdArgs {
@@ -88,15 +85,25 @@ struct AttnBwdArgs {
   void* dq;          // [B, Hq, S, D] contiguous
   void* dk;          // [B, Hkv, S, D] contiguous
   void* dv;          // [B, Hkv, S, D] contiguous
-  float* delta;      // workspace [B, Hq, S]: rowsum(dout * out)
-  float* kt;         // workspace K^T [B, Hkv, D, S]
-  float* vt;         // workspace V^T [B, Hkv, D, S]
-  float* kf;         // workspace K [B, Hkv, S, D] (bf16/fp16 inputs only, else nullptr)
-  // dQ is accumulated in fp32, once per key-tile chunk, and the chunks are summed in a fixed
-  // order at the end: the backward is bit-identical run to run. dq_acc: [chunks, B, Hq, S, D].
-  float* dq_acc;
+  // Work items are (batch, kv head, chunk of key tiles). dQ is accumulated in fp32, once per
+  // chunk, and the chunks are summed in a fixed order at the end, so the backward is
+  // bit-identical run to run (for a given chunk count, which the caller derives from the shape
+  // and the thread count).
   int chunks;
+  float* workspace;  // bwd_workspace_floats(dims, dtype, chunks) floats
 };
+
+// fp32 workspace sizes (in floats) of one call; see the layouts in attention_cpu.cpp.
+inline int64_t fwd_workspace_floats(const AttnDims& d, DType dt) {
+  const int64_t kv = d.B * d.Hkv * d.S * d.D;
+  return kv * (dt == DType::f32 ? 1 : 2);  // K^T, and V widened for bf16/fp16
+}
+inline int64_t bwd_workspace_floats(const AttnDims& d, DType dt, int chunks) {
+  const int64_t kv = d.B * d.Hkv * d.S * d.D, qo = d.B * d.Hq * d.S * d.D, rows = d.B * d.Hq * d.S;
+  // K^T; Q^T, Q, dO^T, dO (heads of a group interleaved); lse, delta; dQ^T per chunk;
+  // K and V widened for bf16/fp16.
+  return kv + 4 * qo + 2 * rows + chunks * qo + (dt == DType::f32 ? 0 : 2 * kv);
+}
 
 }  // namespace jacobi::cpu
 

@@ -150,11 +150,9 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, 
   if (out.numel() == 0) return {out, lse};
   const auto [bq, bk] = tile_sizes();
   const AttnPlan plan = cpu::make_attn_plan(table, d.S, bq, bk);
-  const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor kt = at::empty({d.B, d.Hkv, d.D, d.S}, f32);
-  at::Tensor vf;
-  if (sh.dtype != cpu::DType::f32) vf = at::empty({d.B, d.Hkv, d.S, d.D}, f32);
-  poison({&out, &lse, &kt, &vf});
+  at::Tensor ws =
+      at::empty({cpu::fwd_workspace_floats(d, sh.dtype)}, q.options().dtype(at::kFloat));
+  poison({&out, &lse, &ws});
   const cpu::AttnFwdArgs args{sh.dtype,
                               d,
                               static_cast<float>(scale),
@@ -166,8 +164,7 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, 
                               strides(v, "v"),
                               out.data_ptr(),
                               lse.data_ptr<float>(),
-                              kt.data_ptr<float>(),
-                              vf.defined() ? vf.data_ptr<float>() : nullptr};
+                              ws.data_ptr<float>()};
   JACOBI_CPU_DISPATCH(block_attention_fwd, args, plan, table);
   return {out, lse};
 }
@@ -204,23 +201,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cpu(
   const auto [bq, bk] = tile_sizes();
   const AttnPlan plan = cpu::make_attn_plan(table, d.S, bq, bk);
 
-  // Work items are (batch, kv head, chunk of key tiles); with few heads the key tiles are split
-  // into up to 4 chunks so that every thread has work. Each chunk owns an fp32 dQ accumulator,
-  // summed in chunk order at the end. The count depends on the thread count, so results are
-  // bit-identical run to run at a fixed torch.get_num_threads().
+  // Work items are (batch, kv head, chunk of key tiles). With few kv heads the key tiles are
+  // split into chunks so that each thread gets several items (dynamic scheduling then evens out
+  // the load); each chunk costs one fp32 dQ^T accumulator, hence the cap. The chunk count
+  // depends on the thread count, so results are bit-identical run to run at a fixed
+  // torch.get_num_threads().
   const int64_t nt = at::get_num_threads();
   const int64_t items = d.B * d.Hkv;
-  int chunks = static_cast<int>(std::clamp<int64_t>((2 * nt + items - 1) / items, 1, 4));
+  int chunks = static_cast<int>(std::clamp<int64_t>((6 * nt + items - 1) / items, 1, 8));
+  if (nt == 1) chunks = 1;
   chunks = std::min(chunks, std::max(1, plan.num_k_tiles()));
-  const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor delta = at::empty({d.B, d.Hq, d.S}, f32);
-  at::Tensor kt = at::empty({d.B, d.Hkv, d.D, d.S}, f32);
-  at::Tensor vt = at::empty({d.B, d.Hkv, d.D, d.S}, f32);
-  at::Tensor kf, dq_acc;
-  if (sh.dtype != cpu::DType::f32) kf = at::empty({d.B, d.Hkv, d.S, d.D}, f32);
-  if (sh.dtype != cpu::DType::f32 || chunks > 1)
-    dq_acc = at::empty({chunks, d.B, d.Hq, d.S, d.D}, f32);
-  poison({&dq, &dk, &dv, &delta, &kt, &vt, &kf, &dq_acc});
+  at::Tensor ws =
+      at::empty({cpu::bwd_workspace_floats(d, sh.dtype, chunks)}, q.options().dtype(at::kFloat));
+  poison({&dq, &dk, &dv, &ws});
   const cpu::AttnBwdArgs args{sh.dtype,
                               d,
                               static_cast<float>(scale),
@@ -238,12 +231,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cpu(
                               dq.data_ptr(),
                               dk.data_ptr(),
                               dv.data_ptr(),
-                              delta.data_ptr<float>(),
-                              kt.data_ptr<float>(),
-                              vt.data_ptr<float>(),
-                              kf.defined() ? kf.data_ptr<float>() : nullptr,
-                              dq_acc.defined() ? dq_acc.data_ptr<float>() : nullptr,
-                              chunks};
+                              chunks,
+                              ws.data_ptr<float>()};
   JACOBI_CPU_DISPATCH(block_attention_bwd, args, plan, table);
   return {dq, dk, dv};
 }
