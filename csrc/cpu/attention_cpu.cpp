@@ -39,7 +39,8 @@ inline void mm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, con
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
 }
 
-// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols, in 16x16 blocks for the caches.
+// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols. fp32 goes through ATen's
+// (AVX-512 16x16 register) transpose; widening sources in 16x16 blocks for the caches.
 template <typename T>
 inline void transpose(const T* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
                       int64_t ldd) {
@@ -47,8 +48,13 @@ inline void transpose(const T* src, int64_t lds, int64_t rows, int64_t cols, flo
   for (int64_t i0 = 0; i0 < rows; i0 += kB)
     for (int64_t j0 = 0; j0 < cols; j0 += kB) {
       const int64_t i1 = std::min(rows, i0 + kB), j1 = std::min(cols, j0 + kB);
-      for (int64_t i = i0; i < i1; ++i)
-        for (int64_t j = j0; j < j1; ++j) dst[j * ldd + i] = static_cast<float>(src[i * lds + j]);
+      if constexpr (std::is_same_v<T, float>) {
+        at::vec::transpose_mxn<float>(src + i0 * lds + j0, lds, dst + j0 * ldd + i0, ldd,
+                                      static_cast<int>(i1 - i0), static_cast<int>(j1 - j0));
+      } else {
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t j = j0; j < j1; ++j) dst[j * ldd + i] = static_cast<float>(src[i * lds + j]);
+      }
     }
 }
 
@@ -423,10 +429,12 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     }
     transpose(qr, D, n, D, ws_qt + bhk * D * SG + r0 * G, SG);
     transpose(dor, D, n, D, ws_dot + bhk * D * SG + r0 * G, SG);
-    for (int c = 0; c < C; ++c)
-      for (int64_t dd = 0; dd < D; ++dd)
-        std::fill_n(ws_dqt + c * qo + bhk * D * SG + dd * SG + r0 * G, n, 0.f);
   });
+  // touched[(chunk * B * Hkv + bhk) * nq + qt]: the chunk wrote that query tile's dQ^T columns.
+  // The first write overwrites instead of accumulating, so the accumulators need no zeroing
+  // pass (which would also page in C fresh buffers up front).
+  const int nq = plan.num_q_tiles();
+  std::vector<uint8_t> touched(static_cast<size_t>(C) * d.B * d.Hkv * nq, 0);
 
   // item = (b * Hkv + hk) * C + chunk; chunk c owns key tiles c, c + C, c + 2C, ...
   std::vector<int64_t> cost(d.B * d.Hkv * C, 0);
@@ -464,6 +472,7 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     const float* lse = ws_lse + bhk * SG;
     const float* delta = ws_delta + bhk * SG;
     float* dqt = ws_dqt + chunk * qo + bhk * D * SG;
+    uint8_t* seen = touched.data() + (chunk * d.B * d.Hkv + bhk) * nq;
     float *pt = buf.pt.data(), *dpt = buf.dpt.data();
     for (int ktile = chunk; ktile < nk; ktile += C) {
       const int32_t c0 = plan.k_start[ktile];
@@ -485,7 +494,9 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
         for (int64_t j = 0; j < N; ++j) ds_row_vec(pt + j * ldt, dpt + j * ldt, delta + col0, GM);
         mm(N, D, GM, pt, ldt, dor + col0 * D, D, buf.dv.data(), D, true);  // dV += P^T dO
         mm(N, D, GM, dpt, ldt, qr + col0 * D, D, buf.dk.data(), D, true);  // dK += dS^T Q
-        mm(D, GM, N, kt + c0, S, dpt, ldt, dqt + col0, SG, true);          // dQ^T += K^T dS^T
+        // dQ^T += K^T dS^T
+        mm(D, GM, N, kt + c0, S, dpt, ldt, dqt + col0, SG, seen[qtile] != 0);
+        seen[qtile] = 1;
       }
       // dK carries the softmax scale (S = scale * Q K^T); dV does not.
       scale_row(buf.dk.data(), N * D, a.scale);
@@ -494,26 +505,33 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     }
   });
 
-  // dQ = scale * (sum of the chunks' dQ^T, in chunk order: deterministic), back to [B, Hq, S, D].
+  // dQ = scale * (sum of the chunks' dQ^T, in chunk order: deterministic), back to [B, Hq, S, D],
+  // one (batch, kv head, query tile) at a time.
   T* dq = static_cast<T*>(a.dq);
-  for_row_chunks(d.B, d.Hkv, S, [&](int64_t b, int64_t hk, int64_t r0, int64_t r1) {
-    const int64_t bhk = b * d.Hkv + hk, n = (r1 - r0) * G;
-    std::vector<float> sum(D * n), rows(n * D);
-    for (int64_t dd = 0; dd < D; ++dd) {
-      float* dst = sum.data() + dd * n;
-      std::copy_n(ws_dqt + bhk * D * SG + dd * SG + r0 * G, n, dst);
-      for (int c = 1; c < C; ++c) {
-        const float* src = ws_dqt + c * qo + bhk * D * SG + dd * SG + r0 * G;
-        for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
+  at::parallel_for(0, d.B * d.Hkv * nq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum, rows;
+    for (int64_t it = begin; it < end; ++it) {
+      const int qtile = static_cast<int>(it % nq);
+      const int64_t bhk = it / nq, b = bhk / d.Hkv, hk = bhk % d.Hkv;
+      const int64_t r0 = plan.q_start[qtile], r1 = plan.q_start[qtile + 1], n = (r1 - r0) * G;
+      sum.assign(D * n, 0.f);
+      rows.resize(n * D);
+      for (int c = 0; c < C; ++c) {
+        if (!touched[(c * d.B * d.Hkv + bhk) * nq + qtile]) continue;
+        for (int64_t dd = 0; dd < D; ++dd) {
+          const float* src = ws_dqt + c * qo + bhk * D * SG + dd * SG + r0 * G;
+          float* dst = sum.data() + dd * n;
+          for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
+        }
       }
+      transpose(sum.data(), n, D, n, rows.data(), D);  // rows[c * D + dd]
+      for (int64_t s_ = r0; s_ < r1; ++s_)
+        for (int64_t g = 0; g < G; ++g) {
+          float* r = rows.data() + ((s_ - r0) * G + g) * D;
+          scale_row(r, D, a.scale);
+          store_float(r, dq + ((b * d.Hq + hk * G + g) * S + s_) * D, D);
+        }
     }
-    transpose(sum.data(), n, D, n, rows.data(), D);  // rows[c * D + dd]
-    for (int64_t s_ = r0; s_ < r1; ++s_)
-      for (int64_t g = 0; g < G; ++g) {
-        float* r = rows.data() + ((s_ - r0) * G + g) * D;
-        scale_row(r, D, a.scale);
-        store_float(r, dq + ((b * d.Hq + hk * G + g) * S + s_) * D, D);
-      }
   });
 }
 
