@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -86,6 +87,12 @@ class BlockTable:
         same = tb[:, None] == tb[None, :]
         return (same & (idx[None, :] <= idx[:, None])) | self.block_mask()[tb[:, None], tb[None, :]]
 
+    def block_rows(self, order: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """int32 [num_blocks]: the memory row where each block of ``self.reorder(order)`` starts
+        (the ``block_row`` argument of the ``block_attention_ordered_*`` ops)."""
+        order = torch.as_tensor(order, dtype=torch.long).cpu()
+        return self.block_start.cpu()[:-1][order].to(torch.int32).to(self.device)
+
     def reorder(self, order: Sequence[int] | torch.Tensor) -> tuple[BlockTable, torch.Tensor]:
         """The same visibility with the blocks placed in ``order`` (new position -> old block).
 
@@ -117,6 +124,17 @@ class BlockTable:
         )
         table = BlockTable(new_bs.int(), new_kp.int(), (key % nb).int())
         return table.to(self.device), perm.to(self.device)
+
+
+class StreamPlan(NamedTuple):
+    """A layout reordered for the kernel: ``table`` in processing order, ``block_row`` (where
+    each of its blocks starts in memory), and the token permutation ``perm`` (processing ->
+    memory) with its inverse ``inv``, for devices whose kernel takes no ``block_row``."""
+
+    table: BlockTable
+    block_row: torch.Tensor
+    perm: torch.Tensor
+    inv: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -203,17 +221,22 @@ class JacobiLayout:
         T = self.num_blocks
         return list(range(p)) + [p + 2 * j + 1 for j in range(T)] + [p + 2 * j for j in range(T)]
 
-    def stream_plan(
-        self, device: torch.device | str
-    ) -> tuple[BlockTable, torch.Tensor, torch.Tensor]:
-        """(table in stream order, perm, inverse perm) on ``device``; cached per device."""
+    def stream_plan(self, device: torch.device | str) -> StreamPlan:
+        """The layout in stream order, on ``device``; cached per device."""
         device = torch.device(device)
         key = ("stream", str(device))
         if key not in self._cache:
-            table, perm = self.block_table().reorder(self.stream_order())
+            natural = self.block_table()
+            order = self.stream_order()
+            table, perm = natural.reorder(order)
             inv = torch.empty_like(perm)
             inv[perm] = torch.arange(perm.numel())
-            self._cache[key] = (table.to(device), perm.to(device), inv.to(device))
+            self._cache[key] = StreamPlan(
+                table.to(device),
+                natural.block_rows(order).to(device),
+                perm.to(device),
+                inv.to(device),
+            )
         return self._cache[key]
 
     def flex_mask_mod(self, device: torch.device | str | None = None) -> Callable:

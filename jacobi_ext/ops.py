@@ -67,6 +67,19 @@ def _block_attention_bwd_fake(
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.register_fake("jacobi_ext::block_attention_ordered_fwd")
+def _block_attention_ordered_fwd_fake(q, k, v, block_start, kv_ptr, kv_idx, block_row, scale):
+    return _block_attention_fwd_fake(q, k, v, block_start, kv_ptr, kv_idx, scale)
+
+
+@torch.library.register_fake("jacobi_ext::block_attention_ordered_bwd")
+def _block_attention_ordered_bwd_fake(
+    grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, block_row, scale, deterministic
+):
+    check_attention_inputs(q, k, v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 @torch.library.register_fake("jacobi_ext::jf_block_table")
 def _jf_block_table_fake(prompt_len, block_size, num_pairs, variant, window):
     nb = (1 if prompt_len > 0 else 0) + 2 * num_pairs
@@ -101,3 +114,36 @@ def _attn_backward(ctx, grad_out, grad_lse):
 torch.library.register_autograd(
     "jacobi_ext::block_attention_fwd", _attn_backward, setup_context=_attn_setup_context
 )
+
+
+def _ordered_setup_context(ctx, inputs, output):
+    q, k, v, block_start, kv_ptr, kv_idx, block_row, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, block_start, kv_ptr, kv_idx, block_row)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _ordered_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, block_start, kv_ptr, kv_idx, block_row = ctx.saved_tensors
+    if grad_out.dim() == 4 and grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dq, dk, dv = ops.block_attention_ordered_bwd(
+        grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, block_row, ctx.scale, True
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "jacobi_ext::block_attention_ordered_fwd",
+    _ordered_backward,
+    setup_context=_ordered_setup_context,
+)
+
+
+def has_kernel(op: str, device: torch.device) -> bool:
+    """Whether torch.ops.jacobi_ext.<op> has a kernel for this device type (CPU / CUDA)."""
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"jacobi_ext::{op}", key
+    )

@@ -339,3 +339,73 @@ def test_cuda_matches_cpu(variant, w, dtype, D):
     for name, a, b in zip(("out", "dq", "dk", "dv"), results["cuda"], results["cpu"], strict=True):
         err = ((a - b).abs().max() / b.abs().max()).item()
         assert err < 2e-2, f"{name}: relative error {err}"
+
+
+# ---- the ordered ops (table in processing order + each block's memory row) --------------------
+def test_ordered_op_with_identity_rows_is_the_plain_op():
+    layout = JacobiLayout(9, 5, 4, "windowed", 2)
+    q, k, v = make_qkv(2, 4, 2, layout.seq_len, 32, torch.float32, requires_grad=False)
+    t = layout.block_table()
+    rows = t.block_start[:-1].clone()
+    a = ops.block_attention_fwd(q, k, v, *t.tensors(), 0.2)
+    b = ops.block_attention_ordered_fwd(q, k, v, *t.tensors(), rows, 0.2)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_block_attention_with_an_order_on_a_custom_table():
+    # blocks [0,4) [4,6) [6,9) [9,12); 2 sees 0; 3 sees 1. Order 0, 2, 1, 3 is valid.
+    table = BlockTable(
+        torch.tensor([0, 4, 6, 9, 12], dtype=torch.int32),
+        torch.tensor([0, 0, 0, 1, 2], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+    )
+    q, k, v = make_qkv(1, 2, 1, 12, 16, torch.float32)
+    out = block_attention(q, k, v, table, order=[0, 2, 1, 3])
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = reference(qd, kd, vd, table.dense_mask())
+    g = torch.randn_like(want)
+    want.backward(g)
+    out.backward(g.float())
+    assert rel_err(out, want) < 1e-5
+    for got, ref in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        assert rel_err(got, ref) < 1e-5
+
+
+def test_gather_fallback_for_devices_without_the_ordered_kernel(monkeypatch):
+    # What runs on a device whose kernel implements only block_attention_fwd/bwd (e.g. CUDA).
+    from jacobi_ext import ops as jops
+
+    layout = JacobiLayout(11, 4, 5, "noisy_context")
+    q, k, v = make_qkv(1, 3, 1, layout.seq_len, 16, torch.float32)
+    want = jacobi_attention(q, k, v, layout)
+    gw = torch.autograd.grad(want.square().sum(), (q, k, v))
+    monkeypatch.setattr(jops, "has_kernel", lambda op, device: False)
+    got = jacobi_attention(q, k, v, layout)
+    gg = torch.autograd.grad(got.square().sum(), (q, k, v))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gg, gw, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ordered_op_rejects_bad_block_rows():
+    layout, q, k, v = _args()
+    t = layout.block_table().tensors()  # block lengths 2, 2, 2, 2, 2
+    fwd = ops.block_attention_ordered_fwd
+    with pytest.raises(ValueError, match=r"one entry per block \(5\)"):
+        fwd(q, k, v, *t, torch.tensor([0, 2, 4, 6], dtype=torch.int32), 0.25)
+    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+        fwd(q, k, v, *t, torch.tensor([0, 2, 4, 6, 9], dtype=torch.int32), 0.25)
+    with pytest.raises(ValueError, match=r"must not overlap"):
+        fwd(q, k, v, *t, torch.tensor([0, 2, 4, 6, 7], dtype=torch.int32), 0.25)
+
+
+def test_opcheck_ordered_ops():
+    layout = JacobiLayout(3, 2, 3)
+    plan = layout.stream_plan("cpu")
+    q, k, v = make_qkv(1, 2, 1, layout.seq_len, 16, torch.float32)
+    args = (q, k, v, *plan.table.tensors(), plan.block_row, 0.25)
+    torch.library.opcheck(ops.block_attention_ordered_fwd.default, args)
+    out, lse = ops.block_attention_ordered_fwd(*(x.detach() for x in args[:3]), *args[3:])
+    bargs = (torch.randn_like(out), *(x.detach() for x in (q, k, v)), out, lse, *args[3:], True)
+    torch.library.opcheck(ops.block_attention_ordered_bwd.default, bargs)

@@ -182,13 +182,14 @@ int max_tile(const std::vector<int32_t>& st) {
   return m;
 }
 
-// Rows [r0, r0 + M) of one head as fp32 times `mult`, into dst [M x D]. The copy makes every
-// GEMM operand fp32 (bf16/fp16 inputs are widened once per tile) and folds the softmax scale in.
+// Tokens [t0, t0 + M) (processing order) of one head as fp32 times `mult`, into dst [M x D];
+// row_of maps a token to its memory row. The copy makes every GEMM operand fp32 (bf16/fp16 are
+// widened once per tile), folds the softmax scale in and applies the token order.
 template <typename T>
-inline void load_rows(const T* src, int64_t lds, int64_t M, int64_t D, float mult, float* dst,
-                      int64_t ldd) {
+inline void load_rows(const T* head, int64_t lds, const int32_t* row_of, int64_t t0, int64_t M,
+                      int64_t D, float mult, float* dst, int64_t ldd) {
   for (int64_t i = 0; i < M; ++i) {
-    load_float(src + i * lds, dst + i * ldd, D);
+    load_float(head + row_of[t0 + i] * lds, dst + i * ldd, D);
     if (mult != 1.f) scale_row(dst + i * ldd, D, mult);
   }
 }
@@ -206,16 +207,17 @@ void for_row_chunks(int64_t B, int64_t H, int64_t S, F&& f) {
   });
 }
 
-// K^T [B, Hkv, D, S] (and optionally K widened to fp32 rows [B, Hkv, S, D]).
+// For every (batch, kv head): x in processing order as fp32 rows xf [B, Hkv, S, D] and, if xt
+// is given, transposed xt [B, Hkv, D, S]. O(S * D) per head, once per call.
 template <typename T>
-void prepare_kv(const AttnDims& d, const T* x, Strides4 sx, float* xt, float* xf) {
+void prepare_kv(const AttnDims& d, const T* x, Strides4 sx, const int32_t* row_of, float* xt,
+                float* xf) {
   const int64_t S = d.S, D = d.D;
   for_row_chunks(d.B, d.Hkv, S, [&](int64_t b, int64_t h, int64_t r0, int64_t r1) {
     const int64_t bh = b * d.Hkv + h;
-    const T* src = x + b * sx.b + h * sx.h + r0 * sx.s;
-    if (xt != nullptr) transpose(src, sx.s, r1 - r0, D, xt + bh * D * S + r0, S);
-    if (xf != nullptr)
-      for (int64_t r = r0; r < r1; ++r) load_float(src + (r - r0) * sx.s, xf + (bh * S + r) * D, D);
+    float* rows = xf + (bh * S + r0) * D;
+    load_rows(x + b * sx.b + h * sx.h, sx.s, row_of, r0, r1 - r0, D, 1.f, rows, D);
+    if (xt != nullptr) transpose(rows, D, r1 - r0, D, xt + bh * D * S + r0, S);
   });
 }
 
@@ -223,8 +225,8 @@ void prepare_kv(const AttnDims& d, const T* x, Strides4 sx, float* xt, float* xf
 //
 // Work item = (batch, kv head, query tile), with the G = Hq / Hkv query heads of the group
 // stacked into one [G*M x D] operand: every tile product is a single GEMM with G times the rows,
-// and K^T / V tiles are read once per group. fp32 workspace: K^T [B, Hkv, D, S], then (bf16 /
-// fp16 inputs only) V [B, Hkv, S, D].
+// and K^T / V tiles are read once per group. fp32 workspace, in the table's processing order:
+// K^T [B, Hkv, D, S], K [B, Hkv, S, D], V [B, Hkv, S, D].
 
 struct FwdBuf {
   std::vector<float> q, s, acc, m, l;
@@ -239,10 +241,13 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
   const T* q = static_cast<const T*>(a.q);
   const T* v = static_cast<const T*>(a.v);
   T* out = static_cast<T*>(a.out);
+  const int32_t* row_of = a.row_of;
+  const int64_t kv = d.B * d.Hkv * S * D;
   float* ws_kt = a.workspace;
-  float* ws_v = std::is_same_v<T, float> ? nullptr : ws_kt + d.B * d.Hkv * D * S;
-  prepare_kv<T>(d, static_cast<const T*>(a.k), a.sk, ws_kt, nullptr);
-  if (ws_v != nullptr) prepare_kv<T>(d, v, a.sv, nullptr, ws_v);
+  float* ws_k = ws_kt + kv;
+  float* ws_v = ws_k + kv;
+  prepare_kv<T>(d, static_cast<const T*>(a.k), a.sk, row_of, ws_kt, ws_k);
+  prepare_kv<T>(d, v, a.sv, row_of, nullptr, ws_v);
 
   std::vector<int64_t> cost(d.B * d.Hkv * nq);
   for (int64_t bh = 0; bh < d.B * d.Hkv; ++bh)
@@ -266,13 +271,11 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     const int64_t M = r1 - r0, GM = G * M;
     float* qs = buf.q.data();  // row g * M + i: head hk * G + g, token r0 + i
     for (int64_t g = 0; g < G; ++g)
-      load_rows(q + b * a.sq.b + (hk * G + g) * a.sq.h + r0 * a.sq.s, a.sq.s, M, D, a.scale,
+      load_rows(q + b * a.sq.b + (hk * G + g) * a.sq.h, a.sq.s, row_of, r0, M, D, a.scale,
                 qs + g * M * D, D);
     const float* kt = ws_kt + bhk * D * S;
-    const float* vrows = ws_v != nullptr
-                             ? ws_v + bhk * S * D
-                             : reinterpret_cast<const float*>(v) + b * a.sv.b + hk * a.sv.h;
-    const int64_t ldv = ws_v != nullptr ? D : a.sv.s;
+    const float* vrows = ws_v + bhk * S * D;
+    const int64_t ldv = D;
     float* s = buf.s.data();
     float* acc = buf.acc.data();
     std::fill_n(acc, GM * D, 0.f);
@@ -311,8 +314,9 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
         float* arow = acc + row * D;
         // Every row sees at least itself, so l > 0; the guard keeps a malformed table finite.
         scale_row(arow, D, l > 0.f ? 1.f / l : 0.f);
-        store_float(arow, out + (bh * S + r0 + i) * D, D);
-        a.lse[bh * S + r0 + i] = l > 0.f ? buf.m[row] + std::log(l) : kNegInf;
+        const int64_t mem = row_of[r0 + i];
+        store_float(arow, out + (bh * S + mem) * D, D);
+        a.lse[bh * S + mem] = l > 0.f ? buf.m[row] + std::log(l) : kNegInf;
       }
     }
   });
@@ -333,7 +337,8 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
 //   lse    lse (-inf -> +inf)  [B, Hkv, S*G]
 //   delta  rowsum(dO * O)      [B, Hkv, S*G]
 //   dqt    dQ^T per chunk      [chunks, B, Hkv, D, S*G]
-//   kf, vf K, V as fp32 rows   [B, Hkv, S, D]        (bf16/fp16 inputs only)
+//   kf, vf K, V as fp32 rows   [B, Hkv, S, D]
+// All in the table's processing order; AttnBwdArgs::row_of maps back to memory rows.
 
 // Transposed mask: rows are keys [c0, c0 + N), columns are queries [r0, r0 + M) x G heads.
 void apply_mask_t(float* s, int64_t lds, int32_t c0, int N, int32_t r0, int M, int64_t G,
@@ -404,12 +409,13 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
   float* ws_lse = ws_dor + qo;
   float* ws_delta = ws_lse + nrows;
   float* ws_dqt = ws_delta + nrows;
-  float* ws_kf = std::is_same_v<T, float> ? nullptr : ws_dqt + C * qo;
-  float* ws_vf = std::is_same_v<T, float> ? nullptr : ws_kf + kv;
+  float* ws_kf = ws_dqt + C * qo;
+  float* ws_vf = ws_kf + kv;
+  const int32_t* row_of = a.row_of;
 
-  prepare_kv<T>(d, k, a.sk, ws_kt, ws_kf);
-  if (ws_vf != nullptr) prepare_kv<T>(d, v, a.sv, nullptr, ws_vf);
-  // Group-interleaved Q, dO (rows and transposed), lse, delta; zeroed dQ^T accumulators.
+  prepare_kv<T>(d, k, a.sk, row_of, ws_kt, ws_kf);
+  prepare_kv<T>(d, v, a.sv, row_of, nullptr, ws_vf);
+  // Group-interleaved Q, dO (rows and transposed), lse, delta, in processing order.
   for_row_chunks(d.B, d.Hkv, S, [&](int64_t b, int64_t hk, int64_t r0, int64_t r1) {
     const int64_t bhk = b * d.Hkv + hk, n = (r1 - r0) * G;
     float* qr = ws_qr + (bhk * SG + r0 * G) * D;
@@ -418,10 +424,11 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     for (int64_t s_ = r0; s_ < r1; ++s_) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hk * G + g, c = (s_ - r0) * G + g, bh = b * d.Hq + h;
-        load_float(q + b * a.sq.b + h * a.sq.h + s_ * a.sq.s, qr + c * D, D);
-        load_float(dout + b * a.sdo.b + h * a.sdo.h + s_ * a.sdo.s, dor + c * D, D);
-        load_float(out + b * a.so.b + h * a.so.h + s_ * a.so.s, orow.data(), D);
-        const float lse = a.lse[bh * S + s_];
+        const int64_t mem = row_of[s_];
+        load_float(q + b * a.sq.b + h * a.sq.h + mem * a.sq.s, qr + c * D, D);
+        load_float(dout + b * a.sdo.b + h * a.sdo.h + mem * a.sdo.s, dor + c * D, D);
+        load_float(out + b * a.so.b + h * a.so.h + mem * a.so.s, orow.data(), D);
+        const float lse = a.lse[bh * S + mem];
         ws_lse[bhk * SG + s_ * G + g] =
             lse == kNegInf ? std::numeric_limits<float>::infinity() : lse;
         ws_delta[bhk * SG + s_ * G + g] = dot_row(dor + c * D, orow.data(), D);
@@ -436,10 +443,18 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
   const int nq = plan.num_q_tiles();
   std::vector<uint8_t> touched(static_cast<size_t>(C) * d.B * d.Hkv * nq, 0);
 
-  // item = (b * Hkv + hk) * C + chunk; chunk c owns key tiles c, c + C, c + 2C, ...
-  std::vector<int64_t> cost(d.B * d.Hkv * C, 0);
-  for (int64_t bh = 0; bh < d.B * d.Hkv; ++bh)
-    for (int kt = 0; kt < nk; ++kt) cost[bh * C + kt % C] += plan.k_cost[kt];
+  // item = (b * Hkv + hk) * C + chunk. Key tiles go to chunks greedily, most expensive first,
+  // each to the chunk with the least work so far: equal items balance best on the threads.
+  std::vector<std::vector<int>> chunk_tiles(C);
+  std::vector<int64_t> chunk_cost(C, 0);
+  for (int64_t kt : order_by_cost(plan.k_cost)) {
+    const int c = static_cast<int>(std::min_element(chunk_cost.begin(), chunk_cost.end()) -
+                                   chunk_cost.begin());
+    chunk_tiles[c].push_back(static_cast<int>(kt));
+    chunk_cost[c] += plan.k_cost[kt];
+  }
+  std::vector<int64_t> cost(d.B * d.Hkv * C);
+  for (int64_t i = 0; i < static_cast<int64_t>(cost.size()); ++i) cost[i] = chunk_cost[i % C];
   const auto order = order_by_cost(cost);
 
   const int64_t ldt = G * bq;  // leading dim of the [N x G*M] tiles
@@ -457,14 +472,9 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     const int chunk = static_cast<int>(item % C);
     const int64_t bhk = item / C, b = bhk / d.Hkv, hk = bhk % d.Hkv;
     const float* kt = ws_kt + bhk * D * S;
-    const float* krows = ws_kf != nullptr
-                             ? ws_kf + bhk * S * D
-                             : reinterpret_cast<const float*>(k) + b * a.sk.b + hk * a.sk.h;
-    const int64_t ldk = ws_kf != nullptr ? D : a.sk.s;
-    const float* vrows = ws_vf != nullptr
-                             ? ws_vf + bhk * S * D
-                             : reinterpret_cast<const float*>(v) + b * a.sv.b + hk * a.sv.h;
-    const int64_t ldv = ws_vf != nullptr ? D : a.sv.s;
+    const float* krows = ws_kf + bhk * S * D;
+    const float* vrows = ws_vf + bhk * S * D;
+    const int64_t ldk = D, ldv = D;
     const float* qt = ws_qt + bhk * D * SG;
     const float* qr = ws_qr + bhk * SG * D;
     const float* dot = ws_dot + bhk * D * SG;
@@ -474,7 +484,7 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     float* dqt = ws_dqt + chunk * qo + bhk * D * SG;
     uint8_t* seen = touched.data() + (chunk * d.B * d.Hkv + bhk) * nq;
     float *pt = buf.pt.data(), *dpt = buf.dpt.data();
-    for (int ktile = chunk; ktile < nk; ktile += C) {
+    for (const int ktile : chunk_tiles[chunk]) {
       const int32_t c0 = plan.k_start[ktile];
       const int64_t N = plan.k_start[ktile + 1] - c0;
       std::fill_n(buf.dk.data(), N * D, 0.f);
@@ -500,8 +510,11 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
       }
       // dK carries the softmax scale (S = scale * Q K^T); dV does not.
       scale_row(buf.dk.data(), N * D, a.scale);
-      store_float(buf.dk.data(), dk + (bhk * S + c0) * D, N * D);
-      store_float(buf.dv.data(), dv + (bhk * S + c0) * D, N * D);
+      for (int64_t j = 0; j < N; ++j) {
+        const int64_t mem = row_of[c0 + j];
+        store_float(buf.dk.data() + j * D, dk + (bhk * S + mem) * D, D);
+        store_float(buf.dv.data() + j * D, dv + (bhk * S + mem) * D, D);
+      }
     }
   });
 
@@ -529,7 +542,7 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
         for (int64_t g = 0; g < G; ++g) {
           float* r = rows.data() + ((s_ - r0) * G + g) * D;
           scale_row(r, D, a.scale);
-          store_float(r, dq + ((b * d.Hq + hk * G + g) * S + s_) * D, D);
+          store_float(r, dq + ((b * d.Hq + hk * G + g) * S + row_of[s_]) * D, D);
         }
     }
   });

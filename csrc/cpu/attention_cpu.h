@@ -62,9 +62,10 @@ struct AttnFwdArgs {
   Strides4 sk;
   const void* v;
   Strides4 sv;
-  void* out;         // [B, Hq, S, D] contiguous, q's dtype
-  float* lse;        // [B, Hq, S] contiguous
-  float* workspace;  // fwd_workspace_floats(dims, dtype) floats
+  void* out;              // [B, Hq, S, D] contiguous, q's dtype
+  float* lse;             // [B, Hq, S] contiguous
+  const int32_t* row_of;  // [S]: memory row of each token of the table's (processing) order
+  float* workspace;       // fwd_workspace_floats(dims, dtype) floats
 };
 
 struct AttnBwdArgs {
@@ -90,19 +91,18 @@ struct AttnBwdArgs {
   // bit-identical run to run (for a given chunk count, which the caller derives from the shape
   // and the thread count).
   int chunks;
-  float* workspace;  // bwd_workspace_floats(dims, dtype, chunks) floats
+  const int32_t* row_of;  // [S]: memory row of each token of the table's (processing) order
+  float* workspace;       // bwd_workspace_floats(dims, dtype, chunks) floats
 };
 
 // fp32 workspace sizes (in floats) of one call; see the layouts in attention_cpu.cpp.
-inline int64_t fwd_workspace_floats(const AttnDims& d, DType dt) {
-  const int64_t kv = d.B * d.Hkv * d.S * d.D;
-  return kv * (dt == DType::f32 ? 1 : 2);  // K^T, and V widened for bf16/fp16
+inline int64_t fwd_workspace_floats(const AttnDims& d, DType) {
+  return 3 * d.B * d.Hkv * d.S * d.D;  // K^T, K, V (fp32, processing order)
 }
-inline int64_t bwd_workspace_floats(const AttnDims& d, DType dt, int chunks) {
+inline int64_t bwd_workspace_floats(const AttnDims& d, DType, int chunks) {
   const int64_t kv = d.B * d.Hkv * d.S * d.D, qo = d.B * d.Hq * d.S * d.D, rows = d.B * d.Hq * d.S;
-  // K^T; Q^T, Q, dO^T, dO (heads of a group interleaved); lse, delta; dQ^T per chunk;
-  // K and V widened for bf16/fp16.
-  return kv + 4 * qo + 2 * rows + chunks * qo + (dt == DType::f32 ? 0 : 2 * kv);
+  // K^T; Q^T, Q, dO^T, dO (heads of a group interleaved); lse, delta; dQ^T per chunk; K, V.
+  return 3 * kv + 4 * qo + 2 * rows + chunks * qo;
 }
 
 }  // namespace jacobi::cpu

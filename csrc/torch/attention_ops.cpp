@@ -64,6 +64,38 @@ BlockTable check_table(const at::Tensor& block_start, const at::Tensor& kv_ptr,
   return BlockTable{bs, kp, ki, static_cast<int32_t>(nb)};
 }
 
+// Memory row of every token of the table's processing order. block_row (optional) gives each
+// block's first memory row; the blocks' ranges must tile [0, seq_len) exactly once.
+std::vector<int32_t> row_map(const BlockTable& t, int64_t seq_len, const at::Tensor* block_row,
+                             const at::Tensor& q) {
+  std::vector<int32_t> row_of(seq_len);
+  if (block_row == nullptr) {
+    for (int64_t i = 0; i < seq_len; ++i) row_of[i] = static_cast<int32_t>(i);
+    return row_of;
+  }
+  ck::rank(*block_row, "block_row", 1, "[num_blocks]");
+  ck::dtype(*block_row, "block_row", at::kInt);
+  ck::contiguous(*block_row, "block_row");
+  ck::same_device(*block_row, "block_row", q, "q");
+  TORCH_CHECK_VALUE(block_row->size(0) == t.num_blocks, "block_row must have one entry per block (",
+                    t.num_blocks, "), got ", block_row->size(0));
+  const int32_t* br = block_row->data_ptr<int32_t>();
+  std::vector<uint8_t> hit(seq_len, 0);
+  for (int b = 0; b < t.num_blocks; ++b) {
+    const int32_t len = t.block_start[b + 1] - t.block_start[b];
+    TORCH_CHECK_VALUE(br[b] >= 0 && static_cast<int64_t>(br[b]) + len <= seq_len, "block_row[", b,
+                      "] = ", br[b], " puts block ", b, " (", len, " tokens) outside [0, ", seq_len,
+                      ")");
+    for (int32_t i = 0; i < len; ++i) {
+      TORCH_CHECK_VALUE(!hit[br[b] + i], "block_row maps two blocks onto memory row ", br[b] + i,
+                        "; the blocks' memory ranges must not overlap");
+      hit[br[b] + i] = 1;
+      row_of[t.block_start[b] + i] = br[b] + i;
+    }
+  }
+  return row_of;
+}
+
 struct AttnShape {
   cpu::AttnDims dims;
   cpu::DType dtype;
@@ -137,14 +169,14 @@ void poison(std::initializer_list<at::Tensor*> ts) {
     if (t->defined()) t->fill_(std::numeric_limits<double>::quiet_NaN());
 }
 
-std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                           const at::Tensor& v,
-                                                           const at::Tensor& block_start,
-                                                           const at::Tensor& kv_ptr,
-                                                           const at::Tensor& kv_idx, double scale) {
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v, const at::Tensor& block_start,
+                                                 const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
+                                                 const at::Tensor* block_row, double scale) {
   const AttnShape sh = check_qkv(q, k, v);
   const auto& d = sh.dims;
   const BlockTable table = check_table(block_start, kv_ptr, kv_idx, q, d.S);
+  const std::vector<int32_t> row_of = row_map(table, d.S, block_row, q);
   at::Tensor out = at::empty({d.B, d.Hq, d.S, d.D}, q.options());
   at::Tensor lse = at::empty({d.B, d.Hq, d.S}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
@@ -164,17 +196,30 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, 
                               strides(v, "v"),
                               out.data_ptr(),
                               lse.data_ptr<float>(),
+                              row_of.data(),
                               ws.data_ptr<float>()};
   JACOBI_CPU_DISPATCH(block_attention_fwd, args, plan, table);
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cpu(
+std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v,
+                                                           const at::Tensor& block_start,
+                                                           const at::Tensor& kv_ptr,
+                                                           const at::Tensor& kv_idx, double scale) {
+  return attention_fwd(q, k, v, block_start, kv_ptr, kv_idx, nullptr, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> block_attention_ordered_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& block_start,
+    const at::Tensor& kv_ptr, const at::Tensor& kv_idx, const at::Tensor& block_row, double scale) {
+  return attention_fwd(q, k, v, block_start, kv_ptr, kv_idx, &block_row, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_start,
-    const at::Tensor& kv_ptr, const at::Tensor& kv_idx, double scale, bool deterministic) {
-  // The CPU backward is always deterministic (see AttnBwdArgs::dq_acc); the flag is for CUDA.
-  (void)deterministic;
+    const at::Tensor& kv_ptr, const at::Tensor& kv_idx, const at::Tensor* block_row, double scale) {
   const AttnShape sh = check_qkv(q, k, v);
   const auto& d = sh.dims;
   ck::rank(grad_out, "grad_out", 4, "[batch, q_heads, seq_len, head_dim]");
@@ -193,6 +238,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cpu(
   for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&out, "out"}, {&lse, "lse"}})
     ck::same_device(*t, name, q, "q");
   const BlockTable table = check_table(block_start, kv_ptr, kv_idx, q, d.S);
+  const std::vector<int32_t> row_of = row_map(table, d.S, block_row, q);
 
   at::Tensor dq = at::empty({d.B, d.Hq, d.S, d.D}, q.options());
   at::Tensor dk = at::empty({d.B, d.Hkv, d.S, d.D}, q.options());
@@ -232,9 +278,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cpu(
                               dk.data_ptr(),
                               dv.data_ptr(),
                               chunks,
+                              row_of.data(),
                               ws.data_ptr<float>()};
   JACOBI_CPU_DISPATCH(block_attention_bwd, args, plan, table);
   return {dq, dk, dv};
+}
+
+// The CPU backward is always deterministic (see AttnBwdArgs::chunks); the flag is for CUDA.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_start,
+    const at::Tensor& kv_ptr, const at::Tensor& kv_idx, double scale, bool /*deterministic*/) {
+  return attention_bwd(grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, nullptr, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_ordered_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_start,
+    const at::Tensor& kv_ptr, const at::Tensor& kv_idx, const at::Tensor& block_row, double scale,
+    bool /*deterministic*/) {
+  return attention_bwd(grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, &block_row, scale);
 }
 
 // The Jacobi Forcing block table, from JfLayout (block_table.h): the one statement of SPEC §4.
@@ -278,6 +341,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> jf_block_table(int64_t prompt_len
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("block_attention_fwd", &block_attention_fwd_cpu);
   m.impl("block_attention_bwd", &block_attention_bwd_cpu);
+  m.impl("block_attention_ordered_fwd", &block_attention_ordered_fwd_cpu);
+  m.impl("block_attention_ordered_bwd", &block_attention_ordered_bwd_cpu);
 }
 
 // No tensor arguments: a composite kernel is what the dispatcher runs for every backend.
