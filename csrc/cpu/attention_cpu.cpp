@@ -207,18 +207,15 @@ void for_row_chunks(int64_t B, int64_t H, int64_t S, F&& f) {
   });
 }
 
-// For every (batch, kv head): x in processing order as fp32 rows xf [B, Hkv, S, D] and, if xt
-// is given, transposed xt [B, Hkv, D, S]. O(S * D) per head, once per call.
+// Tokens [r0, r1) of kv head (b, h): x in processing order as fp32 rows into xf
+// [B, Hkv, S, D] and, if xt is given, transposed into xt [B, Hkv, D, S].
 template <typename T>
-void prepare_kv(const AttnDims& d, const T* x, Strides4 sx, const int32_t* row_of, float* xt,
-                float* xf) {
-  const int64_t S = d.S, D = d.D;
-  for_row_chunks(d.B, d.Hkv, S, [&](int64_t b, int64_t h, int64_t r0, int64_t r1) {
-    const int64_t bh = b * d.Hkv + h;
-    float* rows = xf + (bh * S + r0) * D;
-    load_rows(x + b * sx.b + h * sx.h, sx.s, row_of, r0, r1 - r0, D, 1.f, rows, D);
-    if (xt != nullptr) transpose(rows, D, r1 - r0, D, xt + bh * D * S + r0, S);
-  });
+void prepare_kv_rows(const AttnDims& d, const T* x, Strides4 sx, const int32_t* row_of, int64_t b,
+                     int64_t h, int64_t r0, int64_t r1, float* xt, float* xf) {
+  const int64_t S = d.S, D = d.D, bh = b * d.Hkv + h;
+  float* rows = xf + (bh * S + r0) * D;
+  load_rows(x + b * sx.b + h * sx.h, sx.s, row_of, r0, r1 - r0, D, 1.f, rows, D);
+  if (xt != nullptr) transpose(rows, D, r1 - r0, D, xt + bh * D * S + r0, S);
 }
 
 // ---- forward --------------------------------------------------------------------------------
@@ -246,8 +243,12 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
   float* ws_kt = a.workspace;
   float* ws_k = ws_kt + kv;
   float* ws_v = ws_k + kv;
-  prepare_kv<T>(d, static_cast<const T*>(a.k), a.sk, row_of, ws_kt, ws_k);
-  prepare_kv<T>(d, v, a.sv, row_of, nullptr, ws_v);
+  // One parallel pass for both (each pass ends in a barrier, which costs a scheduler time slice
+  // whenever a thread has been preempted on a busy machine).
+  for_row_chunks(d.B, d.Hkv, S, [&](int64_t b, int64_t h, int64_t r0, int64_t r1) {
+    prepare_kv_rows(d, static_cast<const T*>(a.k), a.sk, row_of, b, h, r0, r1, ws_kt, ws_k);
+    prepare_kv_rows(d, v, a.sv, row_of, b, h, r0, r1, nullptr, ws_v);
+  });
 
   std::vector<int64_t> cost(d.B * d.Hkv * nq);
   for (int64_t bh = 0; bh < d.B * d.Hkv; ++bh)
@@ -413,10 +414,11 @@ void bwd_impl(const AttnBwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
   float* ws_vf = ws_kf + kv;
   const int32_t* row_of = a.row_of;
 
-  prepare_kv<T>(d, k, a.sk, row_of, ws_kt, ws_kf);
-  prepare_kv<T>(d, v, a.sv, row_of, nullptr, ws_vf);
-  // Group-interleaved Q, dO (rows and transposed), lse, delta, in processing order.
+  // One parallel pass: K, V (rows, K^T) and the group-interleaved Q, dO (rows and transposed),
+  // lse and delta, all in processing order.
   for_row_chunks(d.B, d.Hkv, S, [&](int64_t b, int64_t hk, int64_t r0, int64_t r1) {
+    prepare_kv_rows(d, k, a.sk, row_of, b, hk, r0, r1, ws_kt, ws_kf);
+    prepare_kv_rows(d, v, a.sv, row_of, b, hk, r0, r1, nullptr, ws_vf);
     const int64_t bhk = b * d.Hkv + hk, n = (r1 - r0) * G;
     float* qr = ws_qr + (bhk * SG + r0 * G) * D;
     float* dor = ws_dor + (bhk * SG + r0 * G) * D;
