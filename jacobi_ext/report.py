@@ -149,23 +149,33 @@ def figure_sweep(benches, path: Path) -> Path | None:
 
 
 def _attention_rows(benches):
+    """Rows of bench_attention.py: extra_info impl, mode (fwd | fwdbwd), seq_len, dtype, variant,
+    gflops (on the mask's useful FLOPs), peak_extra_mib; plus the matmul reference rate."""
     rows = []
     for b in benches:
         e = b.get("extra_info", {})
-        if "seq_len" in e and ("impl" in e or "kernel" in e) and "pass" in e:
+        if "seq_len" in e and "impl" in e and "mode" in e:
             rows.append(
                 dict(
-                    impl=e.get("impl", e.get("kernel")),
+                    impl=e["impl"],
                     seq_len=e["seq_len"],
-                    passes=e["pass"],
+                    passes=e["mode"],
                     dtype=e.get("dtype", ""),
                     variant=e.get("variant", ""),
                     median=_median(b),
                     gflops=e.get("gflops"),
-                    peak_mb=e.get("peak_mb"),
+                    peak_mb=e.get("peak_extra_mib"),
                 )
             )
     return rows
+
+
+def _matmul_rates(benches) -> dict:
+    return {
+        b["extra_info"]["dtype"]: b["extra_info"]["gflops"]
+        for b in benches
+        if b.get("extra_info", {}).get("impl") == "matmul"
+    }
 
 
 def figure_attention(benches, path: Path, dtype="float32", variant="noisy_context") -> Path | None:

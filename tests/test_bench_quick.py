@@ -45,3 +45,16 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
     assert data["benchmarks"], "the suite produced no benchmark"
     for b in data["benchmarks"]:
         assert b["stats"]["median"] > 0
+    if suite == "bench_attention.py":
+        infos = [b["extra_info"] for b in data["benchmarks"]]
+        impls = {(e["impl"], e.get("mode")) for e in infos}
+        assert {("jacobi", "fwd"), ("jacobi", "fwdbwd"), ("sdpa_dense", "fwdbwd")} <= impls
+        assert ("two_pass", "fwdbwd") in impls and ("matmul", None) in impls
+        for e in infos:
+            assert e["gflops"] > 0
+            if e["impl"] != "matmul":
+                assert 0 < e["useful_fraction"] <= 1
+        from jacobi_ext import report
+
+        text = report.markdown(report.load([out]), {"cpu": "test"}, {})
+        assert "## Training attention" in text and "| jacobi |" in text

@@ -22,6 +22,25 @@ TORCH_LIBRARY(jacobi_ext, m) {
       "block_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor block_start, Tensor kv_ptr, Tensor kv_idx, float scale, "
       "bool deterministic) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // The same with the table in a processing order that differs from the memory order: block b
+  // (of the table) lives at memory rows [block_row[b], block_row[b] + its length). The tokens
+  // are reordered inside the kernel's own copy passes, at no extra cost, so a layout can be
+  // processed in the order where its visible key blocks are contiguous (Jacobi Forcing: "stream
+  // order", see jacobi_ext/layout.py) while q, k, v, out and the grads stay in memory order.
+  // block_row: int32 [num_blocks], a permutation of the blocks' memory ranges.
+  m.def(
+      "block_attention_ordered_fwd(Tensor q, Tensor k, Tensor v, Tensor block_start, "
+      "Tensor kv_ptr, Tensor kv_idx, Tensor block_row, float scale) -> (Tensor out, Tensor lse)");
+  m.def(
+      "block_attention_ordered_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, Tensor block_start, Tensor kv_ptr, Tensor kv_idx, Tensor block_row, "
+      "float scale, bool deterministic) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // The Jacobi Forcing block table (SPEC §4), built from JfLayout in block_table.h so that the
+  // visibility rule is stated once. variant: 0 noisy_context, 1 clean_context, 2 windowed (window
+  // = pairs per window; ignored otherwise). int32 tensors on the CPU.
+  m.def(
+      "jf_block_table(int prompt_len, int block_size, int num_pairs, int variant, int window) -> "
+      "(Tensor block_start, Tensor kv_ptr, Tensor kv_idx)");
   // Decoding: one verify-accept-recycle step over the packed rows of a forward
   // (semantics: csrc/include/jacobi/verify.h). pool / pool_len / pool_head are updated in place.
   m.def(
