@@ -70,7 +70,7 @@ def block_attention(
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     plan = StreamPlan(reordered, table.block_rows(order), perm, inv)
-    return _run_plan(q, k, v, plan, scale)
+    return _run_plan(q, k, v, plan, scale, original=table)
 
 
 def _run(q, k, v, table: BlockTable, block_row: torch.Tensor | None, scale: float | None):
@@ -84,12 +84,19 @@ def _run(q, k, v, table: BlockTable, block_row: torch.Tensor | None, scale: floa
     return out
 
 
-def _run_plan(q, k, v, plan: StreamPlan, scale: float | None) -> torch.Tensor:
+def _run_plan(
+    q, k, v, plan: StreamPlan, scale: float | None, original: BlockTable | None = None
+) -> torch.Tensor:
     device = q.device
     table, block_row = plan.table.to(device), plan.block_row.to(device)
     if _ops.has_kernel("block_attention_ordered_fwd", device):
         # The kernel reorders the tokens inside its own copy passes: no extra traffic.
         return _run(q, k, v, table, block_row, scale)
+    if device.type == "cuda" and original is not None:
+        # The CUDA kernels compute their own stream-order permutation from the table and read
+        # rows through it (csrc/include/jacobi/attention_plan.h): gathering here would only add
+        # six copies of q/k/v/out and their gradients.
+        return _run(q, k, v, original.to(device), None, scale)
     # Devices without the ordered kernel: gather into processing order and back.
     perm, inv = plan.perm.to(device), plan.inv.to(device)
     qs, ks, vs = (_PermuteTokens.apply(x, perm, inv) for x in (q, k, v))
@@ -101,6 +108,11 @@ def _stream_plan(layout: JacobiLayout, device: torch.device) -> StreamPlan:
     # Host-side bookkeeping (a few small int tensors, cached on the layout): kept out of
     # torch.compile graphs, whose tensors it only feeds as inputs.
     return layout.stream_plan(device)
+
+
+@torch.compiler.disable
+def _block_table(layout: JacobiLayout, device: torch.device) -> BlockTable:
+    return layout.block_table(device)
 
 
 def jacobi_attention(
@@ -121,4 +133,6 @@ def jacobi_attention(
             f"q, k, v have seq_len {q.shape[2]} but {layout} describes "
             f"P + 2*T*n = {layout.seq_len} tokens; pass the layout of this packed sequence"
         )
-    return _run_plan(q, k, v, _stream_plan(layout, q.device), scale)
+    return _run_plan(
+        q, k, v, _stream_plan(layout, q.device), scale, original=_block_table(layout, q.device)
+    )
