@@ -2,22 +2,34 @@
 
 Public API (filled in by the layers below; see README):
     JacobiLayout, jacobi_attention          the block-causal training attention
+    BlockTable, block_attention             the same for any block-causal layout
+    jacobi_ext.hf.jacobi_layout             attn_implementation="jacobi" for transformers models
     generate                                Jacobi / multi-block decoding, same output as greedy
     jacobi_ext.models.load_model            the default model (SmolLM2-135M-Instruct), offline
 """
 
+from . import _hf_hook
 from ._native import BUILT_WITH_TORCH, CPU_ISA, WITH_CUDA
 from ._version import __version__
+from .attention import block_attention, jacobi_attention
 from .decoding import GenerateResult, generate
+from .layout import BlockTable, JacobiLayout
+
+# attn_implementation="jacobi" for transformers models, registered without importing transformers.
+_hf_hook.install()
 
 __all__ = [
     "__version__",
     "BUILT_WITH_TORCH",
     "CPU_ISA",
     "WITH_CUDA",
+    "BlockTable",
     "GenerateResult",
+    "JacobiLayout",
+    "block_attention",
     "build_info",
     "generate",
+    "jacobi_attention",
 ]
 
 
