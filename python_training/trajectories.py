@@ -36,7 +36,15 @@ from .prompts import Prompt
 
 SCHEMA_VERSION = 1
 META = "meta.json"
-_META_KEYS = ("schema_version", "teacher", "block_size", "max_new_tokens", "eos_ids", "pad_id")
+_META_KEYS = (
+    "schema_version",
+    "teacher",
+    "block_size",
+    "max_new_tokens",
+    "eos_ids",
+    "pad_id",
+    "dtype",
+)
 
 
 def _repair_and_read(path: Path) -> list[dict]:
