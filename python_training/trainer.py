@@ -273,8 +273,20 @@ def save_hf(acc, model, tokenizer, path: Path) -> None:
     state = acc.get_state_dict(model)
     if acc.is_main_process:
         m = acc.unwrap_model(model)
-        if hasattr(m, "gradient_checkpointing_disable"):
-            m.gradient_checkpointing_disable()
+        off = getattr(m, "activation_checkpointing_disable", None) or getattr(
+            m, "gradient_checkpointing_disable", None
+        )
+        if off is not None:
+            off()
+        # A model loaded from GGUF (the default SmolLM2) carries a GGUF "quantizer" although its
+        # weights were dequantised to dense tensors on load; the result is an ordinary model.
+        if (
+            getattr(m, "hf_quantizer", None) is not None
+            and "gguf" in type(m.hf_quantizer).__name__.lower()
+        ):
+            m.hf_quantizer = None
+            if hasattr(m.config, "quantization_config"):
+                del m.config.quantization_config
         m.config.use_cache = True
         m.save_pretrained(str(path), state_dict=state, safe_serialization=True)
         if tokenizer is not None:
