@@ -228,11 +228,20 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_bench)
 
 
+def _training_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
+    # The distillation commands (collect, train, distill, eval) live in python_training/cli.py,
+    # next to the code they drive; that module imports nothing heavy at top level.
+    from python_training.cli import REGISTRARS as training
+
+    return list(training)
+
+
 # Subcommand registrars, in the order `--help` lists them.
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_demo,
     _add_generate,
     _add_tune,
+    *_training_registrars(),
     _add_bench,
     _add_info,
 ]

@@ -1,0 +1,184 @@
+"""The distillation subcommands of ``jacobi-forcing``: collect, train, distill, eval.
+
+Registered by ``jacobi_ext.cli``; heavy imports (torch models, transformers, accelerate) happen
+inside the handlers so ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+_DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _threads(args) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _cmd_collect(args: argparse.Namespace) -> int:
+    from jacobi_ext.models import load_model
+
+    from .prompts import load_prompts
+    from .trajectories import collect
+
+    _threads(args)
+    end = args.start + args.limit if args.limit else None
+    prompts = load_prompts(args.prompts)[args.start : end]
+    model, tok = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    k, N = (int(x) for x in args.shard.split("/"))
+    s = collect(
+        model, tok, prompts, args.out, block_size=args.block_size,
+        max_new_tokens=args.max_new_tokens, teacher=args.model or "base", shard=(k, N),
+        max_prompt_tokens=args.max_prompt_tokens,
+    )  # fmt: skip
+    print(json.dumps(s))
+    return 0
+
+
+def _add_collect(sub) -> None:
+    p = sub.add_parser(
+        "collect",
+        help="collect a teacher's Jacobi trajectories (resumable JSONL, see "
+        "python_training/trajectories.py for the format)",
+    )
+    p.add_argument("--out", required=True, help="trajectory directory (created / resumed)")
+    p.add_argument("--prompts", default=None, help="JSONL of prompts (default: stdlib prompts)")
+    p.add_argument("--start", type=int, default=0, help="first prompt index")
+    p.add_argument("--limit", type=int, default=None, help="number of prompts")
+    p.add_argument("--block-size", type=int, default=16, help="n (default 16)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, help="cap, a multiple of n (default 64)"
+    )
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts")
+    p.add_argument("--shard", default="0/1", help="k/N: this process's share of the prompts")
+    p.add_argument("--model", default=None, help="teacher (default SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(handler=_cmd_collect)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .trainer import TrainConfig, train
+
+    d = {}
+    if args.config:
+        d.update(json.loads(Path(args.config).read_text()))
+    for k in ("model", "out", "window", "schedule", "variant", "mask_window", "max_blocks",
+              "max_seq_len", "ar_weight", "temperature", "lr", "epochs", "max_steps",
+              "grad_accum", "mixed_precision", "save_every", "seed", "threads"):  # fmt: skip
+        v = getattr(args, k)
+        if v is not None:
+            d[k] = v
+    if args.data:
+        d["data"] = args.data
+    if args.gradient_checkpointing:
+        d["gradient_checkpointing"] = True
+    last = train(TrainConfig.from_dict(d))
+    print(json.dumps(last))
+    return 0
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train AR + progressive consistency on trajectories (accelerate; resumes from the "
+        "latest checkpoint in --out; run under `accelerate launch` for several processes)",
+    )
+    p.add_argument("--data", nargs="+", default=None, help="trajectory directories")
+    p.add_argument("--out", default=None, help="run directory (default runs/train)")
+    p.add_argument("--config", default=None, help="JSON of TrainConfig fields (flags override)")
+    p.add_argument("--model", default=None, help="initial weights (default SmolLM2-135M)")
+    p.add_argument("--window", type=int, default=None, help="noise window W (default 16)")
+    p.add_argument("--schedule", default=None, choices=["linear", "random", "reverse"])
+    p.add_argument(
+        "--variant", default=None, choices=["noisy_context", "clean_context", "windowed"]
+    )
+    p.add_argument("--mask-window", type=int, default=None)
+    p.add_argument("--max-blocks", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--ar-weight", type=float, default=None, help="λ (default 10)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--lr", type=float, default=None, help="default 1e-5")
+    p.add_argument("--epochs", type=float, default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--grad-accum", type=int, default=None)
+    p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"])
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--save-every", type=int, default=None, help="optimizer steps per checkpoint")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(handler=_cmd_train)
+
+
+def _cmd_distill(args: argparse.Namespace) -> int:
+    from .distill import load_recipe, run_recipe
+
+    recipe = load_recipe(args.recipe)
+    final = run_recipe(recipe, out=args.out)
+    print(f"final model: {final}")
+    return 0
+
+
+def _add_distill(sub) -> None:
+    p = sub.add_parser(
+        "distill",
+        help="run a curriculum recipe: collect -> train per stage, regenerating trajectories "
+        "with each stage's model (resumable; finished stages are skipped)",
+    )
+    p.add_argument("--recipe", required=True, help="TOML recipe (python_training/recipes/)")
+    p.add_argument("--out", default=None, help="override the recipe's output directory")
+    p.set_defaults(handler=_cmd_distill)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from jacobi_ext.models import load_model
+
+    from .evaluate import evaluate, format_summary
+
+    _threads(args)
+    model, tok = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    s = evaluate(
+        model, tok, args.results, methods=args.methods, limit=args.limit, offset=args.offset,
+        max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+        num_blocks=args.num_blocks, pool_size=args.pool_size, timeout=args.timeout,
+        label=args.label or str(args.model or "base"),
+    )  # fmt: skip
+    print(format_summary(s))
+    return 0
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="HumanEval: TPF, tokens/s, speedup over transformers greedy, pass@1 (resumable)",
+    )
+    p.add_argument("--results", required=True, help="JSONL results file (appended / resumed)")
+    p.add_argument("--model", default=None, help="checkpoint (default SmolLM2-135M-Instruct)")
+    p.add_argument("--methods", nargs="+", default=["greedy", "jacobi", "multiblock"])
+    p.add_argument("--limit", type=int, default=None, help="problems (default all 164)")
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=2)
+    p.add_argument("--pool-size", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per test run")
+    p.add_argument("--label", default=None)
+    p.add_argument("--dtype", default="float32", choices=_DTYPES)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(handler=_cmd_eval)
+
+
+REGISTRARS = [_add_collect, _add_train, _add_distill, _add_eval]

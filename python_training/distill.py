@@ -1,0 +1,102 @@
+"""The curriculum (SPEC §3): stage 1 (n=16, W=16) on the base model's trajectories, then each
+later stage regenerates trajectories with the previous stage's model (on-policy) and trains on
+from its weights, as one resumable command driven by a recipe file (TOML).
+
+On-disk layout under the recipe's ``out``::
+
+    stage-<k>-<name>/trajectories/   collection (resumable; COLLECTED marks it complete)
+    stage-<k>-<name>/train/          training (resumable; train/final is the stage's model,
+                                     TRAINED marks it complete)
+    final -> the last stage's train/final
+
+Rerunning the command skips finished stages and resumes an unfinished one where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def load_recipe(path: str | Path) -> dict:
+    with open(path, "rb") as f:
+        recipe = tomllib.load(f)
+    if not recipe.get("stages"):
+        raise ValueError(f"{path}: a recipe needs at least one [[stages]] table")
+    return recipe
+
+
+def _mark(path: Path, info: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, path)
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def run_recipe(recipe: dict, out: str | Path | None = None, progress: bool = True) -> Path:
+    """Run (or resume) every stage of ``recipe``; returns the final model's directory."""
+    import torch
+
+    from jacobi_ext.models import load_model
+
+    from .prompts import load_prompts
+    from .trainer import TrainConfig, train
+    from .trajectories import collect
+
+    out = Path(out or recipe.get("out", "runs/distill"))
+    out.mkdir(parents=True, exist_ok=True)
+    base = recipe.get("model") or None
+    threads = recipe.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    pcfg = recipe.get("prompts", {})
+    prompts = load_prompts(pcfg.get("source"), None)
+    teacher = base
+    for k, st in enumerate(recipe["stages"], 1):
+        sdir = out / f"stage-{k}-{st.get('name', 'stage')}"
+        tdir, rdir = sdir / "trajectories", sdir / "train"
+        n = int(st["block_size"])
+        # Collection: the base model for stage 1, the previous stage's model after that.
+        if not (sdir / "COLLECTED").exists():
+            t0 = time.perf_counter()
+            model, tok = load_model(teacher, dtype=_dtype(st.get("collect_dtype", "float32")))
+            lo, hi = st.get("prompt_range", [0, len(prompts)])
+            summary = collect(
+                model, tok, prompts[lo:hi], tdir, block_size=n,
+                max_new_tokens=int(st["max_new_tokens"]), teacher=str(teacher or "base"),
+                max_prompt_tokens=pcfg.get("max_prompt_tokens"), progress=progress,
+            )  # fmt: skip
+            del model
+            summary["wall_seconds"] = time.perf_counter() - t0
+            _mark(sdir / "COLLECTED", summary)
+            print(f"stage {k}: collected {summary}", flush=True)
+        final = rdir / "final"
+        if not (sdir / "TRAINED").exists():
+            t0 = time.perf_counter()
+            tcfg = dict(st.get("train", {}))
+            tcfg.update(model=teacher, data=[str(tdir)], out=str(rdir))
+            tcfg.setdefault("window", int(st.get("window", 16)))
+            tcfg.setdefault("threads", threads)
+            last = train(TrainConfig.from_dict(tcfg), progress=progress)
+            last["wall_seconds"] = time.perf_counter() - t0
+            _mark(sdir / "TRAINED", last)
+            print(f"stage {k}: trained {last}", flush=True)
+        teacher = str(final)
+    link = out / "final"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(teacher).resolve())
+    return link

@@ -1,0 +1,103 @@
+"""The Jacobi Forcing objective (SPEC §5): λ·AR + progressive consistency, from ONE forward of
+the packed sequence with ``attn_implementation="jacobi"``.
+
+Only the logits the loss reads are computed: transformers' ``logits_to_keep`` takes an index
+tensor, so the LM head runs on the AR positions and the consistency positions only (the noisy
+positions before f_j, and everything after EOS, never reach the vocabulary projection). The
+soft cross-entropy is evaluated in row chunks under activation checkpointing, so the [rows, V]
+softmax / log-softmax temporaries exist for one chunk at a time, in the forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from jacobi_ext.hf import jacobi_layout
+
+from .packing import IGNORE, PackedExample
+
+CHUNK_ROWS = 1024  # rows of [rows, vocab] per soft-CE chunk
+
+
+@dataclass
+class LossParts:
+    total: torch.Tensor  # λ·AR + consistency, differentiable
+    ar: float
+    consistency: float
+    ar_tokens: int
+    cons_tokens: int
+
+
+def _soft_ce_sum(noisy: torch.Tensor, clean: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Σ_rows −Σ_v softmax(clean/τ) · log_softmax(noisy/τ), in float32."""
+    p = F.softmax(clean.float() / temperature, dim=-1)
+    logq = F.log_softmax(noisy.float() / temperature, dim=-1)
+    return -(p * logq).sum()
+
+
+def soft_cross_entropy(
+    noisy: torch.Tensor, clean: torch.Tensor, temperature: float = 1.0, chunk: int = CHUNK_ROWS
+) -> torch.Tensor:
+    """Summed soft CE of ``noisy`` logits against ``clean`` logits ([rows, V] each; the caller
+    detaches ``clean``), evaluated chunk by chunk."""
+    total = noisy.new_zeros((), dtype=torch.float32)
+    for s in range(0, noisy.shape[0], chunk):
+        a, b = noisy[s : s + chunk], clean[s : s + chunk]
+        if torch.is_grad_enabled() and a.requires_grad:
+            total = total + checkpoint(_soft_ce_sum, a, b, temperature, use_reentrant=False)
+        else:
+            total = total + _soft_ce_sum(a, b, temperature)
+    return total
+
+
+def logit_rows(ex: PackedExample) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The positions whose logits the loss needs (sorted, unique) and, for the AR targets and
+    the two sides of each consistency pair, their row in that kept set."""
+    ar_pos = (ex.ar_labels != IGNORE).nonzero().flatten()
+    keep = torch.cat([ar_pos, ex.cons_noisy, ex.cons_clean]).unique(sorted=True)
+    row = torch.full((ex.input_ids.numel(),), -1, dtype=torch.long)
+    row[keep] = torch.arange(keep.numel())
+    return keep, row[ar_pos], row[ex.cons_noisy], row[ex.cons_clean]
+
+
+def example_loss(
+    model,
+    ex: PackedExample,
+    ar_weight: float = 10.0,
+    temperature: float = 1.0,
+) -> LossParts:
+    """λ·AR + consistency for one packed example (SPEC §5) from one forward."""
+    device = next(model.parameters()).device
+    keep, ar_rows, noisy_rows, clean_rows = logit_rows(ex)
+    with jacobi_layout(ex.layout):
+        logits = model(
+            input_ids=ex.input_ids[None].to(device),
+            position_ids=ex.position_ids[None].to(device),
+            logits_to_keep=keep.to(device),
+            use_cache=False,
+        ).logits[0]
+    labels = ex.ar_labels[keep[ar_rows]].to(device)
+    ar_tokens = int(labels.numel())
+    ar = (
+        F.cross_entropy(logits[ar_rows.to(device)].float(), labels, reduction="mean")
+        if ar_tokens
+        else logits.sum() * 0.0
+    )
+    cons_tokens = int(noisy_rows.numel())
+    if cons_tokens:
+        # Mean over kept positions, divided by the number of blocks T (SPEC §5); the clean
+        # logits are a detached target from this same forward.
+        s = soft_cross_entropy(
+            logits[noisy_rows.to(device)],
+            logits[clean_rows.to(device)].detach(),
+            temperature,
+        )
+        cons = s / cons_tokens / ex.num_blocks
+    else:
+        cons = logits.sum() * 0.0
+    total = ar_weight * ar + cons
+    return LossParts(total, float(ar.detach()), float(cons.detach()), ar_tokens, cons_tokens)

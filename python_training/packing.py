@@ -1,0 +1,205 @@
+"""Noise-scheduled packing of Jacobi trajectories into training sequences (SPEC §3, §5).
+
+One trajectory record (python_training.trajectories) becomes one packed sequence
+``[prompt P][noisy_0 n][clean_0 n] ... [noisy_{T-1}][clean_{T-1}]`` with its JacobiLayout,
+shared position ids, AR targets and the (noisy, clean) index pairs of the consistency loss.
+Everything here is plain integer bookkeeping; the loss (python_training.loss) consumes it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from jacobi_ext.layout import JacobiLayout
+
+SCHEDULES = ("linear", "random", "reverse")
+IGNORE = -100  # cross_entropy's ignore_index
+
+
+def first_divergence(state: Sequence[int], fixed: Sequence[int]) -> int:
+    """Index of the first position where ``state`` differs from ``fixed`` (len if equal)."""
+    for i, (a, b) in enumerate(zip(state, fixed, strict=True)):
+        if a != b:
+            return i
+    return len(fixed)
+
+
+def noise(state: Sequence[int], fixed: Sequence[int]) -> float:
+    """SPEC §3: the left-to-right unconverged fraction (n - d) / n, not a Hamming distance."""
+    n = len(fixed)
+    return (n - first_divergence(state, fixed)) / n
+
+
+def target_noise(j: int, window: int, schedule: str = "linear", rng: random.Random | None = None):
+    """Target noise of block j. "linear": linspace(0, 1, W)[j mod W], a saw-tooth repeating every
+    W blocks (the published schedule); "reverse": the same teeth descending; "random": a level
+    of the same grid drawn from ``rng`` (ablations)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    levels = [k / (window - 1) for k in range(window)] if window > 1 else [0.0]
+    if schedule == "linear":
+        return levels[j % window]
+    if schedule == "reverse":
+        return levels[window - 1 - j % window]
+    if schedule == "random":
+        if rng is None:
+            raise ValueError("schedule='random' needs an rng")
+        return rng.choice(levels)
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def select_state(states: Sequence[Sequence[int]], target: float) -> int:
+    """Index of the state whose noise (against the last state, the fixed point) is nearest
+    ``target``; ties go to the earliest state."""
+    fixed = states[-1]
+    best, best_d = 0, float("inf")
+    for i, s in enumerate(states):
+        d = abs(noise(s, fixed) - target)
+        if d < best_d - 1e-12:  # strict: an equal distance later keeps the earlier state
+            best, best_d = i, d
+    return best
+
+
+def pad_after_eos(tokens: Sequence[int], n: int, eos_ids: set[int], pad_id: int) -> list[int]:
+    """``tokens`` cut after its first EOS (kept) and padded with ``pad_id`` to n."""
+    out = list(tokens[:n])
+    for i, t in enumerate(out):
+        if t in eos_ids:
+            out = out[: i + 1]
+            break
+    return out + [pad_id] * (n - len(out))
+
+
+def eos_index(block: Sequence[int], eos_ids: set[int]) -> int | None:
+    for i, t in enumerate(block):
+        if t in eos_ids:
+            return i
+    return None
+
+
+@dataclass
+class PackedExample:
+    """One packed sequence and its loss bookkeeping (all 1-D LongTensors on the CPU).
+
+    ``ar_labels[i]`` is the token the logit at i must predict (IGNORE where none);
+    ``cons_noisy[k]`` / ``cons_clean[k]`` index the logits of the k-th consistency term (the same
+    offset of noisy_j and clean_j); ``cons_block[k]`` is its pair j.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    layout: JacobiLayout
+    ar_labels: torch.Tensor
+    cons_noisy: torch.Tensor
+    cons_clean: torch.Tensor
+    cons_block: torch.Tensor
+    noise_levels: list[float]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+
+def pack(
+    prompt_ids: Sequence[int],
+    blocks: Sequence[Sequence[Sequence[int]]],
+    block_size: int,
+    eos_ids: set[int] | Sequence[int],
+    pad_id: int,
+    window: int = 16,
+    schedule: str = "linear",
+    seed: int = 0,
+    variant: str = "noisy_context",
+    mask_window: int | None = None,
+    max_blocks: int | None = None,
+) -> PackedExample:
+    """Pack one trajectory (SPEC §3) and derive its AR targets and consistency pairs (SPEC §5).
+
+    ``blocks[j]`` is block j's list of states (the last is the fixed point). States are
+    normalised to n tokens with PAD after the first EOS. Deterministic given ``seed`` (only the
+    "random" schedule draws).
+    """
+    n = block_size
+    eos = set(eos_ids)
+    rng = random.Random(seed)
+    blocks = list(blocks[:max_blocks] if max_blocks is not None else blocks)
+    for j, states in enumerate(blocks):  # nothing after the EOS block is part of the answer
+        if eos_index(pad_after_eos(states[-1], n, eos, pad_id), eos) is not None:
+            blocks = blocks[: j + 1]
+            break
+    if not blocks:
+        raise ValueError("a trajectory needs at least one block")
+    P, T = len(prompt_ids), len(blocks)
+    if P < 1:
+        raise ValueError("a trajectory needs a prompt")
+    layout = JacobiLayout(
+        prompt_len=P, block_size=n, num_blocks=T, variant=variant, window=mask_window
+    )
+    ids = list(prompt_ids)
+    labels = [IGNORE] * layout.seq_len
+    labels[: P - 1] = list(prompt_ids[1:])  # prompt next-token pairs
+    cons_noisy, cons_clean, cons_block, levels = [], [], [], []
+    prev_last = P - 1  # the logit that predicts clean_j[0]: last prompt / last of clean_{j-1}
+    for j, states in enumerate(blocks):
+        states = [pad_after_eos(s, n, eos, pad_id) for s in states]
+        clean = states[-1]
+        t_j = target_noise(j, window, schedule, rng)
+        noisy = states[select_state(states, t_j)]
+        levels.append(noise(noisy, clean))
+        base = P + 2 * j * n  # noisy_j starts here, clean_j at base + n
+        ids += noisy + clean
+        e_clean = eos_index(clean, eos)
+        valid = n if e_clean is None else e_clean + 1  # real tokens, EOS included
+        # AR: bridge into clean_j[0], then in-block pairs up to and including EOS.
+        if prev_last is not None:
+            labels[prev_last] = clean[0]
+        for t in range(valid - 1):
+            labels[base + n + t] = clean[t + 1]
+        # After EOS nothing follows: no bridge out of this block.
+        prev_last = base + 2 * n - 1 if e_clean is None else None
+        # Consistency: offsets f_j..n-1; the logit at t predicts token t+1, so keep t only while
+        # that prediction is of a real clean token (t < e_clean: up to and including EOS) and
+        # the noisy token at t is not past the noisy block's own EOS.
+        f = first_divergence(noisy, clean)
+        e_noisy = eos_index(noisy, eos)
+        hi = n - 1
+        if e_clean is not None:
+            hi = min(hi, e_clean - 1)
+        if e_noisy is not None:
+            hi = min(hi, e_noisy)
+        for t in range(f, hi + 1):
+            cons_noisy.append(base + t)
+            cons_clean.append(base + n + t)
+            cons_block.append(j)
+    # PAD targets never appear: labels stop at each block's EOS (PAD may share EOS's id, and
+    # chat prompts contain that id, so PAD is excluded by position, not by value).
+
+    def lt(x):
+        return torch.tensor(x, dtype=torch.long)
+
+    return PackedExample(
+        input_ids=lt(ids),
+        position_ids=layout.position_ids(),
+        layout=layout,
+        ar_labels=lt(labels),
+        cons_noisy=lt(cons_noisy),
+        cons_clean=lt(cons_clean),
+        cons_block=lt(cons_block),
+        noise_levels=levels,
+    )
+
+
+def pack_record(record: dict, **kwargs) -> PackedExample:
+    """:func:`pack` for a record of the on-disk trajectory format."""
+    return pack(
+        record["prompt_ids"],
+        record["blocks"],
+        record["block_size"],
+        record["eos_ids"],
+        record["pad_id"],
+        **kwargs,
+    )

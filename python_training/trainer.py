@@ -1,0 +1,294 @@
+"""The JF trainer: AR + progressive consistency on packed trajectories (SPEC §5).
+
+Built on accelerate rather than transformers' Trainer: every example is one packed sequence with
+its own JacobiLayout, a loss that needs the layout around both forward AND backward (activation
+checkpointing recomputes attention during backward), and logits for a chosen subset of positions
+only; a plain loop over accelerate keeps that explicit, while accelerate still supplies DDP /
+FSDP / DeepSpeed ZeRO-3, mixed precision and checkpoint state from an ordinary config file
+(`accelerate launch --config_file python_training/recipes/accelerate_fsdp_8gpu.yaml ...`).
+
+Data order is a pure function of (seed, epoch, step): optimizer step s consumes global examples
+order[s*G:(s+1)*G] with G = processes × grad_accum, rank r taking micro step a's example
+order[s*G + a*world + r]. So a resumed run (model, optimizer, scheduler, RNG and step restored
+by ``accelerator.save_state``/``load_state``) sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from jacobi_ext.hf import jacobi_layout
+
+from .loss import example_loss
+from .packing import PackedExample, pack_record
+from .trajectories import read_trajectories
+
+
+@dataclass
+class TrainConfig:
+    model: str | None = None  # None: SmolLM2-135M-Instruct
+    data: list[str] = field(default_factory=list)  # trajectory directories
+    out: str = "runs/train"
+    window: int = 16  # W of the noise schedule
+    schedule: str = "linear"  # linear | random | reverse
+    variant: str = "noisy_context"  # attention mask: noisy_context | clean_context | windowed
+    mask_window: int | None = None
+    max_blocks: int | None = None  # cut long trajectories to this many blocks
+    max_seq_len: int | None = None  # skip packed sequences longer than this
+    ar_weight: float = 10.0  # λ
+    temperature: float = 1.0
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.03
+    epochs: float = 1.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs
+    grad_accum: int = 1
+    max_grad_norm: float | None = 1.0
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate autocast, fp32 master weights)
+    gradient_checkpointing: bool = False
+    save_every: int = 0  # optimizer steps between resumable checkpoints (0: only at the end)
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    seed: int = 0
+    threads: int | None = None
+    cpu: bool | None = None  # None: CPU when no CUDA device is visible
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown training settings: {sorted(unknown)}")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        if isinstance(d.get("data"), str):
+            d["data"] = [d["data"]]
+        return cls(**d)
+
+
+class _DataState:
+    """The data position, checkpointed with accelerate's state (register_for_checkpointing)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = int(sd["step"])
+
+
+def load_examples(cfg: TrainConfig) -> list[dict]:
+    records = []
+    for d in cfg.data:
+        records += read_trajectories(d)
+    if not records:
+        raise ValueError(f"no trajectories found in {cfg.data}")
+    if cfg.max_seq_len is not None:
+        keep = []
+        for r in records:
+            T = min(len(r["blocks"]), cfg.max_blocks or len(r["blocks"]))
+            if len(r["prompt_ids"]) + 2 * T * r["block_size"] <= cfg.max_seq_len:
+                keep.append(r)
+        records = keep
+    return records
+
+
+def global_order(num: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(num))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def example_at(records: list[dict], cfg: TrainConfig, global_index: int) -> PackedExample:
+    """The packed example at a position of the global stream (epochs concatenated)."""
+    epoch, i = divmod(global_index, len(records))
+    rec = records[global_order(len(records), cfg.seed, epoch)[i]]
+    return pack_record(
+        rec,
+        window=cfg.window,
+        schedule=cfg.schedule,
+        seed=cfg.seed * 7919 + global_index,  # a fresh draw per use (random schedule)
+        variant=cfg.variant,
+        mask_window=cfg.mask_window,
+        max_blocks=cfg.max_blocks,
+    )
+
+
+def cosine_with_warmup(optimizer, warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        p = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, p)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, f)
+
+
+def _latest_checkpoint(out: Path) -> Path | None:
+    cks = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    cks = [c for c in cks if (c / "DONE").exists()]
+    return cks[-1] if cks else None
+
+
+def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -> dict:
+    """Train (or resume, if ``cfg.out`` has a checkpoint); write ``cfg.out/final`` (an HF
+    checkpoint in safetensors) and ``cfg.out/log.jsonl``. Returns the last logged metrics."""
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    # cpu=True lets accelerate run a multi-process CPU job (torchrun / accelerate launch) as
+    # DDP over gloo; without it a CPU-only torchrun silently gives independent processes.
+    cpu = cfg.cpu if cfg.cpu is not None else not torch.cuda.is_available()
+    acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=1, cpu=cpu)
+    out = Path(cfg.out)
+    if model is None:
+        from jacobi_ext.models import load_model
+
+        model, tokenizer = load_model(cfg.model, attn_implementation="jacobi")
+    elif model.config._attn_implementation != "jacobi":
+        model.set_attn_implementation("jacobi")
+    model.train()
+    model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    records = load_examples(cfg)
+    world, rank = acc.num_processes, acc.process_index
+    G = world * cfg.grad_accum  # examples per optimizer step
+    total = cfg.max_steps or max(1, int(cfg.epochs * len(records) // G))
+    warmup = int(round(cfg.warmup_ratio * total))
+
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+    )
+    sched = cosine_with_warmup(opt, warmup, total)
+    model, opt = acc.prepare(model, opt)
+    data_state = _DataState()
+    acc.register_for_checkpointing(sched, data_state)
+    resume = _latest_checkpoint(out)
+    if resume is not None:
+        acc.load_state(str(resume))
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    log_path = out / "log.jsonl"
+
+    bar = tqdm(
+        total=total,
+        initial=data_state.step,
+        desc="train",
+        unit="step",
+        disable=not (progress and acc.is_main_process),
+    )
+    last: dict = {}
+    t_last = time.perf_counter()
+    while data_state.step < total:
+        s = data_state.step
+        sums = torch.zeros(5, dtype=torch.float64)  # ar, cons, ar_tokens, cons_tokens, seq_tokens
+        for a in range(cfg.grad_accum):
+            ex = example_at(records, cfg, s * G + a * world + rank)
+            sync = a == cfg.grad_accum - 1
+            ctx = acc.no_sync(model) if not sync else _nullcontext()
+            with ctx:
+                with acc.autocast():
+                    parts = example_loss(model, ex, cfg.ar_weight, cfg.temperature)
+                # The layout must also be active during backward: checkpointed layers
+                # recompute their attention there.
+                with jacobi_layout(ex.layout):
+                    acc.backward(parts.total / cfg.grad_accum)
+            sums += torch.tensor(
+                [parts.ar, parts.consistency, parts.ar_tokens, parts.cons_tokens,
+                 ex.input_ids.numel()], dtype=torch.float64,
+            )  # fmt: skip
+        grad_norm = None
+        if cfg.max_grad_norm:
+            grad_norm = float(acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        data_state.step += 1
+        # Mean of the per-example losses over the global batch (all processes).
+        sums = acc.reduce(sums.to(acc.device), reduction="sum").cpu()
+        now = time.perf_counter()
+        last = {
+            "step": data_state.step,
+            "loss": float(cfg.ar_weight * sums[0] / G + sums[1] / G),
+            "ar": float(sums[0] / G),
+            "consistency": float(sums[1] / G),
+            "lr": sched.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens": int(sums[4]),
+            "seconds": round(now - t_last, 3),
+        }
+        t_last = now
+        if acc.is_main_process:
+            if data_state.step % cfg.log_every == 0 or data_state.step == total:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(last) + "\n")
+            bar.set_postfix(ar=f"{last['ar']:.3f}", cons=f"{last['consistency']:.3f}")
+            bar.update(1)
+        if cfg.save_every and data_state.step % cfg.save_every == 0 and data_state.step < total:
+            _save_checkpoint(acc, out, data_state.step, cfg.keep_checkpoints)
+    bar.close()
+    acc.wait_for_everyone()
+    save_hf(acc, model, tokenizer, out / "final")
+    return last
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _save_checkpoint(acc, out: Path, step: int, keep: int) -> None:
+    path = out / "checkpoints" / f"step-{step}"
+    acc.save_state(str(path))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        (path / "DONE").write_text("")  # a checkpoint counts only once complete
+        cks = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        for old in cks[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def save_hf(acc, model, tokenizer, path: Path) -> None:
+    """A normal transformers checkpoint (safetensors) that ``load_model(path)`` loads."""
+    state = acc.get_state_dict(model)
+    if acc.is_main_process:
+        m = acc.unwrap_model(model)
+        off = getattr(m, "activation_checkpointing_disable", None) or getattr(
+            m, "gradient_checkpointing_disable", None
+        )
+        if off is not None:
+            off()
+        # A model loaded from GGUF (the default SmolLM2) carries a GGUF "quantizer" although its
+        # weights were dequantised to dense tensors on load; the result is an ordinary model.
+        if (
+            getattr(m, "hf_quantizer", None) is not None
+            and "gguf" in type(m.hf_quantizer).__name__.lower()
+        ):
+            m.hf_quantizer = None
+            if hasattr(m.config, "quantization_config"):
+                del m.config.quantization_config
+        m.config.use_cache = True
+        m.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(path))
+    acc.wait_for_everyone()

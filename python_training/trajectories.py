@@ -1,0 +1,216 @@
+"""Jacobi trajectory collection (SPEC §2) and its on-disk format.
+
+Format (schema_version 1): a directory holding
+  ``meta.json``            what produced the data: teacher, block_size, max_new_tokens, eos_ids,
+                           pad_id, dtype, schema_version. A resumed run must match it.
+  ``trajectories*.jsonl``  one JSON record per line, one line per prompt (several files when
+                           collection is sharded across processes; readers take them all):
+    {"schema_version": 1, "id": str, "prompt_ids": [int],
+     "block_size": n, "eos_ids": [int], "pad_id": int,
+     "blocks": [[state, ...], ...],  # per n-token block, every Jacobi iteration's state,
+                                     # n ints each (PAD after the first EOS), the last one
+                                     # the fixed point (= greedy's tokens)
+     "new_tokens": int, "forwards": int, "seconds": float, "finished": bool}  # EOS reached
+
+Appendable and resumable: a record is one ``write`` of one line, flushed and fsync'ed before the
+next prompt starts, so an interruption loses at most the prompt in flight. On restart the
+files are read, a torn last line (a crash mid-write) is cut off, and prompts whose id is
+already present are skipped: nothing is duplicated or lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from jacobi_ext.decoding import generate
+from jacobi_ext.decoding.engine import TrajectoryRecorder
+
+from .packing import pad_after_eos
+from .prompts import Prompt
+
+SCHEMA_VERSION = 1
+META = "meta.json"
+_META_KEYS = (
+    "schema_version",
+    "teacher",
+    "block_size",
+    "max_new_tokens",
+    "eos_ids",
+    "pad_id",
+    "dtype",
+)
+
+
+def _repair_and_read(path: Path) -> list[dict]:
+    """Records of one JSONL file; a torn (unterminated or unparsable) last line is truncated."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # everything after the last newline is a torn write
+    records = []
+    for line in data[:end].splitlines():
+        if line.strip():
+            records.append(json.loads(line))
+    if end != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    return records
+
+
+def read_trajectories(directory: str | Path) -> list[dict]:
+    """All records of a trajectory directory (every shard), in file then line order."""
+    d = Path(directory)
+    out = []
+    for p in sorted(d.glob("trajectories*.jsonl")):
+        out += _repair_and_read(p)
+    for r in out:
+        if r.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"{d}: record schema {r.get('schema_version')} != {SCHEMA_VERSION}")
+    return out
+
+
+def iter_records(directory: str | Path) -> Iterator[dict]:
+    yield from read_trajectories(directory)
+
+
+def _check_meta(d: Path, meta: dict) -> None:
+    path = d / META
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = {k: (old.get(k), meta.get(k)) for k in _META_KEYS if old.get(k) != meta.get(k)}
+        if diff:
+            raise ValueError(
+                f"{d} holds trajectories collected with other settings {diff} "
+                "(old, new): use another directory"
+            )
+    else:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, path)
+
+
+def make_record(
+    pid: str,
+    prompt_ids: Sequence[int],
+    blocks: list[list[list[int]]],
+    n: int,
+    eos_ids: set[int],
+    pad_id: int,
+    **extra,
+) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "id": pid,
+        "prompt_ids": list(prompt_ids),
+        "block_size": n,
+        "eos_ids": sorted(eos_ids),
+        "pad_id": pad_id,
+        # Each state a fresh list (the recorder already copies; this also pads the EOS block).
+        "blocks": [[pad_after_eos(s, n, eos_ids, pad_id) for s in states] for states in blocks],
+        **extra,
+    }
+
+
+def eos_ids_of(model, tokenizer) -> set[int]:
+    e = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if e is None:
+        e = model.config.eos_token_id
+    if e is None and tokenizer is not None:
+        e = tokenizer.eos_token_id
+    return set() if e is None else ({e} if isinstance(e, int) else set(e))
+
+
+def collect(
+    model,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    out_dir: str | Path,
+    block_size: int,
+    max_new_tokens: int,
+    teacher: str = "",
+    shard: tuple[int, int] = (0, 1),
+    max_prompt_tokens: int | None = None,
+    progress: bool = True,
+    encode: Callable[[Prompt], torch.Tensor] | None = None,
+) -> dict:
+    """Collect the teacher's Jacobi trajectories for ``prompts`` into ``out_dir`` (resumable).
+
+    ``max_new_tokens`` must be a multiple of ``block_size`` (a cap never cuts a block). With
+    ``shard=(k, N)`` this process takes prompts k, k+N, ... and writes its own file.
+    Returns a summary (prompts done now / before, tokens, seconds).
+    """
+    from tqdm.auto import tqdm
+
+    n = block_size
+    if max_new_tokens % n:
+        raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of n ({n})")
+    d = Path(out_dir)
+    eos = eos_ids_of(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    pad = pad if pad is not None else (min(eos) if eos else 0)
+    meta = {
+        "schema_version": SCHEMA_VERSION,
+        "teacher": str(teacher),
+        "block_size": n,
+        "max_new_tokens": max_new_tokens,
+        "eos_ids": sorted(eos),
+        "pad_id": int(pad),
+        "dtype": str(next(model.parameters()).dtype),
+    }
+    _check_meta(d, meta)
+    k, N = shard
+    path = d / (f"trajectories-{k:03d}-of-{N:03d}.jsonl" if N > 1 else "trajectories.jsonl")
+    done = {r["id"] for r in read_trajectories(d)}
+    todo = [p for i, p in enumerate(prompts) if i % N == k and p.id not in done]
+    encode = encode or (lambda p: p.input_ids(tokenizer))
+    device = next(model.parameters()).device
+    summary = {"before": len(done), "collected": 0, "skipped_long": 0, "tokens": 0, "seconds": 0.0}
+    bar = tqdm(todo, desc=f"collect n={n}", unit="prompt", disable=not progress)
+    t_start = time.perf_counter()
+    with open(path, "ab") as f:
+        for p in bar:
+            ids = encode(p)
+            if max_prompt_tokens is not None and ids.shape[1] > max_prompt_tokens:
+                summary["skipped_long"] += 1
+                continue
+            rec = TrajectoryRecorder()
+            res = generate(
+                model,
+                ids.to(device),
+                method="jacobi",
+                block_size=n,
+                max_new_tokens=max_new_tokens,
+                trajectory=rec,
+            )
+            record = make_record(
+                p.id,
+                ids[0].tolist(),
+                rec.blocks,
+                n,
+                eos,
+                int(pad),
+                new_tokens=res.new_tokens,
+                forwards=res.forwards,
+                seconds=round(res.seconds + res.prefill_seconds, 4),
+                finished=bool(res.tokens.numel() and int(res.tokens[0, -1]) in eos),
+            )
+            f.write((json.dumps(record, separators=(",", ":")) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+            summary["collected"] += 1
+            summary["tokens"] += res.new_tokens
+            el = time.perf_counter() - t_start
+            bar.set_postfix(
+                tok_s=f"{summary['tokens'] / el:.1f}", tpf=f"{res.tokens_per_forward:.2f}"
+            )
+    summary["seconds"] = time.perf_counter() - t_start
+    return summary

@@ -1,0 +1,90 @@
+"""The JF loss (one jacobi forward, only the needed logits, chunked soft CE) against a dense
+reference: the same weights under SDPA with layout.dense_mask(), full logits, plain formulas."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import jacobi_ext  # noqa: F401  (registers attn_implementation="jacobi")
+from jacobi_ext.models import tiny_llama
+from python_training import loss as jf_loss
+from python_training.packing import IGNORE, pack
+
+V, EOS, PAD = 96, 3, 3
+
+
+def synthetic_blocks(rng: random.Random, T: int, n: int, eos_last: bool) -> list:
+    blocks = []
+    for j in range(T):
+        fixed = [rng.randrange(4, V) for _ in range(n)]
+        if eos_last and j == T - 1:
+            fixed = fixed[: n // 2] + [EOS]
+        states = []
+        for d in range(1, n):  # states converging left to right, with some repeats
+            if rng.random() < 0.6:
+                states.append(fixed[:d] + [rng.randrange(4, V) for _ in range(n - d)])
+        states.append(fixed)
+        blocks.append(states)
+    return blocks
+
+
+def dense_reference(model, ex, ar_weight, temperature):
+    S = ex.input_ids.numel()
+    mask = ex.layout.dense_mask()[None, None]
+    logits = model(
+        input_ids=ex.input_ids[None], position_ids=ex.position_ids[None], attention_mask=mask
+    ).logits[0]
+    assert logits.shape[0] == S
+    sel = ex.ar_labels != IGNORE
+    ar = F.cross_entropy(logits[sel], ex.ar_labels[sel])
+    terms = []
+    for a, b in zip(ex.cons_noisy.tolist(), ex.cons_clean.tolist(), strict=True):
+        p = F.softmax(logits[b].detach() / temperature, -1)
+        terms.append(-(p * F.log_softmax(logits[a] / temperature, -1)).sum())
+    cons = torch.stack(terms).mean() / ex.num_blocks
+    return ar_weight * ar + cons, ar, cons
+
+
+@pytest.mark.parametrize("variant,temperature", [("noisy_context", 1.0), ("clean_context", 2.0)])
+def test_loss_matches_dense_reference_values_and_grads(variant, temperature, monkeypatch):
+    ours = tiny_llama(vocab_size=V, eos_token_id=EOS, attn_implementation="jacobi", seed=1)
+    ref = copy.deepcopy(ours)
+    ref.config._attn_implementation = "sdpa"
+    ref.set_attn_implementation("sdpa")
+    rng = random.Random(0)
+    blocks = synthetic_blocks(rng, T=4, n=8, eos_last=True)
+    ex = pack([rng.randrange(4, V) for _ in range(11)], blocks, 8, [EOS], PAD, window=4,
+              variant=variant)  # fmt: skip
+    assert ex.cons_noisy.numel() > 5
+    monkeypatch.setattr(jf_loss, "CHUNK_ROWS", 4)  # several chunks: the chunking is exercised
+    parts = jf_loss.example_loss(ours, ex, ar_weight=10.0, temperature=temperature)
+    parts.total.backward()
+    total, ar, cons = dense_reference(ref, ex, 10.0, temperature)
+    total.backward()
+    assert parts.ar == pytest.approx(float(ar.detach()), rel=1e-4)
+    assert parts.consistency == pytest.approx(float(cons.detach()), rel=1e-4)
+    torch.testing.assert_close(parts.total.detach(), total.detach(), rtol=1e-4, atol=1e-5)
+    g = {n: p.grad for n, p in ours.named_parameters()}
+    rg = {n: p.grad for n, p in ref.named_parameters()}
+    for name in g:
+        torch.testing.assert_close(g[name], rg[name], rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_clean_logits_are_detached():
+    # The soft CE's gradient flows only through the noisy side, and the row bookkeeping points
+    # the two sides at the packed offsets of each pair.
+    rng = random.Random(3)
+    ex = pack([5, 6, 7], synthetic_blocks(rng, 2, 4, False), 4, [EOS], PAD, window=2)
+    noisy = torch.randn(3, V, requires_grad=True)
+    clean = torch.randn(3, V, requires_grad=True)
+    jf_loss.soft_cross_entropy(noisy, clean.detach(), 1.0, chunk=2).backward()
+    assert clean.grad is None and noisy.grad is not None
+    keep, ar_rows, nr, cr = jf_loss.logit_rows(ex)
+    assert torch.equal(keep[nr], ex.cons_noisy) and torch.equal(keep[cr], ex.cons_clean)
+    # Noisy positions before f_j are never projected onto the vocabulary.
+    assert keep.numel() < ex.input_ids.numel()
