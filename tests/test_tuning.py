@@ -42,6 +42,21 @@ def test_choice_follows_the_curve_and_acceptance() -> None:
     assert lo.method == "ar" and lo.expected_speedup == 1.0
 
 
+def test_curve_is_made_monotone() -> None:
+    # a load spike at small sizes must not make the one-token forward look expensive
+    assert tuning.monotone([1.2, 0.9, 0.1, 0.2, 4.3, 0.7]) == [0.1, 0.1, 0.1, 0.2, 0.7, 0.7]
+
+
+def test_controller_keeps_parallel_when_it_pays() -> None:
+    ctl = engine._Controller(cost_ratio=lambda q: 1.5, window=4)
+    for _ in range(4):
+        ctl.observe(2, 16)  # 2 tokens per step against AR's 1.5 in the same time
+    assert not ctl.should_fall_back()
+    for _ in range(3):
+        ctl.observe(1, 16)
+    assert ctl.should_fall_back()  # last 4 steps: 5 tokens < 4 * 1.5
+
+
 def test_curve_is_measured_once_and_cached() -> None:
     model = tiny_llama(seed=0)
     c1 = tuning.step_curve(model)
@@ -65,7 +80,7 @@ def test_controller_falls_back_to_ar_losslessly() -> None:
     model = tiny_llama(vocab_size=64, seed=4, dtype=torch.float64)
     ids = torch.randint(0, 64, (1, 9))
     want = generate(model, ids, max_new_tokens=80, method="ar").tokens[0].tolist()
-    ctl = engine._Controller(ar_step_seconds=1e-9, window=4)  # AR "infinitely fast": fall back
+    ctl = engine._Controller(cost_ratio=lambda q: 1e9, window=4)  # AR "infinitely fast"
     streams = engine._Streams(None, ids[0])
     out, forwards, *_ = engine._decode_parallel(
         model, ids[0], 80, set(), 8, 2, 2, 0.85, torch.Generator().manual_seed(0), streams, ctl

@@ -194,24 +194,26 @@ class TrajectoryRecorder:
 
 
 class _Controller:
-    """Falls back to greedy AR when parallel steps commit fewer tokens per second than AR would
-    (its step time t(1) comes from the measured curve). Judged on a sliding window of steps."""
+    """Falls back to greedy AR when parallel steps commit fewer tokens than AR would have in the
+    same time. In a step that fed q tokens, AR would have committed t(q) / t(1) tokens (the
+    cost ratio from the measured curve); only ratios are used, so a machine that is busier now
+    than when the curve was measured does not bias the decision. Judged on a sliding window."""
 
-    def __init__(self, ar_step_seconds: float | None, window: int = 8) -> None:
-        self.ar_t = ar_step_seconds
+    def __init__(self, cost_ratio=None, window: int = 8) -> None:
+        self.cost_ratio = cost_ratio  # q -> t(q) / t(1), or None: never fall back
         self.window = window
         self.acc: list[int] = []
-        self.secs: list[float] = []
+        self.ar_equiv: list[float] = []
 
-    def observe(self, accepted: int, seconds: float) -> None:
+    def observe(self, accepted: int, tokens_fed: int) -> None:
         self.acc.append(accepted)
-        self.secs.append(seconds)
+        if self.cost_ratio is not None:
+            self.ar_equiv.append(self.cost_ratio(tokens_fed))
 
     def should_fall_back(self) -> bool:
-        if self.ar_t is None or len(self.acc) < self.window:
+        if self.cost_ratio is None or len(self.acc) < self.window:
             return False
-        a, t = sum(self.acc[-self.window :]), sum(self.secs[-self.window :])
-        return a / t < 1.0 / self.ar_t
+        return sum(self.acc[-self.window :]) < sum(self.ar_equiv[-self.window :])
 
 
 def _tree_mask(model, L: int, main_len: int, cand_len: int, n_cand: int, device, dtype):
@@ -288,7 +290,6 @@ def _decode_parallel(
     L = P
     forwards = wins = 0
     verify_s = 0.0
-    ts = time.perf_counter()
     while True:
         C = cands.shape[0]
         m = int(block_ends[0]) if C else 0
@@ -358,8 +359,7 @@ def _decode_parallel(
             recorder.after_commit(committed, main_len, stop)
         if stop:
             break
-        controller.observe(a, te - ts)
-        ts = te
+        controller.observe(a, main_len + C * m)
         main, block_ends, main_len = next_tokens, next_ends, next_len
         if controller.should_fall_back():
             seed = int(main[0])
@@ -426,7 +426,7 @@ def generate(
             f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
             f"the model's context of {limit} positions"
         )
-    ar_step_seconds = None  # no controller unless the settings are tuned
+    cost_ratio = None  # no controller unless the settings are tuned
     if method == "ar":
         n, K, p = 1, 1, 0
     else:
@@ -441,7 +441,7 @@ def generate(
             )
             block_size, num_blocks, pool_size = s.block_size, s.num_blocks, s.pool_size
             method = s.method
-            ar_step_seconds = curve.time(1)
+            cost_ratio = lambda q: curve.time(q) / curve.time(1)  # noqa: E731
         n = block_size
         K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
     device = next(model.parameters()).device
@@ -453,7 +453,7 @@ def generate(
         if method == "ar" or n == 1:
             res = _decode_ar(model, prompt, max_new_tokens, eos, streams)
         else:
-            ctl = _Controller(ar_step_seconds)
+            ctl = _Controller(cost_ratio)
             res = _decode_parallel(
                 model,
                 prompt,
@@ -468,7 +468,7 @@ def generate(
                 ctl,
                 trajectory,
             )
-            if ar_step_seconds is not None and ctl.acc:
+            if cost_ratio is not None and ctl.acc:
                 from .tuning import estimate_rho, remember_acceptance
 
                 window = n + (K - 1) * n // 2  # as tuning.predict credits K blocks

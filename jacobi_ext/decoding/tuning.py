@@ -111,32 +111,53 @@ def measure_step_curve(
     ctx_ids = torch.randint(0, vocab, (1, context), generator=g).to(dev)
     cache = TruncatableCache(model.config, capacity=context + max(sizes) + 1)
     model(input_ids=ctx_ids, past_key_values=cache, use_cache=True)
-    it = sizes
+    inputs = {
+        q: (
+            torch.randint(0, vocab, (1, q), generator=g).to(dev),
+            torch.arange(context, context + q, device=dev)[None],
+        )
+        for q in sizes
+    }
+
+    def one(q: int) -> float:
+        ids, pos = inputs[q]
+        cache.truncate(context)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    for q in sizes:  # warm-up
+        one(q)
+    # Rounds visit every size in turn, so a burst of load from another process lands on one
+    # sample of each size rather than on all samples of one size; medians drop such samples.
+    rounds = range(repeats)
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(sizes, desc="measuring forward time vs tokens", unit="size")
-    secs = []
-    for q in it:
-        ids = torch.randint(0, vocab, (1, q), generator=g).to(dev)
-        pos = torch.arange(context, context + q, device=dev)[None]
-        times = []
-        for r in range(repeats + 1):
-            cache.truncate(context)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if r:  # the first run warms up
-                times.append(time.perf_counter() - t0)
-        secs.append(statistics.median(times))
+        rounds = tqdm(rounds, desc="measuring forward time vs tokens", unit="round")
+    times: dict[int, list[float]] = {q: [] for q in sizes}
+    for _ in rounds:
+        for q in sizes:
+            times[q].append(one(q))
+    secs = monotone([statistics.median(times[q]) for q in sizes])
     cache.truncate(context)
     hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
     return StepCurve(
         list(sizes), secs, context, str(dev), str(p.dtype), torch.get_num_threads(), hw
     )
+
+
+def monotone(seconds: list[float]) -> list[float]:
+    """A forward over more tokens never costs less: replace each time by the smallest time at
+    that size or above (a noisy spike at a small size is corrected by the larger ones)."""
+    out = list(seconds)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
 
 
 def _profile_path(model) -> Path:
