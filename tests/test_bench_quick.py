@@ -58,3 +58,4 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
 
         text = report.markdown(report.load([out]), {"cpu": "test"}, {})
         assert "## Training attention" in text and "| jacobi |" in text
+        assert "its time / ours" in text and "x |" in text
