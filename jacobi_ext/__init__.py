@@ -12,7 +12,6 @@ from . import _hf_hook
 from ._native import BUILT_WITH_TORCH, CPU_ISA, WITH_CUDA
 from ._version import __version__
 from .attention import block_attention, jacobi_attention
-from .decoding import GenerateResult, generate
 from .layout import BlockTable, JacobiLayout
 
 # attn_implementation="jacobi" for transformers models, registered without importing transformers.
@@ -31,6 +30,16 @@ __all__ = [
     "generate",
     "jacobi_attention",
 ]
+
+
+def __getattr__(name: str):
+    # The decoding engine needs transformers (its KV cache); load it on first use so that
+    # `import jacobi_ext` stays light and works where only the kernels are wanted.
+    if name in ("generate", "GenerateResult"):
+        from . import decoding
+
+        return getattr(decoding, name)
+    raise AttributeError(f"module 'jacobi_ext' has no attribute {name!r}")
 
 
 def build_info() -> dict[str, object]:

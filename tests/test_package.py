@@ -44,3 +44,14 @@ def test_isa_override_is_capped_and_validated() -> None:
     env["JACOBI_EXT_CPU_ISA"] = "sse9"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode != 0 and "JACOBI_EXT_CPU_ISA" in out.stderr
+
+
+def test_import_is_light_and_generate_is_lazy() -> None:
+    code = (
+        "import sys, jacobi_ext\n"
+        "assert 'transformers' not in sys.modules, 'import jacobi_ext pulled in transformers'\n"
+        "from jacobi_ext import generate, GenerateResult\n"
+        "assert callable(generate) and 'transformers' in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
