@@ -12,46 +12,25 @@ into extra_info.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from jacobi_ext import generate
+from jacobi_ext.decoding.baselines import hf_greedy
 
 _greedy: dict[str, object] = {}
-
-
-def _hf(model, ids, max_new, **kw):
-    eos = model.generation_config.eos_token_id
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new,
-        do_sample=False,
-        pad_token_id=eos if eos is not None else 0,
-        **kw,
-    )
-    toks = out[0, ids.shape[1] :].tolist()
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
-    for i, t in enumerate(toks):
-        if t in eos:
-            return toks[: i + 1]
-    return toks
 
 
 def _run(method, model, prompts, max_new):
     outs, secs, forwards = [], 0.0, 0
     for ids in prompts:
         if method == "hf-greedy":
-            t0 = time.perf_counter()
-            toks = _hf(model, ids, max_new)
-            secs += time.perf_counter() - t0
+            toks, dt = hf_greedy(model, ids, max_new)
+            secs += dt
             forwards += len(toks) - 1
         elif method == "hf-prompt-lookup":
-            t0 = time.perf_counter()
-            toks = _hf(model, ids, max_new, prompt_lookup_num_tokens=10)
-            secs += time.perf_counter() - t0
+            toks, dt = hf_greedy(model, ids, max_new, prompt_lookup_num_tokens=10)
+            secs += dt
             forwards += 0  # not reported by transformers
         else:
             kw = {

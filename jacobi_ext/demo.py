@@ -5,7 +5,6 @@ forward accepted are visible), then a table of speed and whether outputs equal g
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -42,26 +41,6 @@ class ForwardColourStreamer:
             self.console.print()
 
 
-def _timed_hf_greedy(model, ids: torch.Tensor, max_new: int) -> tuple[list[int], float]:
-    t0 = time.perf_counter()
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new,
-        do_sample=False,
-        pad_token_id=model.generation_config.eos_token_id,
-    )
-    dt = time.perf_counter() - t0
-    toks = out[0, ids.shape[1] :].tolist()
-    eos = model.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
-    for i, t in enumerate(toks):
-        if t in eos:
-            toks = toks[: i + 1]
-            break
-    return toks, dt
-
-
 def run_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -69,6 +48,7 @@ def run_demo(args) -> int:
     from jacobi_ext.cli import _load
     from jacobi_ext.data import humaneval_input_ids, load_humaneval
     from jacobi_ext.decoding import generate, tuning
+    from jacobi_ext.decoding.baselines import hf_greedy
     from jacobi_ext.plots import plot_step_curve
 
     console = Console()
@@ -92,7 +72,7 @@ def run_demo(args) -> int:
         console.rule(
             f"[bold]{prob['task_id']}[/] ({k + 1}/{len(problems)}, prompt {ids.shape[1]} tokens)"
         )
-        ref, dt = _timed_hf_greedy(model, ids, args.max_new_tokens)
+        ref, dt = hf_greedy(model, ids, args.max_new_tokens)
         t = totals["transformers greedy"]
         t["tokens"] += len(ref)
         t["seconds"] += dt

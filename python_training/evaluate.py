@@ -9,29 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
 from jacobi_ext.data import humaneval_input_ids, load_humaneval
 from jacobi_ext.decoding import generate
+from jacobi_ext.decoding.baselines import hf_greedy
 
 from .execution import check_completion
-
-
-def _hf_greedy(model, ids: torch.Tensor, max_new_tokens: int):
-    t0 = time.perf_counter()
-    out = model.generate(
-        ids,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        attention_mask=torch.ones_like(ids),
-        pad_token_id=model.generation_config.pad_token_id or model.config.eos_token_id,
-    )
-    dt = time.perf_counter() - t0
-    toks = out[0, ids.shape[1] :]
-    return toks, dt, int(toks.numel())  # one forward per token
 
 
 def _done(path: Path) -> set[tuple[str, str]]:
@@ -78,7 +64,9 @@ def evaluate(
             ids = humaneval_input_ids(tokenizer, p).to(device)
             with torch.inference_mode():
                 if m == "greedy":
-                    toks, secs, forwards = _hf_greedy(model, ids, max_new_tokens)
+                    toks, secs = hf_greedy(model, ids, max_new_tokens)
+                    toks = torch.tensor(toks, dtype=torch.long)
+                    forwards = int(toks.numel())  # one forward per token
                 else:
                     r = generate(
                         model, ids, method=m, block_size=block_size, num_blocks=num_blocks,
