@@ -181,4 +181,34 @@ def _add_eval(sub) -> None:
     p.set_defaults(handler=_cmd_eval)
 
 
-REGISTRARS = [_add_collect, _add_train, _add_distill, _add_eval]
+def _cmd_distill_report(args: argparse.Namespace) -> int:
+    from .distill_report import report
+
+    _threads(args)
+    files = report(
+        args.run, args.out, limit=args.limit, max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size, scaling=not args.no_scaling, base=args.base,
+    )  # fmt: skip
+    for f in files:
+        print(f"wrote {f}")
+    return 0
+
+
+def _add_distill_report(sub) -> None:
+    p = sub.add_parser(
+        "distill-report",
+        help="training curves of a distill run, and held-out TPF vs trajectories seen "
+        "(a scaling curve over the run's snapshots; resumable)",
+    )
+    p.add_argument("--run", required=True, help="the distill output directory")
+    p.add_argument("--out", required=True, help="where the PNGs and scaling.jsonl go")
+    p.add_argument("--base", default=None, help="the run's base model (default SmolLM2)")
+    p.add_argument("--limit", type=int, default=12, help="held-out HumanEval problems")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16, help="Jacobi n for the TPF")
+    p.add_argument("--no-scaling", action="store_true", help="only the training curves")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(handler=_cmd_distill_report)
+
+
+REGISTRARS = [_add_collect, _add_train, _add_distill, _add_eval, _add_distill_report]

@@ -1,6 +1,12 @@
 """HumanEval evaluation: TPF, tokens/s and speedup over transformers' greedy ``generate`` for
 ``jacobi`` and ``multiblock``, and pass@1 by executing each completion's tests.
 
+Methods: ``greedy`` (transformers), ``ar``, ``jacobi`` and ``multiblock`` at the given block
+size, and ``jacobi-tuned`` / ``multiblock-tuned`` with ``block_size=None`` (the engine's roofline
+tuner picks settings from this machine's measured forward curve and the acceptance it observes).
+Every row keeps its token ids, so the summary can say whether each method's output equals
+greedy's token for token (it must: the methods are lossless).
+
 Results are appended to a JSONL file, one line per (task, method), flushed per line, so an
 interrupted evaluation resumes where it stopped; the summary is computed from that file.
 """
@@ -68,8 +74,10 @@ def evaluate(
                     toks = torch.tensor(toks, dtype=torch.long)
                     forwards = int(toks.numel())  # one forward per token
                 else:
+                    base_m, tuned = m.removesuffix("-tuned"), m.endswith("-tuned")
                     r = generate(
-                        model, ids, method=m, block_size=block_size, num_blocks=num_blocks,
+                        model, ids, method=base_m, block_size=None if tuned else block_size,
+                        num_blocks=num_blocks,
                         pool_size=pool_size, max_new_tokens=max_new_tokens, eos_token_id=eos,
                     )  # fmt: skip
                     toks = r.tokens[0, : r.new_tokens]
@@ -80,6 +88,7 @@ def evaluate(
                 "task_id": p["task_id"], "method": m, "label": label, "tokens": int(toks.numel()),
                 "forwards": forwards, "seconds": round(secs, 4), "passed": ok, "result": why,
                 "block_size": block_size if m != "greedy" else 1, "completion": text,
+                "token_ids": toks.tolist(),
             }  # fmt: skip
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -89,7 +98,8 @@ def evaluate(
 
 def summarize(results: str | Path) -> dict:
     """Per method: tasks, TPF (tokens / forwards), tokens/s (tokens / seconds), speedup over
-    greedy's tokens/s on the same tasks, pass@1."""
+    greedy's tokens/s on the same tasks, pass@1, and ``identical``: the fraction of tasks (run by
+    both) whose token ids equal greedy's (None where rows carry no ids)."""
     rows = [json.loads(x) for x in Path(results).read_text().splitlines() if x.strip()]
     by: dict[str, dict[str, dict]] = {}
     for r in rows:
@@ -106,23 +116,36 @@ def summarize(results: str | Path) -> dict:
             a = sum(rs[t]["tokens"] for t in common) / sum(rs[t]["seconds"] for t in common)
             g = sum(greedy[t]["tokens"] for t in common) / sum(greedy[t]["seconds"] for t in common)
             sp = a / g
+        same = [t for t in common if "token_ids" in rs[t] and "token_ids" in greedy[t]]
+        ident = None
+        if same:
+            ident = sum(rs[t]["token_ids"] == greedy[t]["token_ids"] for t in same) / len(same)
         out[m] = {
             "tasks": len(rs),
             "tpf": tok / max(fw, 1),
             "tokens_per_s": tok / sec if sec else float("nan"),
             "speedup": 1.0 if m == "greedy" else sp,
             "pass@1": sum(r["passed"] for r in rs.values()) / len(rs),
+            "identical": 1.0 if m == "greedy" else ident,
         }
     return out
 
 
 def format_summary(s: dict) -> str:
-    lines = ["| method | tasks | TPF | tokens/s | speedup vs HF greedy | pass@1 |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| method | tasks | TPF | tokens/s | speedup vs HF greedy | pass@1 | identical to greedy |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for m, r in s.items():
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         lines.append(
             f"| {m} | {r['tasks']} | {r['tpf']:.2f} | {r['tokens_per_s']:.1f} | {sp} "
-            f"| {100 * r['pass@1']:.1f}% |"
+            f"| {100 * r['pass@1']:.1f}% | {_ident(r.get('identical'))} |"
         )
     return "\n".join(lines)
+
+
+def _ident(x) -> str:
+    if x is None:
+        return "-"
+    return "yes" if x == 1.0 else f"no ({100 * x:.0f}% of tasks)"

@@ -57,6 +57,10 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     save_every: int = 0  # optimizer steps between resumable checkpoints (0: only at the end)
     keep_checkpoints: int = 2
+    # Optimizer steps between plain HF snapshots in ``out/snapshots/step-N`` (0: none). Unlike
+    # the resumable checkpoints they are never pruned: they are what a scaling curve (held-out
+    # TPF vs training trajectories) is evaluated on after the run.
+    snapshot_every: int = 0
     log_every: int = 1
     seed: int = 0
     threads: int | None = None
@@ -164,7 +168,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     model.train()
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpointing_on(model)
 
     records = load_examples(cfg)
     world, rank = acc.num_processes, acc.process_index
@@ -232,6 +236,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
             "lr": sched.get_last_lr()[0],
             "grad_norm": grad_norm,
             "tokens": int(sums[4]),
+            "examples": data_state.step * G,  # training sequences consumed so far
             "seconds": round(now - t_last, 3),
         }
         t_last = now
@@ -243,6 +248,12 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
             bar.update(1)
         if cfg.save_every and data_state.step % cfg.save_every == 0 and data_state.step < total:
             _save_checkpoint(acc, out, data_state.step, cfg.keep_checkpoints)
+        if cfg.snapshot_every and data_state.step % cfg.snapshot_every == 0:
+            snap = out / "snapshots" / f"step-{data_state.step}"
+            if not (snap / "model.safetensors").exists():
+                save_hf(acc, model, tokenizer, snap)
+                if cfg.gradient_checkpointing:  # save_hf switched it off for the saved config
+                    _checkpointing_on(acc.unwrap_model(model))
     bar.close()
     acc.wait_for_everyone()
     save_hf(acc, model, tokenizer, out / "final")
@@ -255,6 +266,16 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
+
+
+def _checkpointing_on(model) -> None:
+    # transformers 5 renamed gradient_checkpointing_enable (deprecated, still there) to
+    # activation_checkpointing_enable; use whichever this version has.
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
 def _save_checkpoint(acc, out: Path, step: int, keep: int) -> None:

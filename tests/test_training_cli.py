@@ -14,7 +14,7 @@ from python_training.trainer import TrainConfig
 RECIPES = sorted((Path(__file__).parents[1] / "python_training" / "recipes").glob("*.toml"))
 
 
-@pytest.mark.parametrize("cmd", ["collect", "train", "distill", "eval"])
+@pytest.mark.parametrize("cmd", ["collect", "train", "distill", "eval", "distill-report"])
 def test_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])

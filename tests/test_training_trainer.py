@@ -125,6 +125,25 @@ def test_gradient_checkpointing_gives_the_same_step(data_dir, tmp_path):
         torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6, msg=n1)
 
 
+def test_snapshots_do_not_perturb_training(tmp_path):
+    """HF snapshots (for scaling curves) leave training bit-identical, with gradient
+    checkpointing on (saving switches it off for the saved config)."""
+    data = make_data(tmp_path / "traj", k=3)
+    ms = []
+    for snap in (0, 1):
+        m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+        c = cfg(data, tmp_path / f"s{snap}", max_steps=2, snapshot_every=snap,
+                gradient_checkpointing=True)  # fmt: skip
+        tr.train(c, model=m, progress=False)
+        ms.append(m)
+    for (n1, p1), (_, p2) in zip(ms[0].named_parameters(), ms[1].named_parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, rtol=0, atol=0, msg=n1)
+    snaps = sorted(p.name for p in (tmp_path / "s1" / "snapshots").iterdir())
+    assert snaps == ["step-1", "step-2"]
+    assert (tmp_path / "s1" / "snapshots" / "step-1" / "model.safetensors").exists()
+    assert not (tmp_path / "s0" / "snapshots").exists()
+
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys
