@@ -166,7 +166,12 @@ def _add_eval(sub) -> None:
     )
     p.add_argument("--results", required=True, help="JSONL results file (appended / resumed)")
     p.add_argument("--model", default=None, help="checkpoint (default SmolLM2-135M-Instruct)")
-    p.add_argument("--methods", nargs="+", default=["greedy", "jacobi", "multiblock"])
+    p.add_argument(
+        "--methods", nargs="+", default=["greedy", "jacobi", "multiblock"],
+        choices=["greedy", "prompt-lookup", "ar", "jacobi", "multiblock", "jacobi-tuned",
+                 "multiblock-tuned"],
+        help="default: greedy jacobi multiblock (-tuned: block size chosen by the tuner)",
+    )  # fmt: skip
     p.add_argument("--limit", type=int, default=None, help="problems (default all 164)")
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -1,14 +1,12 @@
 """HumanEval evaluation: TPF, tokens/s and speedup over transformers' greedy ``generate`` for
 ``jacobi`` and ``multiblock``, and pass@1 by executing each completion's tests.
 
-Methods: ``greedy`` (transformers), ``ar``, ``jacobi`` and ``multiblock`` at the given block
-size, and ``jacobi-tuned`` / ``multiblock-tuned`` with ``block_size=None`` (the engine's roofline
-tuner picks settings from this machine's measured forward curve and the acceptance it observes).
+Methods: ``greedy`` (transformers), ``prompt-lookup`` (transformers' prompt-lookup decoding,
+10 draft tokens), ``ar``, ``jacobi`` and ``multiblock`` at the given block size, and
+``jacobi-tuned`` / ``multiblock-tuned`` with ``block_size=None`` (the engine's roofline tuner
+picks settings from this machine's measured forward curve and the acceptance it observes).
 Every row keeps its token ids, so the summary can say whether each method's output equals
 greedy's token for token (it must: the methods are lossless).
-
-Results are appended to a JSONL file, one line per (task, method), flushed per line, so an
-interrupted evaluation resumes where it stopped; the summary is computed from that file.
 """
 
 from __future__ import annotations
@@ -69,10 +67,12 @@ def evaluate(
         for p, m in bar:
             ids = humaneval_input_ids(tokenizer, p).to(device)
             with torch.inference_mode():
-                if m == "greedy":
-                    toks, secs = hf_greedy(model, ids, max_new_tokens)
+                if m in ("greedy", "prompt-lookup"):
+                    kw = {"prompt_lookup_num_tokens": 10} if m == "prompt-lookup" else {}
+                    toks, secs = hf_greedy(model, ids, max_new_tokens, **kw)
                     toks = torch.tensor(toks, dtype=torch.long)
-                    forwards = int(toks.numel())  # one forward per token
+                    # greedy: one forward per token; prompt lookup does not report its count
+                    forwards = int(toks.numel()) if m == "greedy" else None
                 else:
                     base_m, tuned = m.removesuffix("-tuned"), m.endswith("-tuned")
                     r = generate(
@@ -87,8 +87,8 @@ def evaluate(
             row = {
                 "task_id": p["task_id"], "method": m, "label": label, "tokens": int(toks.numel()),
                 "forwards": forwards, "seconds": round(secs, 4), "passed": ok, "result": why,
-                "block_size": block_size if m != "greedy" else 1, "completion": text,
-                "token_ids": toks.tolist(),
+                "block_size": block_size if m not in ("greedy", "prompt-lookup") else 1,
+                "completion": text, "token_ids": toks.tolist(),
             }  # fmt: skip
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -108,7 +108,7 @@ def summarize(results: str | Path) -> dict:
     greedy = by.get("greedy", {})
     for m, rs in by.items():
         tok = sum(r["tokens"] for r in rs.values())
-        fw = sum(r["forwards"] for r in rs.values())
+        fw = sum(r["forwards"] or 0 for r in rs.values())
         sec = sum(r["seconds"] for r in rs.values())
         common = [t for t in rs if t in greedy]
         sp = None
@@ -122,7 +122,7 @@ def summarize(results: str | Path) -> dict:
             ident = sum(rs[t]["token_ids"] == greedy[t]["token_ids"] for t in same) / len(same)
         out[m] = {
             "tasks": len(rs),
-            "tpf": tok / max(fw, 1),
+            "tpf": tok / fw if fw else None,
             "tokens_per_s": tok / sec if sec else float("nan"),
             "speedup": 1.0 if m == "greedy" else sp,
             "pass@1": sum(r["passed"] for r in rs.values()) / len(rs),
@@ -139,10 +139,14 @@ def format_summary(s: dict) -> str:
     for m, r in s.items():
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         lines.append(
-            f"| {m} | {r['tasks']} | {r['tpf']:.2f} | {r['tokens_per_s']:.1f} | {sp} "
+            f"| {m} | {r['tasks']} | {_num(r['tpf'])} | {r['tokens_per_s']:.1f} | {sp} "
             f"| {100 * r['pass@1']:.1f}% | {_ident(r.get('identical'))} |"
         )
     return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _ident(x) -> str:

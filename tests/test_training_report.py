@@ -95,11 +95,16 @@ def test_eval_summary_speedup_and_identity(tmp_path):
                      "seconds": 1.0, "passed": t == 0, "token_ids": g})  # fmt: skip
         rows.append({"task_id": f"T{t}", "method": "jacobi", "tokens": len(j), "forwards": 1,
                      "seconds": 0.5, "passed": False, "token_ids": j})  # fmt: skip
+        rows.append({"task_id": f"T{t}", "method": "prompt-lookup", "tokens": len(g),
+                     "forwards": None, "seconds": 0.8, "passed": t == 0, "token_ids": g})  # fmt: skip
     p = tmp_path / "r.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = summarize(p)
     assert s["greedy"]["tpf"] == 1.0 and s["greedy"]["pass@1"] == 0.5
     assert s["jacobi"]["tpf"] == 2.5 and s["jacobi"]["speedup"] == pytest.approx(2.0)
     assert s["jacobi"]["identical"] == 0.5
+    assert s["prompt-lookup"]["tpf"] is None and s["prompt-lookup"]["identical"] == 1.0
+    assert s["prompt-lookup"]["speedup"] == pytest.approx(1.25)
     table = format_summary(s)
+    assert "| prompt-lookup | 2 | - | 3.1 | 1.25x | 50.0% | yes |" in table
     assert "no (50% of tasks)" in table and "| greedy | 2 | 1.00 |" in table

@@ -127,32 +127,158 @@ class _Streams:
             self.streamer.end()
 
 
+class NgramIndex:
+    """Context n-gram index for lookup drafting: after the context's last g tokens (g = max_n
+    down to 1), the tokens that followed their most recent earlier occurrence. Code repeats
+    itself (names, signatures, whole lines of the prompt), so these are often exactly what
+    greedy decoding produces next. O(max_n) per appended token and per query."""
+
+    def __init__(self, tokens: list[int], max_n: int = 3) -> None:
+        self.max_n = max_n
+        self.toks: list[int] = []
+        self.ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n)]
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            i = len(self.toks) - 1  # position i gains a successor: its n-grams become useful
+            for g in range(1, min(self.max_n, i + 1) + 1):
+                self.ends[g - 1][tuple(self.toks[i - g + 1 : i + 1])] = i
+            self.toks.append(t)
+
+    def match(self) -> tuple[int, int]:
+        """(g, j): the longest g whose last-g-token n-gram occurred before, ending at position j
+        (most recent occurrence); (0, -1) when even the last token is new."""
+        for g in range(min(self.max_n, len(self.toks)), 0, -1):
+            j = self.ends[g - 1].get(tuple(self.toks[-g:]))
+            if j is not None:
+                return g, j
+        return 0, -1
+
+    def continuation(self, j: int, k: int) -> list[int]:
+        """k tokens copied from after position j. The copy may overlap its own output (as in
+        LZ77): after a match ending just before the end, a loop of period p continues as a loop,
+        instead of yielding only the p tokens that exist so far."""
+        out: list[int] = []
+        n = len(self.toks)
+        for i in range(j + 1, j + 1 + max(k, 0)):
+            out.append(self.toks[i] if i < n else out[i - n])
+        return out
+
+
+class LookupPolicy:
+    """How many lookup-draft tokens to verify per step, from the measured cost curve and the
+    acceptance such drafts have shown. A step feeding the next token plus k drafts costs
+    t(1+k)/t(1) AR steps and commits 1 + j tokens (j drafts accepted); modelling j as geometric
+    with per-token acceptance rho, E[1+j] = (1 - rho^(k+1)) / (1 - rho). k is the size that
+    maximises E[1+j] / cost, 0 (plain AR) when no size pays.
+
+    rho is kept per match length g (a draft after a repeated 3-gram is far likelier right than
+    one after a repeated token): the maximum-likelihood estimate accepted / (accepted +
+    rejections), over a prior worth two drafts. A class that stopped paying is still probed
+    with one draft token every `probe_every` matches, so it can recover when the text turns
+    repetitive; that costs at most t(2)/t(1) - 1 of one step in `probe_every`."""
+
+    SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+    PRIOR = {1: 0.25, 2: 0.45, 3: 0.6}
+
+    def __init__(self, cost_ratio, max_n: int = 3, probe_every: int = 32) -> None:
+        self.cost_ratio = cost_ratio
+        self.probe_every = probe_every
+        self.accepted = {g: 2 * self.PRIOR.get(g, 0.6) for g in range(1, max_n + 1)}
+        self.rejected = {g: 2 - self.accepted[g] for g in range(1, max_n + 1)}
+        self.skipped = dict.fromkeys(range(1, max_n + 1), 0)
+
+    def rho(self, g: int) -> float:
+        return self.accepted[g] / (self.accepted[g] + self.rejected[g])
+
+    def size(self, g: int) -> int:
+        if g <= 0:
+            return 0
+        rho, best, best_k = min(self.rho(g), 0.999), 1.0, 0
+        for k in self.SIZES:
+            gain = (1.0 - rho ** (k + 1)) / (1.0 - rho) / self.cost_ratio(1 + k)
+            if gain > best * 1.02:  # a 2% margin: measurement noise is not a speedup
+                best, best_k = gain, k
+        if best_k == 0:
+            self.skipped[g] += 1
+            if self.skipped[g] % self.probe_every == 0:
+                return 1
+        return best_k
+
+    def observe(self, g: int, offered: int, accepted: int) -> None:
+        if offered:
+            self.accepted[g] += accepted
+            self.rejected[g] += accepted < offered
+
+
 def _ar_loop(
-    model, cache, L: int, tok: int, out: list[int], max_new: int, eos: set[int], streams: _Streams
-) -> int:
+    model,
+    cache,
+    L: int,
+    tok: int,
+    out: list[int],
+    max_new: int,
+    eos: set[int],
+    streams: _Streams,
+    lookup: tuple[NgramIndex, LookupPolicy] | None = None,
+) -> list[int]:
     """Greedy AR from a committed prefix of L cached tokens and the next token `tok` (already
-    appended to `out`). Returns the number of forwards."""
+    appended to `out`). With `lookup`, a step also verifies up to k context-lookup draft tokens
+    after `tok` (prompt-lookup decoding: lossless, since a draft token is committed only when it
+    equals the argmax after its prefix). Returns the tokens committed by each forward."""
     dev = next(model.parameters()).device
-    forwards = 0
+    hist: list[int] = []
     pos = torch.empty(1, 1, dtype=torch.long, device=dev)
     ids = torch.empty(1, 1, dtype=torch.long, device=dev)
     while len(out) < max_new and tok not in eos:
-        ids.fill_(tok)
-        pos.fill_(L)
-        logits = model(
-            input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
-        ).logits
-        forwards += 1
-        L += 1
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        streams.put([tok])
-    return forwards
+        draft, g = [], 0
+        if lookup is not None:
+            g, j = lookup[0].match()
+            room = max_new - len(out) - 1  # a step commits its drafts and one more token
+            draft = lookup[0].continuation(j, min(lookup[1].size(g), room))
+        if not draft:
+            ids.fill_(tok)
+            pos.fill_(L)
+            logits = model(
+                input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1,
+            ).logits  # fmt: skip
+            L += 1
+            tok = int(logits[0, -1].argmax())
+            new = [tok]
+        else:
+            q = 1 + len(draft)
+            x = torch.tensor([tok] + draft, dtype=torch.long, device=dev)[None]
+            p = torch.arange(L, L + q, device=dev)[None]
+            logits = model(input_ids=x, position_ids=p, past_key_values=cache, use_cache=True)
+            am = logits.logits[0].argmax(-1).tolist()
+            j = 0
+            while j < len(draft) and draft[j] == am[j]:
+                j += 1
+            lookup[1].observe(g, len(draft), j)
+            new = draft[:j] + [am[j]]
+            for i, t in enumerate(new):
+                if t in eos:  # an accepted EOS ends generation: nothing after it counts
+                    new = new[: i + 1]
+                    break
+            L += 1 + j
+            cache.truncate(L)
+            tok = new[-1]
+        out += new
+        if lookup:
+            lookup[0].extend(new)
+        streams.put(new)
+        hist.append(len(new))
+    return hist
 
 
 @torch.inference_mode()
-def _decode_ar(model, prompt: torch.Tensor, max_new: int, eos: set[int], streams: _Streams):
-    """Greedy AR with the same cache as the parallel methods (the baseline they must equal)."""
+def _decode_ar(
+    model, prompt: torch.Tensor, max_new: int, eos: set[int], streams: _Streams, cost_ratio=None
+):
+    """Greedy AR with the same cache as the parallel methods (the baseline they must equal).
+    With a cost curve (tuned settings that chose AR), lookup drafts ride along when they pay."""
     P = prompt.numel()
     cache = TruncatableCache(model.config, capacity=P + max_new + 1)
     t0 = time.perf_counter()
@@ -163,9 +289,12 @@ def _decode_ar(model, prompt: torch.Tensor, max_new: int, eos: set[int], streams
     t1 = time.perf_counter()
     out = [tok]
     streams.put([tok])
-    forwards = _ar_loop(model, cache, P, tok, out, max_new, eos, streams)
+    lookup = None
+    if cost_ratio is not None:
+        lookup = (NgramIndex(prompt.tolist() + out), LookupPolicy(cost_ratio))
+    hist = _ar_loop(model, cache, P, tok, out, max_new, eos, streams, lookup)
     t2 = time.perf_counter()
-    return out, forwards, t2 - t1, t1 - t0, [1] * forwards, 0.0, 0
+    return out, len(hist), t2 - t1, t1 - t0, hist, 0.0, 0
 
 
 class TrajectoryRecorder:
@@ -365,9 +494,12 @@ def _decode_parallel(
             seed = int(main[0])
             out.append(seed)
             streams.put([seed])
-            ar_forwards = _ar_loop(model, cache, L, seed, out, max_new, eos, streams)
-            forwards += ar_forwards
-            accepted_hist += [1] * ar_forwards
+            lookup = (
+                NgramIndex(prompt.tolist() + out), LookupPolicy(controller.cost_ratio)
+            )  # fmt: skip
+            ar_hist = _ar_loop(model, cache, L, seed, out, max_new, eos, streams, lookup)
+            forwards += len(ar_hist)
+            accepted_hist += ar_hist
             break
         keep = next_cand_len > 0
         cands = next_cands[keep] if pool_size else cands
@@ -451,7 +583,7 @@ def generate(
         prompt = input_ids[b].to(device)
         streams = _Streams(streamer if input_ids.shape[0] == 1 else None, prompt)
         if method == "ar" or n == 1:
-            res = _decode_ar(model, prompt, max_new_tokens, eos, streams)
+            res = _decode_ar(model, prompt, max_new_tokens, eos, streams, cost_ratio)
         else:
             ctl = _Controller(cost_ratio)
             res = _decode_parallel(
@@ -485,6 +617,8 @@ def generate(
     tokens = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    if method == "ar" and cost_ratio is not None:
+        method = "ar+lookup"  # tuned settings chose AR: context-lookup drafts ride along
     return GenerateResult(
         tokens=tokens,
         forwards=total_f,

@@ -1,0 +1,122 @@
+"""Context-lookup drafting (the tuned engine's AR mode): the n-gram index on hand-worked
+sequences, the cost-aware draft size, and losslessness on random tiny models, with and without
+EOS, including the fallback from parallel decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from jacobi_ext import generate
+from jacobi_ext.decoding import engine
+from jacobi_ext.models import tiny_llama
+
+VOCAB = 48
+
+
+def test_ngram_index_longest_most_recent_match() -> None:
+    ix = engine.NgramIndex([1, 2, 3, 9, 1, 2])
+    g, j = ix.match()
+    assert (g, j) == (2, 1)  # (1, 2) ended at position 1; (9, 1, 2) never occurred before
+    assert ix.continuation(j, 3) == [3, 9, 1]
+    ix = engine.NgramIndex([1, 2, 5, 1, 2, 7, 1, 2])
+    g, j = ix.match()
+    assert (g, j) == (2, 4) and ix.continuation(j, 2) == [7, 1]  # the most recent occurrence
+    ix.extend([7])
+    assert ix.match() == (3, 5)  # (1, 2, 7) ended at 5
+    # past the end the copy overlaps itself: a loop continues as a loop
+    assert ix.continuation(5, 8) == [1, 2, 7, 1, 2, 7, 1, 2]
+    assert engine.NgramIndex([3, 3, 3]).continuation(1, 4) == [3, 3, 3, 3]
+    assert engine.NgramIndex([4]).match() == (0, -1)  # the suffix never matches itself
+    assert engine.NgramIndex([4, 4]).match() == (1, 0)
+    assert engine.NgramIndex([4, 4]).continuation(0, 0) == []
+
+
+def test_policy_follows_cost_and_acceptance() -> None:
+    free = engine.LookupPolicy(lambda q: 1.0)
+    assert free.size(3) >= 8  # drafts cost nothing: long ones (until the gain flattens)
+    assert free.size(0) == 0  # no match, no draft
+    dear = engine.LookupPolicy(lambda q: float(q))  # a (1+k)-token step costs 1+k AR steps
+    assert all(dear.size(g) in (0, 1) for g in (1, 2, 3))  # only probes
+    steep = engine.LookupPolicy(lambda q: 1.0 + 0.3 * (q - 1))
+    k0 = steep.size(3)
+    assert k0 > 0
+    for _ in range(50):  # drafts after 3-gram matches keep failing at the first token
+        steep.observe(3, 4, 0)
+    sizes = [steep.size(3) for _ in range(64)]
+    assert sizes.count(0) == 62 and sizes.count(1) == 2  # stopped paying; probed 1 in 32
+    for _ in range(200):  # ... and recovers when they start to land
+        steep.observe(3, 4, 4)
+    assert steep.size(3) >= k0
+
+
+@pytest.fixture(scope="module")
+def models():
+    return [tiny_llama(vocab_size=VOCAB, seed=s, dtype=torch.float64) for s in range(3)]
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_lookup_ar_is_lossless(models, case: int) -> None:
+    rng = random.Random(case)
+    model = models[case % 3]
+    # Repetitive prompts make matches (and accepted drafts) common; random ones make misses.
+    unit = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
+    P = rng.randint(1, 30)
+    ids = (unit * 30)[:P] if case % 2 else [rng.randrange(VOCAB) for _ in range(P)]
+    ids = torch.tensor([ids])
+    max_new = rng.randint(1, 100)
+    eos = {rng.randrange(VOCAB)} if case % 3 == 0 else set()
+    want = generate(model, ids, max_new_tokens=max_new, method="ar",
+                    eos_token_id=min(eos) if eos else None).tokens[0].tolist()  # fmt: skip
+    ratio = rng.choice([lambda q: 1.0, lambda q: 1.0 + 0.1 * q, lambda q: 1.0 + 0.5 * q])
+    out, forwards, _, _, hist, _, _ = engine._decode_ar(
+        model, ids[0], max_new, eos, engine._Streams(None, ids[0]), cost_ratio=ratio
+    )
+    assert out == want
+    assert sum(hist) == len(out) - 1 and forwards == len(hist)  # the prefill made out[0]
+
+
+def test_lookup_drafts_are_accepted_on_repetitive_text(models) -> None:
+    # A random tiny model falls into loops: a free-draft policy must commit many tokens per
+    # forward there, else this test exercises nothing.
+    model = models[0]
+    ids = torch.tensor([[7, 3, 7, 3, 7, 3]])
+    want = generate(model, ids, max_new_tokens=120, method="ar").tokens[0].tolist()
+    out, forwards, *_ = engine._decode_ar(
+        model, ids[0], 120, set(), engine._Streams(None, ids[0]), cost_ratio=lambda q: 1.0
+    )
+    assert out == want
+    assert forwards < 0.5 * len(out), (forwards, len(out))
+
+
+def test_fallback_from_parallel_uses_lookup_losslessly(models) -> None:
+    model = models[1]
+    ids = torch.tensor([[5, 9, 5, 9, 5, 9]])
+    want = generate(model, ids, max_new_tokens=100, method="ar").tokens[0].tolist()
+    # Parallel steps (>= 8 tokens) "cost" 1e9 AR steps: fall back after one window; lookup
+    # steps (<= 7 tokens) are free, so drafts ride along.
+    ratio = lambda q: 1e9 if q >= 8 else 1.0  # noqa: E731
+    ctl = engine._Controller(cost_ratio=ratio, window=4)
+    out, forwards, _, _, hist, _, _ = engine._decode_parallel(
+        model, ids[0], 100, set(), 8, 2, 2, 0.85, torch.Generator().manual_seed(0),
+        engine._Streams(None, ids[0]), ctl,
+    )  # fmt: skip
+    assert out == want
+    assert max(hist[4:]) > 1  # lookup steps after the fallback committed several tokens
+
+
+def test_tuned_result_names_lookup(models, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("JACOBI_EXT_CACHE", str(tmp_path))
+    from jacobi_ext.decoding import tuning
+
+    sizes, secs = [1, 2, 4, 8, 16, 32, 64, 128, 256], [1.0, 1.3, 1.6, 2.0, 2.2, 2.8, 4, 6, 12]
+    steep = tuning.StepCurve(sizes, secs, 256, "cpu", "float32", 1, "test")
+    monkeypatch.setattr(tuning, "step_curve", lambda model: steep)
+    model = models[2]
+    tuning.remember_acceptance(model, 0.01, weight=100)  # this model's blocks never converge
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3]])
+    res = generate(model, ids, max_new_tokens=40, method="multiblock", block_size=None)
+    assert res.method == "ar+lookup"
+    assert res.tokens[0].tolist() == generate(model, ids, 40, method="ar").tokens[0].tolist()
