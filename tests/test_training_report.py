@@ -96,7 +96,8 @@ def test_eval_summary_speedup_and_identity(tmp_path):
         rows.append({"task_id": f"T{t}", "method": "jacobi", "tokens": len(j), "forwards": 1,
                      "seconds": 0.5, "passed": False, "token_ids": j})  # fmt: skip
         rows.append({"task_id": f"T{t}", "method": "prompt-lookup", "tokens": len(g),
-                     "forwards": None, "seconds": 0.8, "passed": t == 0, "token_ids": g})  # fmt: skip
+                     "forwards": None, "seconds": 0.8, "passed": t == 0,
+                     "token_ids": g})  # fmt: skip
     p = tmp_path / "r.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = summarize(p)
