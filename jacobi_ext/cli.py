@@ -196,6 +196,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="jacobi_demo", help="folder for the curve PNG and JSON")
     p.add_argument("--quiet", action="store_true", help="no live text, just the table")
+    p.add_argument(
+        "--base", action="store_true",
+        help="the base model even when a distilled checkpoint exists under ./runs/*/final "
+        "(which the demo otherwise picks up)",
+    )  # fmt: skip
     _add_model_args(p)
     p.set_defaults(handler=_cmd_demo)
 

@@ -54,6 +54,16 @@ def run_demo(args) -> int:
     console = Console()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.model is None and not args.base:
+        from jacobi_ext.models import find_distilled
+
+        found = find_distilled()
+        if found is not None:
+            args.model = str(found)
+            console.print(
+                f"using the distilled checkpoint [bold]{found}[/] "
+                "(pass --base for the base model, --model for another one)"
+            )
     with console.status(f"loading {args.model or 'SmolLM2-135M-Instruct'} (offline)"):
         model, tok = _load(args)
     curve = tuning.step_curve(model, progress=True)

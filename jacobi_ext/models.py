@@ -82,6 +82,13 @@ def load_model(
     return model, tokenizer
 
 
+def find_distilled(root: str | Path = "runs") -> Path | None:
+    """The newest distilled checkpoint the training recipes produced under ``root`` (their
+    ``<out>/final`` link or folder, an HF checkpoint), or None."""
+    found = [c.parent for c in Path(root).glob("*/final/config.json")]
+    return max(found, key=lambda d: (d / "config.json").stat().st_mtime) if found else None
+
+
 def tiny_llama(
     vocab_size: int = 96,
     hidden_size: int = 64,

@@ -1,0 +1,43 @@
+"""The README's main job, `jacobi-forcing demo`: which checkpoint it picks up, and (slow) a
+short real run on SmolLM2 whose results file holds the three methods, all identical to greedy."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import pytest
+
+from jacobi_ext.models import find_distilled
+
+
+def test_find_distilled_picks_the_newest_recipe_output(tmp_path):
+    assert find_distilled(tmp_path / "runs") is None
+    for i, name in enumerate(["old", "new"]):
+        d = tmp_path / "runs" / name / "final"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        os.utime(d / "config.json", (time.time() - 100 + i * 50,) * 2)
+    (tmp_path / "runs" / "half" / "final").mkdir(parents=True)  # no config: not a checkpoint
+    assert find_distilled(tmp_path / "runs") == tmp_path / "runs" / "new" / "final"
+
+
+@pytest.mark.slow
+def test_demo_runs_and_is_lossless(tmp_path, monkeypatch):
+    from jacobi_ext.cli import main
+
+    monkeypatch.setenv("JACOBI_EXT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "demo"
+    rc = main(["demo", "--prompts", "1", "--max-new-tokens", "24", "--quiet", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "demo_results.json").read_text())
+    assert [r["method"] for r in res["rows"]] == [
+        "transformers greedy", "jacobi n=16", "multiblock (tuned)"
+    ]  # fmt: skip
+    for r in res["rows"]:
+        assert r["identical"] is True
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("tokens_per_s", "tpf", "speedup"))
+    assert (out / "forward_latency_vs_tokens.png").stat().st_size > 10_000
+    assert res["curve"]["sizes"][0] == 1 and len(res["curve"]["seconds"]) >= 8
