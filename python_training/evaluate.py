@@ -67,6 +67,7 @@ def evaluate(
         for p, m in bar:
             ids = humaneval_input_ids(tokenizer, p).to(device)
             with torch.inference_mode():
+                used = m
                 if m in ("greedy", "prompt-lookup"):
                     kw = {"prompt_lookup_num_tokens": 10} if m == "prompt-lookup" else {}
                     toks, secs = hf_greedy(model, ids, max_new_tokens, **kw)
@@ -82,13 +83,14 @@ def evaluate(
                     )  # fmt: skip
                     toks = r.tokens[0, : r.new_tokens]
                     secs, forwards = r.seconds + r.prefill_seconds, r.forwards
+                    used = f"{r.method} n={r.block_size} K={r.num_blocks} p={r.pool_size}"
             text = tokenizer.decode(toks, skip_special_tokens=True)
             ok, why = check_completion(p, text, timeout)
             row = {
                 "task_id": p["task_id"], "method": m, "label": label, "tokens": int(toks.numel()),
                 "forwards": forwards, "seconds": round(secs, 4), "passed": ok, "result": why,
                 "block_size": block_size if m not in ("greedy", "prompt-lookup") else 1,
-                "completion": text, "token_ids": toks.tolist(),
+                "completion": text, "token_ids": toks.tolist(), "settings": used,
             }  # fmt: skip
             f.write(json.dumps(row) + "\n")
             f.flush()
