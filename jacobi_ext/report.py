@@ -47,6 +47,8 @@ def run_suites(suites, out_dir: Path, quick: bool = False, extra_args=()) -> lis
             f"{root} not found: `jacobi-forcing bench` runs from a source checkout (the bench/ "
             "suites are not installed with the wheel)"
         )
+    # Absolute: the suites may change directory, and pytest-benchmark writes the JSON at the end.
+    out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     env = dict(os.environ)
