@@ -24,14 +24,7 @@ from pathlib import Path
 def read_log(path: str | Path) -> list[dict]:
     """The rows of a trainer ``log.jsonl``; a step logged twice (redone after a resume) keeps
     its last row."""
-    rows: dict[int, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:  # torn last line of an interrupted run
-                continue
-            rows[int(r["step"])] = r
+    rows = {int(r["step"]): r for r in _rows(Path(path))}
     return [rows[k] for k in sorted(rows)]
 
 
@@ -110,10 +103,14 @@ def measure_scaling(
 
 
 def _rows(path: Path) -> list[dict]:
+    """The records of a JSONL file (none if it does not exist), skipping blank lines and the
+    torn last line an interrupted writer may leave."""
     if not Path(path).exists():
         return []
     out = []
     for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
