@@ -11,6 +11,19 @@ import torch
 QUICK = os.environ.get("JACOBI_BENCH_QUICK", "") not in ("", "0")
 
 
+def _model_name() -> str | None:
+    """JACOBI_BENCH_MODEL: a checkpoint directory (e.g. runs/smollm2_cpu/final) or .gguf to
+    benchmark instead of the default SmolLM2-135M-Instruct."""
+    return os.environ.get("JACOBI_BENCH_MODEL") or None
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    # Which model the decoding numbers are for travels with the JSON, so a re-render says it.
+    machine_info["jacobi_bench_model"] = (
+        "tiny random Llama (quick mode)" if QUICK else (_model_name() or "SmolLM2-135M-Instruct")
+    )
+
+
 @pytest.fixture(scope="session")
 def quick() -> bool:
     return QUICK
@@ -31,7 +44,7 @@ def bench_model():
 
     n_prompts = int(os.environ.get("JACOBI_BENCH_PROMPTS", "20"))
     max_new = int(os.environ.get("JACOBI_BENCH_NEW_TOKENS", "256"))
-    model, tok = load_model()
+    model, tok = load_model(_model_name())
     prompts = [humaneval_input_ids(tok, p) for p in load_humaneval(n_prompts)]
     # The tuner's forward-time curve is measured once per machine and cached: do it before any
     # timed run so "tuned" methods are not charged for it.

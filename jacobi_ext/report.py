@@ -83,8 +83,10 @@ def load(paths) -> list[dict]:
     benches = []
     for p in paths:
         data = json.loads(Path(p).read_text())
+        model = data.get("machine_info", {}).get("jacobi_bench_model")
         for b in data.get("benchmarks", []):
             b["_file"] = str(p)
+            b["_model"] = model
             benches.append(b)
     return benches
 
@@ -126,6 +128,7 @@ def figure_sweep(benches, path: Path) -> Path | None:
     for b in sweep:
         e = b["extra_info"]
         label = e["method"] + (f", pool {e['pool_size']}" if e["method"] == "multiblock" else "")
+        label += " + lookup" if e.get("lookup") else ""
         lines[label].append((e["block_size"], e["tokens_per_s"], e["tpf"]))
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -133,9 +136,14 @@ def figure_sweep(benches, path: Path) -> Path | None:
         pts.sort()
         a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
         a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
-    for b, style in zip(refs, ("k--", "k:"), strict=False):
+    styles = {"hf-greedy": ("k", "--"), "hf-prompt-lookup": ("k", ":"), "tuned": ("r", "-.")}
+    for b in refs:
         e = b["extra_info"]
-        a1.axhline(e["tokens_per_s"], color="k", ls=style[1:], label=e["method"])
+        color, ls = styles.get(e["method"], ("gray", "-"))
+        label = "ours, tuned (the default)" if e["method"] == "tuned" else e["method"]
+        a1.axhline(e["tokens_per_s"], color=color, ls=ls, label=label)
+        if e["method"] == "tuned" and e.get("tpf"):
+            a2.axhline(e["tpf"], color=color, ls=ls, label=label)
     a2.axhline(1.0, color="k", ls="--", label="greedy (1 token/forward)")
     for ax, yl in ((a1, "tokens / s"), (a2, "tokens per forward")):
         ax.set_xscale("log", base=2)
@@ -222,6 +230,9 @@ def _fmt(x, spec=".1f"):
 def markdown(benches, machine: dict, figures: dict, compare: dict | None = None) -> str:
     out = ["# jacobi_ext benchmark report", ""]
     out += ["| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in machine.items()]
+    models = sorted({b["_model"] for b in benches if b.get("_model")})
+    if models:
+        out.append(f"| model | {', '.join(models)} |")
     dec = [b for b in benches if b["name"].startswith("test_decoding[")]
     if dec:
         e0 = dec[0]["extra_info"]
@@ -273,17 +284,28 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
         ]
     sweep = [b for b in benches if b["name"].startswith("test_sweep[")]
     if sweep:
+        refs = {
+            b["extra_info"]["method"]: b["extra_info"]["tokens_per_s"]
+            for b in benches
+            if b["name"].startswith("test_sweep_reference")
+        }
+        greedy = refs.get("hf-greedy")
         out += [
             "",
             "## Decoding vs block size",
             "",
-            "| method | n | pool | tokens/s | TPF |",
-            "|---|---|---|---|---|",
+            "Same prompts for every row; "
+            + ", ".join(f"{m} {_fmt(v)} tokens/s" for m, v in sorted(refs.items()))
+            + (" (the references)." if refs else "no reference rows in this run."),
+            "",
+            "| method | n | pool | lookup | tokens/s | TPF | vs transformers greedy |",
+            "|---|---|---|---|---|---|---|",
         ]
         for b in sorted(
             sweep,
             key=lambda b: (
                 b["extra_info"]["method"],
+                b["extra_info"].get("lookup", False),
                 b["extra_info"]["pool_size"],
                 b["extra_info"]["block_size"],
             ),
@@ -291,7 +313,9 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
             e = b["extra_info"]
             out.append(
                 f"| {e['method']} | {e['block_size']} | {e['pool_size']} | "
-                f"{_fmt(e['tokens_per_s'])} | {_fmt(e['tpf'], '.2f')} |"
+                f"{'yes' if e.get('lookup') else 'no'} | "
+                f"{_fmt(e['tokens_per_s'])} | {_fmt(e['tpf'], '.2f')} | "
+                + (f"{e['tokens_per_s'] / greedy:.2f}x |" if greedy else "- |")
             )
     att = _attention_rows(benches)
     if att:

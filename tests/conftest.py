@@ -15,6 +15,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_profile_cache(tmp_path_factory):
+    """Tuning profiles (forward-time curves, learned acceptance) measured by the tests go to a
+    directory of this session, never into the user's ~/.cache/jacobi_ext."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JACOBI_EXT_CACHE", str(tmp_path_factory.mktemp("jacobi_ext_cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:
     torch.manual_seed(0)

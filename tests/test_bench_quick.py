@@ -45,6 +45,12 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
     assert data["benchmarks"], "the suite produced no benchmark"
     for b in data["benchmarks"]:
         assert b["stats"]["median"] > 0
+    # The JSON says which model it measured, and the report shows it.
+    assert data["machine_info"]["jacobi_bench_model"] == "tiny random Llama (quick mode)"
+    from jacobi_ext import report
+
+    text = report.markdown(report.load([out]), {}, {})
+    assert "| model | tiny random Llama (quick mode) |" in text
     if suite == "bench_attention.py":
         infos = [b["extra_info"] for b in data["benchmarks"]]
         impls = {(e["impl"], e.get("mode")) for e in infos}
@@ -54,8 +60,6 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
             assert e["gflops"] > 0
             if e["impl"] != "matmul":
                 assert 0 < e["useful_fraction"] <= 1
-        from jacobi_ext import report
-
         text = report.markdown(report.load([out]), {"cpu": "test"}, {})
         assert "## Training attention" in text and "| jacobi |" in text
         assert "its time / ours" in text and "x |" in text

@@ -1,6 +1,7 @@
-"""Context-lookup drafting (the tuned engine's AR mode): the n-gram index on hand-worked
-sequences, the cost-aware draft size, and losslessness on random tiny models, with and without
-EOS, including the fallback from parallel decoding."""
+"""Context-lookup drafting: the n-gram index on hand-worked sequences, the cost-aware draft
+size, and losslessness on random tiny models, with and without EOS: drafts in AR (the tuned
+engine's AR mode, the fallback from parallel decoding) and lookup candidate rows in the
+parallel methods."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_lookup_ar_is_lossless(models, case: int) -> None:
                     eos_token_id=min(eos) if eos else None).tokens[0].tolist()  # fmt: skip
     ratio = rng.choice([lambda q: 1.0, lambda q: 1.0 + 0.1 * q, lambda q: 1.0 + 0.5 * q])
     out, forwards, _, _, hist, _, _ = engine._decode_ar(
-        model, ids[0], max_new, eos, engine._Streams(None, ids[0]), cost_ratio=ratio
+        model, ids[0], max_new, eos, engine._Streams(None, ids[0]), engine.LookupPolicy(ratio)
     )
     assert out == want
     assert sum(hist) == len(out) - 1 and forwards == len(hist)  # the prefill made out[0]
@@ -85,7 +86,7 @@ def test_lookup_drafts_are_accepted_on_repetitive_text(models) -> None:
     ids = torch.tensor([[7, 3, 7, 3, 7, 3]])
     want = generate(model, ids, max_new_tokens=120, method="ar").tokens[0].tolist()
     out, forwards, *_ = engine._decode_ar(
-        model, ids[0], 120, set(), engine._Streams(None, ids[0]), cost_ratio=lambda q: 1.0
+        model, ids[0], 120, set(), engine._Streams(None, ids[0]), engine.LookupPolicy(lambda q: 1.0)
     )
     assert out == want
     assert forwards < 0.5 * len(out), (forwards, len(out))
@@ -101,7 +102,7 @@ def test_fallback_from_parallel_uses_lookup_losslessly(models) -> None:
     ctl = engine._Controller(cost_ratio=ratio, window=4)
     out, forwards, _, _, hist, _, _ = engine._decode_parallel(
         model, ids[0], 100, set(), 8, 2, 2, 0.85, torch.Generator().manual_seed(0),
-        engine._Streams(None, ids[0]), ctl,
+        engine._Streams(None, ids[0]), ctl, None, engine.LookupPolicy(ratio),
     )  # fmt: skip
     assert out == want
     assert max(hist[4:]) > 1  # lookup steps after the fallback committed several tokens
@@ -120,3 +121,56 @@ def test_tuned_result_names_lookup(models, tmp_path, monkeypatch) -> None:
     res = generate(model, ids, max_new_tokens=40, method="multiblock", block_size=None)
     assert res.method == "ar+lookup"
     assert res.tokens[0].tolist() == generate(model, ids, 40, method="ar").tokens[0].tolist()
+
+
+# ---- lookup candidates in the parallel methods ------------------------------------------------
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_parallel_lookup_candidates_are_lossless(models, case: int) -> None:
+    """One more candidate row per step (the seed + a context-lookup continuation), winning or
+    not, with recycling on or off and several blocks in flight: still greedy's tokens."""
+    rng = random.Random(100 + case)
+    model = models[case % 3]
+    unit = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 5))]
+    P = rng.randint(1, 30)
+    ids = (unit * 30)[:P] if case % 2 else [rng.randrange(VOCAB) for _ in range(P)]
+    ids = torch.tensor([ids])
+    max_new = rng.randint(1, 90)
+    eos = rng.randrange(VOCAB) if case % 3 == 0 else None
+    want = generate(model, ids, max_new, method="ar", eos_token_id=eos).tokens[0].tolist()
+    method = rng.choice(["jacobi", "multiblock"])
+    res = generate(
+        model, ids, max_new, method=method, block_size=rng.choice([2, 3, 5, 8, 16]),
+        num_blocks=rng.randint(1, 3), pool_size=rng.choice([0, 1, 4]), eos_token_id=eos,
+        lookup=True, seed=case,
+    )  # fmt: skip
+    assert res.tokens[0].tolist() == want
+    assert res.method == method + "+lookup"
+    assert sum(res.accepted) == len(want) and res.lookup_wins <= res.candidate_wins
+
+
+def test_parallel_lookup_candidates_win_on_repetitive_text(models, monkeypatch) -> None:
+    # A random tiny model falls into loops, which lookup predicts: with drafts priced as free,
+    # the lookup row must win steps and raise tokens per forward over the same run without it.
+    real = engine.LookupPolicy
+    monkeypatch.setattr(engine, "LookupPolicy", lambda cost_ratio, **kw: real(lambda q: 1.0, **kw))
+    model, ids = models[0], torch.tensor([[7, 3, 7, 3, 7, 3]])
+    kw = dict(max_new_tokens=120, method="multiblock", block_size=8, pool_size=0)
+    plain = generate(model, ids, lookup=False, **kw)
+    looked = generate(model, ids, lookup=True, **kw)
+    assert looked.tokens.tolist() == plain.tokens.tolist()
+    assert looked.lookup_wins > 0 and looked.candidate_wins >= looked.lookup_wins
+    assert looked.forwards < plain.forwards, (looked.forwards, plain.forwards)
+    assert plain.method == "multiblock" and plain.lookup_wins == 0
+
+
+def test_lookup_defaults_and_trajectory_guard(models) -> None:
+    model, ids = models[1], torch.tensor([[4, 8, 15, 16, 23, 42]])
+    assert generate(model, ids, 10, method="ar").method == "ar"
+    assert generate(model, ids, 10, method="jacobi", block_size=4).method == "jacobi"
+    assert generate(model, ids, 10, method="multiblock", block_size=4).method == "multiblock+lookup"
+    assert generate(model, ids, 10, method="ar", lookup=True).method == "ar+lookup"
+    with pytest.raises(ValueError, match="lookup off"):
+        generate(model, ids, 10, method="jacobi", block_size=4, lookup=True,
+                 trajectory=engine.TrajectoryRecorder())  # fmt: skip

@@ -75,6 +75,19 @@ def test_markdown_report_tables(sample, tmp_path) -> None:
     assert "verify_step (n=64, K=2, pool 4)" in text and "us** median" in text
     assert "| tokens | 1 | 2 | 4 | 8 | 16 | 32 | 64 | 128 | 256 |" in text
     assert "nan" not in text.lower()
+    # The block-size sweep table: one row per swept setting, each with its ratio to the sweep's
+    # own transformers-greedy reference (not the main decoding table's, which used other prompts).
+    sweep_rows = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith(("| jacobi | ", "| multiblock | ")) and ln.count("|") == 8
+    ]
+    assert len(sweep_rows) == 15
+    benches = {b["name"]: b["extra_info"] for b in report.load(sample)}
+    greedy = benches["test_sweep_reference[hf-greedy]"]["tokens_per_s"]
+    e = benches["test_sweep[multiblock-n16-p4]"]
+    row = f"| multiblock | 16 | 4 | no | {e['tokens_per_s']:.1f} | {e['tpf']:.2f} | "
+    assert row + f"{e['tokens_per_s'] / greedy:.2f}x |" in text
     assert "![forward latency](forward_latency.png)" in text
     assert (tmp_path / "forward_latency.png").is_file()
 

@@ -47,7 +47,8 @@ class GenerateResult:
     lengths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # tokens committed by each forward
     verify_seconds: float = 0.0  # time in the verify op and host bookkeeping, not the model
-    candidate_wins: int = 0  # steps whose committed tokens came from a recycled candidate
+    candidate_wins: int = 0  # steps whose committed tokens came from a candidate row
+    lookup_wins: int = 0  # of those, steps won by the context-lookup candidate
 
     @property
     def new_tokens(self) -> int:
@@ -275,10 +276,15 @@ def _ar_loop(
 
 @torch.inference_mode()
 def _decode_ar(
-    model, prompt: torch.Tensor, max_new: int, eos: set[int], streams: _Streams, cost_ratio=None
+    model,
+    prompt: torch.Tensor,
+    max_new: int,
+    eos: set[int],
+    streams: _Streams,
+    policy: LookupPolicy | None = None,
 ):
     """Greedy AR with the same cache as the parallel methods (the baseline they must equal).
-    With a cost curve (tuned settings that chose AR), lookup drafts ride along when they pay."""
+    With a lookup policy, lookup drafts ride along when they pay."""
     P = prompt.numel()
     cache = TruncatableCache(model.config, capacity=P + max_new + 1)
     t0 = time.perf_counter()
@@ -289,12 +295,10 @@ def _decode_ar(
     t1 = time.perf_counter()
     out = [tok]
     streams.put([tok])
-    lookup = None
-    if cost_ratio is not None:
-        lookup = (NgramIndex(prompt.tolist() + out), LookupPolicy(cost_ratio))
+    lookup = (NgramIndex(prompt.tolist() + out), policy) if policy is not None else None
     hist = _ar_loop(model, cache, P, tok, out, max_new, eos, streams, lookup)
     t2 = time.perf_counter()
-    return out, len(hist), t2 - t1, t1 - t0, hist, 0.0, 0
+    return out, len(hist), t2 - t1, t1 - t0, hist, 0.0, (0, 0)
 
 
 class TrajectoryRecorder:
@@ -376,6 +380,7 @@ def _decode_parallel(
     streams: _Streams,
     controller: _Controller,
     recorder: TrajectoryRecorder | None = None,
+    lookup: LookupPolicy | None = None,
 ):
     dev = prompt.device
     P = prompt.numel()
@@ -414,10 +419,16 @@ def _decode_parallel(
     cands = torch.empty(0, n, dtype=torch.long, device=dev)
     spawn_threshold = max(1, min(n, math.ceil(activation_ratio * n)))
 
+    # Context-lookup candidate (with `lookup`): one more candidate row per step, the seed and
+    # then what followed the context's last 1-3 tokens the last time they occurred. The index
+    # holds prompt + committed + the next seed (the seed is always committed next).
+    index = NgramIndex(prompt.tolist() + [int(main[0])]) if lookup is not None else None
+    lk: tuple[int, int] | None = None  # (match length g, row) of this step's lookup candidate
+
     out: list[int] = []
     accepted_hist: list[int] = []
     L = P
-    forwards = wins = 0
+    forwards = wins = lookup_wins = 0
     verify_s = 0.0
     while True:
         C = cands.shape[0]
@@ -463,6 +474,9 @@ def _decode_parallel(
             )
         )
         w, a, finished, next_len = summary[:4].tolist()
+        if lk is not None:  # what the lookup row would have committed: its class's record
+            lookup.observe(lk[0], m - 1, int(_acc[lk[1]]) - 1)
+            lookup_wins += w == lk[1]
         committed = commit[:a].tolist()
         if extra_eos:  # other EOS ids: cut after the first one
             for i, t in enumerate(committed):
@@ -490,21 +504,43 @@ def _decode_parallel(
             break
         controller.observe(a, main_len + C * m)
         main, block_ends, main_len = next_tokens, next_ends, next_len
+        seed = int(main[0])
+        if index is not None:
+            index.extend(committed[1:] + [seed])
         if controller.should_fall_back():
-            seed = int(main[0])
             out.append(seed)
             streams.put([seed])
-            lookup = (
-                NgramIndex(prompt.tolist() + out), LookupPolicy(controller.cost_ratio)
-            )  # fmt: skip
-            ar_hist = _ar_loop(model, cache, L, seed, out, max_new, eos, streams, lookup)
+            # The same index and acceptance record go on serving AR's lookup drafts.
+            ar_lookup = (index, lookup) if lookup is not None else None
+            ar_hist = _ar_loop(model, cache, L, seed, out, max_new, eos, streams, ar_lookup)
             forwards += len(ar_hist)
             accepted_hist += ar_hist
             break
-        keep = next_cand_len > 0
-        cands = next_cands[keep] if pool_size else cands
+        cands = next_cands[next_cand_len > 0]  # [0, n] without a pool
+        lk = None
+        if index is not None:
+            cands, lk = _add_lookup_candidate(index, lookup, main, int(block_ends[0]), cands)
+        verify_s += time.perf_counter() - te  # the rest of the host loop counts too
     t2 = time.perf_counter()
-    return out, forwards, t2 - t1, t1 - t0, accepted_hist, verify_s, wins
+    return out, forwards, t2 - t1, t1 - t0, accepted_hist, verify_s, (wins, lookup_wins)
+
+
+def _add_lookup_candidate(
+    index: NgramIndex, policy: LookupPolicy, main: torch.Tensor, m: int, cands: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """Append the context-lookup candidate for the next step's first block (length m, starting
+    with the seed main[0]) to `cands`, when the context has a match whose class the policy
+    still finds worth drafting, and the row differs from the main row and every recycled
+    candidate (a duplicate cannot win). Returns (candidates, (g, row) or None); row counts the
+    main row as 0."""
+    g, j = index.match()
+    if m < 2 or g == 0 or policy.size(g) == 0:
+        return cands, None
+    row = torch.full((1, cands.shape[1]), -1, dtype=cands.dtype, device=cands.device)
+    row[0, :m] = torch.tensor([int(main[0])] + index.continuation(j, m - 1), dtype=row.dtype)
+    if torch.equal(row[0, :m], main[:m]) or bool((cands[:, :m] == row[:, :m]).all(1).any()):
+        return cands, None
+    return torch.cat([cands, row]), (g, 1 + cands.shape[0])
 
 
 def generate(
@@ -521,6 +557,7 @@ def generate(
     seed: int = 0,
     pad_token_id: int | None = None,
     trajectory: TrajectoryRecorder | None = None,
+    lookup: bool | None = None,
 ) -> GenerateResult:
     """Generate greedily with `method` ("ar" | "jacobi" | "multiblock"); the tokens equal
     greedy autoregressive decoding's for every method.
@@ -533,6 +570,13 @@ def generate(
     after `max_new_tokens`. A batch is decoded one sequence at a time (correct, not batched).
     `trajectory` (method "jacobi" with a fixed block_size, batch 1) records every iteration's
     block states for distillation (python_training).
+
+    `lookup` verifies context-lookup drafts too (lossless, like prompt-lookup decoding): in the
+    parallel methods one more candidate row per step, in AR the drafts after the next token;
+    how many, and whether at all, per match class from the measured cost curve and the
+    acceptance such drafts have shown. Default (None): on for "multiblock" and for tuned
+    settings (block_size=None), off for "ar" and a fixed-size "jacobi" (the paper's plain
+    methods). `res.method` then ends in "+lookup".
     """
     _check_args(
         model,
@@ -545,12 +589,14 @@ def generate(
         activation_ratio,
     )
     if trajectory is not None and (
-        method != "jacobi" or block_size is None or input_ids.shape[0] != 1
+        method != "jacobi" or block_size is None or input_ids.shape[0] != 1 or lookup
     ):
         raise ValueError(
-            "recording a trajectory needs method='jacobi', a fixed block_size and "
-            "a batch of one prompt"
+            "recording a trajectory needs method='jacobi', a fixed block_size, "
+            "a batch of one prompt and lookup off (a lookup win is not a Jacobi iteration)"
         )
+    if lookup is None:
+        lookup = method == "multiblock" or (method == "jacobi" and block_size is None)
     eos = _eos_ids(model, eos_token_id)
     limit = _max_positions(model)
     if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
@@ -576,14 +622,22 @@ def generate(
             cost_ratio = lambda q: curve.time(q) / curve.time(1)  # noqa: E731
         n = block_size
         K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
+    lookup_cost = cost_ratio
+    if lookup and lookup_cost is None:  # a fixed block size: still weigh drafts by their cost
+        from .tuning import step_curve
+
+        curve = step_curve(model)
+        lookup_cost = lambda q: curve.time(q) / curve.time(1)  # noqa: E731
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    rows, total_f, total_s, total_pre, hist, verify_s, wins = [], 0, 0.0, 0.0, [], 0.0, 0
+    rows, total_f, total_s, total_pre, hist, verify_s = [], 0, 0.0, 0.0, [], 0.0
+    wins = lookup_wins = 0
     for b in range(input_ids.shape[0]):
         prompt = input_ids[b].to(device)
         streams = _Streams(streamer if input_ids.shape[0] == 1 else None, prompt)
+        policy = LookupPolicy(lookup_cost) if lookup else None
         if method == "ar" or n == 1:
-            res = _decode_ar(model, prompt, max_new_tokens, eos, streams, cost_ratio)
+            res = _decode_ar(model, prompt, max_new_tokens, eos, streams, policy)
         else:
             ctl = _Controller(cost_ratio)
             res = _decode_parallel(
@@ -599,6 +653,7 @@ def generate(
                 streams,
                 ctl,
                 trajectory,
+                policy,
             )
             if cost_ratio is not None and ctl.acc:
                 from .tuning import estimate_rho, remember_acceptance
@@ -607,18 +662,18 @@ def generate(
                 rho = estimate_rho(sum(ctl.acc) / len(ctl.acc), window)
                 remember_acceptance(model, rho, weight=len(ctl.acc))
         streams.end()
-        toks, f, s, pre, h, vs, cw = res
+        toks, f, s, pre, h, vs, (cw, lw) = res
         rows.append(toks)
         total_f, total_s, total_pre = total_f + f, total_s + s, total_pre + pre
-        verify_s, wins = verify_s + vs, wins + cw
+        verify_s, wins, lookup_wins = verify_s + vs, wins + cw, lookup_wins + lw
         hist += h
     width = max(len(r) for r in rows)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     tokens = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    if method == "ar" and cost_ratio is not None:
-        method = "ar+lookup"  # tuned settings chose AR: context-lookup drafts ride along
+    if lookup:
+        method += "+lookup"
     return GenerateResult(
         tokens=tokens,
         forwards=total_f,
@@ -632,4 +687,5 @@ def generate(
         accepted=hist,
         verify_seconds=verify_s,
         candidate_wins=wins,
+        lookup_wins=lookup_wins,
     )
