@@ -22,6 +22,9 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["jacobi_bench_model"] = (
         "tiny random Llama (quick mode)" if QUICK else (_model_name() or "SmolLM2-135M-Instruct")
     )
+    # ... and so do the settings that move the numbers, for a re-render on another shell.
+    machine_info["torch_threads"] = torch.get_num_threads()
+    machine_info["torch_version"] = torch.__version__
 
 
 @pytest.fixture(scope="session")

@@ -91,13 +91,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         pool_size=args.pool_size,
         activation_ratio=args.activation_ratio,
         streamer=streamer,
+        lookup=args.lookup,
     )
     console.print()
     console.print(
         f"[bold]{res.method}[/] n={res.block_size} K={res.num_blocks} pool={res.pool_size}: "
         f"{res.new_tokens} tokens in {res.forwards} forwards "
         f"(TPF {res.tokens_per_forward:.2f}), {res.tokens_per_second:.1f} tokens/s"
-        + (f", {res.candidate_wins} recycled wins" if res.candidate_wins else "")
+        + (
+            f", {res.candidate_wins} candidate wins ({res.lookup_wins} by lookup)"
+            if res.candidate_wins
+            else ""
+        )
     )
     return 0
 
@@ -112,6 +117,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=2)
     p.add_argument("--pool-size", type=int, default=4)
     p.add_argument("--activation-ratio", type=float, default=0.85)
+    p.add_argument(
+        "--lookup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="verify context-lookup drafts too (default: on for multiblock and tuned settings)",
+    )
     _add_model_args(p)
     p.set_defaults(handler=_cmd_generate)
 

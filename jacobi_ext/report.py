@@ -24,16 +24,22 @@ from pathlib import Path
 SUITES = ("decoding", "verify", "attention")
 
 
-def _machine() -> dict:
+def _machine(benches=()) -> dict:
+    """This machine, with torch's thread count and version as the benchmark runs recorded them
+    (a re-render from another shell must not report its own), several values joined by ' / '."""
     import torch
 
     from jacobi_ext.decoding.tuning import _cpu_name
 
+    def recorded(key, now):
+        vals = sorted({str(b[key]) for b in benches if b.get(key) is not None})
+        return " / ".join(vals) if vals else now
+
     return {
         "cpu": _cpu_name(),
         "cores": os.cpu_count(),
-        "torch threads": torch.get_num_threads(),
-        "torch": torch.__version__,
+        "torch threads": recorded("_threads", torch.get_num_threads()),
+        "torch": recorded("_torch", torch.__version__),
         "python": platform.python_version(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
     }
@@ -83,10 +89,12 @@ def load(paths) -> list[dict]:
     benches = []
     for p in paths:
         data = json.loads(Path(p).read_text())
-        model = data.get("machine_info", {}).get("jacobi_bench_model")
+        info = data.get("machine_info", {})
         for b in data.get("benchmarks", []):
             b["_file"] = str(p)
-            b["_model"] = model
+            b["_model"] = info.get("jacobi_bench_model")
+            b["_threads"] = info.get("torch_threads")
+            b["_torch"] = info.get("torch_version")
             benches.append(b)
     return benches
 
@@ -136,7 +144,11 @@ def figure_sweep(benches, path: Path) -> Path | None:
         pts.sort()
         a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
         a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
-    styles = {"hf-greedy": ("k", "--"), "hf-prompt-lookup": ("k", ":"), "tuned": ("r", "-.")}
+    styles = {
+        "hf-greedy": ("k", "--"),
+        "hf-prompt-lookup": ("k", ":"),
+        "tuned": ("tab:purple", "-."),
+    }
     for b in refs:
         e = b["extra_info"]
         color, ls = styles.get(e["method"], ("gray", "-"))
@@ -399,7 +411,7 @@ def render(paths, out_dir: Path, baseline=None) -> Path:
             figures[name] = p
     cmp = compare_runs(benches, baseline) if baseline else None
     report = out_dir / "REPORT.md"
-    report.write_text(markdown(benches, _machine(), figures, cmp))
+    report.write_text(markdown(benches, _machine(benches), figures, cmp))
     return report
 
 

@@ -2,7 +2,8 @@
 ``jacobi`` and ``multiblock``, and pass@1 by executing each completion's tests.
 
 Methods: ``greedy`` (transformers), ``prompt-lookup`` (transformers' prompt-lookup decoding,
-10 draft tokens), ``ar``, ``jacobi`` and ``multiblock`` at the given block size, and
+10 draft tokens), ``ar``, ``jacobi`` and ``multiblock`` at the given block size (``multiblock``
+with its default context-lookup candidate row; each row's ``settings`` names what ran), and
 ``jacobi-tuned`` / ``multiblock-tuned`` with ``block_size=None`` (the engine's roofline tuner
 picks settings from this machine's measured forward curve and the acceptance it observes).
 Every row keeps its token ids, so the summary can say whether each method's output equals

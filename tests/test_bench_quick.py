@@ -47,6 +47,7 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
         assert b["stats"]["median"] > 0
     # The JSON says which model it measured, and the report shows it.
     assert data["machine_info"]["jacobi_bench_model"] == "tiny random Llama (quick mode)"
+    assert data["machine_info"]["torch_threads"] == torch.get_num_threads()
     from jacobi_ext import report
 
     text = report.markdown(report.load([out]), {}, {})

@@ -51,7 +51,7 @@ def test_all_methods_equal_greedy(models, case: int) -> None:
     ar = generate(model, ids, max_new_tokens=max_new, method="ar", eos_token_id=eos)
     assert ar.tokens[0].tolist() == want
     for method, kw in [
-        ("jacobi", dict(block_size=rng.choice([2, 3, 5, 8, 16]))),
+        ("jacobi", dict(block_size=rng.choice([2, 3, 5, 8, 16]), lookup=case % 3 == 0)),
         (
             "multiblock",
             dict(
@@ -59,6 +59,7 @@ def test_all_methods_equal_greedy(models, case: int) -> None:
                 num_blocks=rng.randint(1, 4),
                 pool_size=rng.randint(0, 5),
                 activation_ratio=rng.choice([0.25, 0.5, 0.85, 1.0]),
+                lookup=case % 2 == 0,  # with and without the context-lookup candidate row
             ),
         ),
     ]:
@@ -85,6 +86,7 @@ def test_recycling_candidates_win_and_stay_lossless(models) -> None:
         num_blocks=3,
         pool_size=6,
         activation_ratio=0.5,
+        lookup=False,  # recycled candidates only
     )
     assert res.candidate_wins > 0, "no candidate won: this test would not exercise the K/V move"
     assert res.tokens[0].tolist() == want
@@ -182,7 +184,8 @@ def test_all_methods_equal_greedy_on_cuda(case: int) -> None:
     for kw in (
         dict(method="ar"),
         dict(method="jacobi", block_size=8),
-        dict(method="multiblock", block_size=6, num_blocks=3, pool_size=4),
+        dict(method="multiblock", block_size=6, num_blocks=3, pool_size=4, lookup=False),
+        dict(method="multiblock", block_size=6, num_blocks=3, pool_size=4, lookup=True),
     ):
         res = generate(model, ids, max_new_tokens=max_new, **kw)
         assert res.tokens[0].tolist() == want, kw

@@ -58,19 +58,26 @@ def models():
     return [tiny_llama(vocab_size=VOCAB, seed=s, dtype=torch.float64) for s in range(3)]
 
 
-@pytest.mark.parametrize("case", range(16))
-def test_lookup_ar_is_lossless(models, case: int) -> None:
-    rng = random.Random(case)
-    model = models[case % 3]
-    # Repetitive prompts make matches (and accepted drafts) common; random ones make misses.
+def _random_case(rng: random.Random, model, case: int):
+    """(prompt ids, max_new_tokens, eos id or None, greedy's tokens). Odd cases repeat a short
+    unit (matches and accepted drafts are common), even ones are random (misses); one in three
+    has an EOS."""
     unit = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
     P = rng.randint(1, 30)
     ids = (unit * 30)[:P] if case % 2 else [rng.randrange(VOCAB) for _ in range(P)]
     ids = torch.tensor([ids])
     max_new = rng.randint(1, 100)
-    eos = {rng.randrange(VOCAB)} if case % 3 == 0 else set()
-    want = generate(model, ids, max_new_tokens=max_new, method="ar",
-                    eos_token_id=min(eos) if eos else None).tokens[0].tolist()  # fmt: skip
+    eos = rng.randrange(VOCAB) if case % 3 == 0 else None
+    want = generate(model, ids, max_new, method="ar", eos_token_id=eos).tokens[0].tolist()
+    return ids, max_new, eos, want
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_lookup_ar_is_lossless(models, case: int) -> None:
+    rng = random.Random(case)
+    model = models[case % 3]
+    ids, max_new, eos_id, want = _random_case(rng, model, case)
+    eos = {eos_id} if eos_id is not None else set()
     ratio = rng.choice([lambda q: 1.0, lambda q: 1.0 + 0.1 * q, lambda q: 1.0 + 0.5 * q])
     out, forwards, _, _, hist, _, _ = engine._decode_ar(
         model, ids[0], max_new, eos, engine._Streams(None, ids[0]), engine.LookupPolicy(ratio)
@@ -132,13 +139,7 @@ def test_parallel_lookup_candidates_are_lossless(models, case: int) -> None:
     not, with recycling on or off and several blocks in flight: still greedy's tokens."""
     rng = random.Random(100 + case)
     model = models[case % 3]
-    unit = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 5))]
-    P = rng.randint(1, 30)
-    ids = (unit * 30)[:P] if case % 2 else [rng.randrange(VOCAB) for _ in range(P)]
-    ids = torch.tensor([ids])
-    max_new = rng.randint(1, 90)
-    eos = rng.randrange(VOCAB) if case % 3 == 0 else None
-    want = generate(model, ids, max_new, method="ar", eos_token_id=eos).tokens[0].tolist()
+    ids, max_new, eos, want = _random_case(rng, model, case)
     method = rng.choice(["jacobi", "multiblock"])
     res = generate(
         model, ids, max_new, method=method, block_size=rng.choice([2, 3, 5, 8, 16]),

@@ -106,3 +106,19 @@ def test_compare_flags_regressions(sample, tmp_path) -> None:
     assert cmp and all(new / old == pytest.approx(1.5) for old, new in cmp.values())
     md = report.markdown(slow, {"cpu": "x"}, {}, cmp)
     assert "REGRESSION" in md
+
+
+def test_machine_block_uses_what_the_run_recorded(sample, tmp_path) -> None:
+    """A re-render (another shell, other threads) reports the threads, torch and model the
+    benchmarks ran with, not its own."""
+    import json
+
+    data = json.loads(open(sample[0]).read())
+    data["machine_info"] = dict(
+        torch_threads=7, torch_version="9.9.9", jacobi_bench_model="runs/x/final"
+    )
+    path = tmp_path / "recorded.json"
+    path.write_text(json.dumps(data))
+    text = report.render([path], tmp_path).read_text()
+    assert "| torch threads | 7 |" in text and "| torch | 9.9.9 |" in text
+    assert "| model | runs/x/final |" in text

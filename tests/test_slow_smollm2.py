@@ -53,7 +53,18 @@ def test_all_methods_lossless_on_humaneval(smollm2) -> None:
         for kw in (
             dict(method="ar"),
             dict(method="jacobi", block_size=8),
-            dict(method="multiblock", block_size=6, num_blocks=2, pool_size=2),
+            dict(method="multiblock", block_size=6, num_blocks=2, pool_size=2, lookup=True),
         ):
             got = generate(model, ids, max_new_tokens=128, **kw).tokens[0].tolist()
             assert got == want, (prob["task_id"], kw)
+
+
+def test_generate_cli_runs_and_reports_lookup(capsys) -> None:
+    from jacobi_ext.cli import main
+
+    argv = ["generate", "--prompt", "def add(a, b):", "--raw", "--max-new-tokens", "12"]
+    assert main(argv + ["--method", "multiblock", "--block-size", "4", "--lookup"]) == 0
+    out = capsys.readouterr().out
+    assert "multiblock+lookup n=4" in out and "12 tokens in" in out
+    assert main(argv + ["--method", "jacobi", "--block-size", "4", "--no-lookup"]) == 0
+    assert "jacobi n=4" in capsys.readouterr().out

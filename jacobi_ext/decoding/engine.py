@@ -9,8 +9,9 @@ KV cache (no per-row cache copies):
     [ main row: the blocks in flight ][ candidate 1 ][ candidate 2 ] ...
       positions L .. L+M-1              L .. L+m-1     L .. L+m-1
 
-The main row attends causally; each recycling candidate (an alternative for the first block)
-attends the committed prefix and itself only (a block-diagonal "tree" mask). The fused op
+The main row attends causally; each candidate (an alternative for the first block: recycled
+from rejected drafts, or the context-lookup row, see NgramIndex) attends the committed prefix and
+itself only (a block-diagonal "tree" mask). The fused op
 torch.ops.jacobi_ext.verify_step then decides everything (acceptance per row, winner, commit,
 next drafts, spawning, recycling pool) in one call; the host reads one small summary tensor,
 moves the winner's accepted K/V into place when a candidate won, and truncates the cache.
