@@ -68,3 +68,15 @@ def test_generate_cli_runs_and_reports_lookup(capsys) -> None:
     assert "multiblock+lookup n=4" in out and "12 tokens in" in out
     assert main(argv + ["--method", "jacobi", "--block-size", "4", "--no-lookup"]) == 0
     assert "jacobi n=4" in capsys.readouterr().out
+
+
+def test_bf16_on_a_cpu_without_bf16_units_warns(tmp_path, monkeypatch) -> None:
+    from jacobi_ext import models
+
+    (tmp_path / "no").write_text("flags\t\t: fpu avx2 avx512f avx512_vnni\n")
+    (tmp_path / "yes").write_text("flags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert not models.cpu_has_bf16(tmp_path / "no") and models.cpu_has_bf16(tmp_path / "yes")
+    assert models.cpu_has_bf16(tmp_path / "missing")  # unreadable: no warning
+    monkeypatch.setattr(models, "cpu_has_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="load with dtype=torch.float32"):
+        load_model(dtype=torch.bfloat16)

@@ -474,7 +474,8 @@ def _decode_parallel(
                 eos_id,
             )
         )
-        w, a, finished, next_len = summary[:4].tolist()
+        # (kNextSeed: the next main row's first token, read here with the rest, no extra sync)
+        w, a, finished, next_len, _, seed = summary[:6].tolist()
         if lk is not None:  # what the lookup row would have committed: its class's record
             lookup.observe(lk[0], m - 1, int(_acc[lk[1]]) - 1)
             lookup_wins += w == lk[1]
@@ -505,7 +506,6 @@ def _decode_parallel(
             break
         controller.observe(a, main_len + C * m)
         main, block_ends, main_len = next_tokens, next_ends, next_len
-        seed = int(main[0])
         if index is not None:
             index.extend(committed[1:] + [seed])
         if controller.should_fall_back():
@@ -520,17 +520,22 @@ def _decode_parallel(
         cands = next_cands[next_cand_len > 0]  # [0, n] without a pool
         lk = None
         if index is not None:
-            cands, lk = _add_lookup_candidate(index, lookup, main, int(block_ends[0]), cands)
+            cands, lk = _add_lookup_candidate(index, lookup, seed, main, int(block_ends[0]), cands)
         verify_s += time.perf_counter() - te  # the rest of the host loop counts too
     t2 = time.perf_counter()
     return out, forwards, t2 - t1, t1 - t0, accepted_hist, verify_s, (wins, lookup_wins)
 
 
 def _add_lookup_candidate(
-    index: NgramIndex, policy: LookupPolicy, main: torch.Tensor, m: int, cands: torch.Tensor
+    index: NgramIndex,
+    policy: LookupPolicy,
+    seed: int,
+    main: torch.Tensor,
+    m: int,
+    cands: torch.Tensor,
 ) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """Append the context-lookup candidate for the next step's first block (length m, starting
-    with the seed main[0]) to `cands`, when the context has a match whose class the policy
+    with the seed, main[0]) to `cands`, when the context has a match whose class the policy
     still finds worth drafting, and the row differs from the main row and every recycled
     candidate (a duplicate cannot win). Returns (candidates, (g, row) or None); row counts the
     main row as 0."""
@@ -538,7 +543,7 @@ def _add_lookup_candidate(
     if m < 2 or g == 0 or policy.size(g) == 0:
         return cands, None
     row = torch.full((1, cands.shape[1]), -1, dtype=cands.dtype, device=cands.device)
-    row[0, :m] = torch.tensor([int(main[0])] + index.continuation(j, m - 1), dtype=row.dtype)
+    row[0, :m] = torch.tensor([seed] + index.continuation(j, m - 1), dtype=row.dtype)
     if torch.equal(row[0, :m], main[:m]) or bool((cands[:, :m] == row[:, :m]).all(1).any()):
         return cands, None
     return torch.cat([cands, row]), (g, 1 + cands.shape[0])
