@@ -625,15 +625,14 @@ def generate(
             )
             block_size, num_blocks, pool_size = s.block_size, s.num_blocks, s.pool_size
             method = s.method
-            cost_ratio = lambda q: curve.time(q) / curve.time(1)  # noqa: E731
+            cost_ratio = curve.cost_ratio
         n = block_size
         K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
     lookup_cost = cost_ratio
     if lookup and lookup_cost is None:  # a fixed block size: still weigh drafts by their cost
         from .tuning import step_curve
 
-        curve = step_curve(model)
-        lookup_cost = lambda q: curve.time(q) / curve.time(1)  # noqa: E731
+        lookup_cost = step_curve(model).cost_ratio
     device = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rows, total_f, total_s, total_pre, hist, verify_s = [], 0, 0.0, 0.0, [], 0.0

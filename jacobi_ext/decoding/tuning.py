@@ -86,6 +86,11 @@ class StepCurve:
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
         return ys[-1] + slope * (q - xs[-1])
 
+    def cost_ratio(self, q: int) -> float:
+        """t(q) / t(1): what a forward of q tokens costs in one-token forwards (the decoding
+        engine weighs parallel steps and lookup drafts by it)."""
+        return self.time(q) / self.time(1)
+
     def knee(self) -> int:
         """Largest measured size whose cost is within 25% of a single-token forward: below it
         the forward is bound by reading the weights, above it by arithmetic."""
