@@ -11,37 +11,39 @@ import pytest
 import torch
 
 from jacobi_ext import generate
-from jacobi_ext.decoding import engine
+from jacobi_ext.decoding import loop
+from jacobi_ext.decoding.trajectory import TrajectoryRecorder
+from jacobi_ext.decoding.lookup import LookupPolicy, NgramIndex
 from jacobi_ext.models import tiny_llama
 
 VOCAB = 48
 
 
 def test_ngram_index_longest_most_recent_match() -> None:
-    ix = engine.NgramIndex([1, 2, 3, 9, 1, 2])
+    ix = NgramIndex([1, 2, 3, 9, 1, 2])
     g, j = ix.match()
     assert (g, j) == (2, 1)  # (1, 2) ended at position 1; (9, 1, 2) never occurred before
     assert ix.continuation(j, 3) == [3, 9, 1]
-    ix = engine.NgramIndex([1, 2, 5, 1, 2, 7, 1, 2])
+    ix = NgramIndex([1, 2, 5, 1, 2, 7, 1, 2])
     g, j = ix.match()
     assert (g, j) == (2, 4) and ix.continuation(j, 2) == [7, 1]  # the most recent occurrence
     ix.extend([7])
     assert ix.match() == (3, 5)  # (1, 2, 7) ended at 5
     # past the end the copy overlaps itself: a loop continues as a loop
     assert ix.continuation(5, 8) == [1, 2, 7, 1, 2, 7, 1, 2]
-    assert engine.NgramIndex([3, 3, 3]).continuation(1, 4) == [3, 3, 3, 3]
-    assert engine.NgramIndex([4]).match() == (0, -1)  # the suffix never matches itself
-    assert engine.NgramIndex([4, 4]).match() == (1, 0)
-    assert engine.NgramIndex([4, 4]).continuation(0, 0) == []
+    assert NgramIndex([3, 3, 3]).continuation(1, 4) == [3, 3, 3, 3]
+    assert NgramIndex([4]).match() == (0, -1)  # the suffix never matches itself
+    assert NgramIndex([4, 4]).match() == (1, 0)
+    assert NgramIndex([4, 4]).continuation(0, 0) == []
 
 
 def test_policy_follows_cost_and_acceptance() -> None:
-    free = engine.LookupPolicy(lambda q: 1.0)
+    free = LookupPolicy(lambda q: 1.0)
     assert free.size(3) >= 8  # drafts cost nothing: long ones (until the gain flattens)
     assert free.size(0) == 0  # no match, no draft
-    dear = engine.LookupPolicy(lambda q: float(q))  # a (1+k)-token step costs 1+k AR steps
+    dear = LookupPolicy(lambda q: float(q))  # a (1+k)-token step costs 1+k AR steps
     assert all(dear.size(g) in (0, 1) for g in (1, 2, 3))  # only probes
-    steep = engine.LookupPolicy(lambda q: 1.0 + 0.3 * (q - 1))
+    steep = LookupPolicy(lambda q: 1.0 + 0.3 * (q - 1))
     k0 = steep.size(3)
     assert k0 > 0
     for _ in range(50):  # drafts after 3-gram matches keep failing at the first token
@@ -56,6 +58,16 @@ def test_policy_follows_cost_and_acceptance() -> None:
 @pytest.fixture(scope="module")
 def models():
     return [tiny_llama(vocab_size=VOCAB, seed=s, dtype=torch.float64) for s in range(3)]
+
+
+def _decode(model, ids, max_new, eos, n, K, p, cost_ratio=None, lookup_cost=None):
+    """The decoding loop itself, with a chosen cost curve for the controller and the lookup
+    policy (generate() measures the real one)."""
+    cfg = loop.DecodeConfig(
+        max_new=max_new, eos=eos, block_size=n, num_blocks=K, pool_size=p, activation_ratio=0.85,
+        cost_ratio=cost_ratio, lookup_cost=lookup_cost, fallback_window=4,
+    )  # fmt: skip
+    return loop.decode(model, ids.tolist(), cfg, torch.Generator().manual_seed(0))
 
 
 def _random_case(rng: random.Random, model, case: int):
@@ -79,11 +91,10 @@ def test_lookup_ar_is_lossless(models, case: int) -> None:
     ids, max_new, eos_id, want = _random_case(rng, model, case)
     eos = {eos_id} if eos_id is not None else set()
     ratio = rng.choice([lambda q: 1.0, lambda q: 1.0 + 0.1 * q, lambda q: 1.0 + 0.5 * q])
-    out, forwards, _, _, hist, _, _ = engine._decode_ar(
-        model, ids[0], max_new, eos, engine._Streams(None, ids[0]), engine.LookupPolicy(ratio)
-    )
-    assert out == want
-    assert sum(hist) == len(out) - 1 and forwards == len(hist)  # the prefill made out[0]
+    (res,), stats = _decode(model, ids, max_new, eos, 1, 1, 0, lookup_cost=ratio)
+    assert res.tokens == want
+    assert sum(res.accepted) == len(want) - (stats.forwards == 0)
+    assert stats.forwards == len(res.accepted)
 
 
 def test_lookup_drafts_are_accepted_on_repetitive_text(models) -> None:
@@ -92,9 +103,8 @@ def test_lookup_drafts_are_accepted_on_repetitive_text(models) -> None:
     model = models[0]
     ids = torch.tensor([[7, 3, 7, 3, 7, 3]])
     want = generate(model, ids, max_new_tokens=120, method="ar").tokens[0].tolist()
-    out, forwards, *_ = engine._decode_ar(
-        model, ids[0], 120, set(), engine._Streams(None, ids[0]), engine.LookupPolicy(lambda q: 1.0)
-    )
+    (res,), stats = _decode(model, ids, 120, set(), 1, 1, 0, lookup_cost=lambda q: 1.0)
+    out, forwards = res.tokens, stats.forwards
     assert out == want
     assert forwards < 0.5 * len(out), (forwards, len(out))
 
@@ -106,11 +116,8 @@ def test_fallback_from_parallel_uses_lookup_losslessly(models) -> None:
     # Parallel steps (>= 8 tokens) "cost" 1e9 AR steps: fall back after one window; lookup
     # steps (<= 7 tokens) are free, so drafts ride along.
     ratio = lambda q: 1e9 if q >= 8 else 1.0  # noqa: E731
-    ctl = engine._Controller(cost_ratio=ratio, window=4)
-    out, forwards, _, _, hist, _, _ = engine._decode_parallel(
-        model, ids[0], 100, set(), 8, 2, 2, 0.85, torch.Generator().manual_seed(0),
-        engine._Streams(None, ids[0]), ctl, None, engine.LookupPolicy(ratio),
-    )  # fmt: skip
+    (res,), _ = _decode(model, ids, 100, set(), 8, 2, 2, cost_ratio=ratio, lookup_cost=ratio)
+    out, hist = res.tokens, res.accepted
     assert out == want
     assert max(hist[4:]) > 1  # lookup steps after the fallback committed several tokens
 
@@ -154,8 +161,8 @@ def test_parallel_lookup_candidates_are_lossless(models, case: int) -> None:
 def test_parallel_lookup_candidates_win_on_repetitive_text(models, monkeypatch) -> None:
     # A random tiny model falls into loops, which lookup predicts: with drafts priced as free,
     # the lookup row must win steps and raise tokens per forward over the same run without it.
-    real = engine.LookupPolicy
-    monkeypatch.setattr(engine, "LookupPolicy", lambda cost_ratio, **kw: real(lambda q: 1.0, **kw))
+    real = loop.LookupPolicy
+    monkeypatch.setattr(loop, "LookupPolicy", lambda cost_ratio, **kw: real(lambda q: 1.0, **kw))
     model, ids = models[0], torch.tensor([[7, 3, 7, 3, 7, 3]])
     kw = dict(max_new_tokens=120, method="multiblock", block_size=8, pool_size=0)
     plain = generate(model, ids, lookup=False, **kw)
@@ -174,4 +181,4 @@ def test_lookup_defaults_and_trajectory_guard(models) -> None:
     assert generate(model, ids, 10, method="ar", lookup=True).method == "ar+lookup"
     with pytest.raises(ValueError, match="lookup off"):
         generate(model, ids, 10, method="jacobi", block_size=4, lookup=True,
-                 trajectory=engine.TrajectoryRecorder())  # fmt: skip
+                 trajectory=TrajectoryRecorder())  # fmt: skip

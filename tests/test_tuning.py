@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from jacobi_ext import generate
-from jacobi_ext.decoding import engine, tuning
+from jacobi_ext.decoding import loop, tuning
+from jacobi_ext.decoding.controller import FallbackController
 from jacobi_ext.models import tiny_llama
 
 
@@ -48,7 +49,7 @@ def test_curve_is_made_monotone() -> None:
 
 
 def test_controller_keeps_parallel_when_it_pays() -> None:
-    ctl = engine._Controller(cost_ratio=lambda q: 1.5, window=4)
+    ctl = FallbackController(cost_ratio=lambda q: 1.5, window=4)
     for _ in range(4):
         ctl.observe(2, 16)  # 2 tokens per step against AR's 1.5 in the same time
     assert not ctl.should_fall_back()
@@ -80,11 +81,12 @@ def test_controller_falls_back_to_ar_losslessly() -> None:
     model = tiny_llama(vocab_size=64, seed=4, dtype=torch.float64)
     ids = torch.randint(0, 64, (1, 9))
     want = generate(model, ids, max_new_tokens=80, method="ar").tokens[0].tolist()
-    ctl = engine._Controller(cost_ratio=lambda q: 1e9, window=4)  # AR "infinitely fast"
-    streams = engine._Streams(None, ids[0])
-    out, forwards, *_ = engine._decode_parallel(
-        model, ids[0], 80, set(), 8, 2, 2, 0.85, torch.Generator().manual_seed(0), streams, ctl
-    )
-    assert out == want
-    assert len(ctl.acc) == 4  # decided after exactly one window, then AR took over
-    assert forwards > 4
+    cfg = loop.DecodeConfig(
+        max_new=80, eos=set(), block_size=8, num_blocks=2, pool_size=2, activation_ratio=0.85,
+        cost_ratio=lambda q: 1e9, fallback_window=4,  # AR "infinitely fast"
+    )  # fmt: skip
+    (res,), stats = loop.decode(model, ids.tolist(), cfg, torch.Generator().manual_seed(0))
+    assert res.tokens == want
+    assert stats.forwards > 4
+    # decided after exactly one window of parallel steps, then AR took over (one token a step)
+    assert all(a == 1 for a in res.accepted[4:-1]), res.accepted

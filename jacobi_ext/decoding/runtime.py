@@ -1,0 +1,250 @@
+"""The static decoding runtime: one preallocated KV cache, fixed-shape steps, CUDA graphs.
+
+Every method (`ar`, `jacobi`, `multiblock`, with or without lookup rows) and every batch size
+runs its forwards through a StaticRuntime. The model's own transformers modules do the forward;
+we only hand them a cache (a StaticCache subclass), position ids and a 4-D custom mask.
+
+**Slots, not positions.** Each layer's K/V live in [B, H, capacity, D] buffers. A sequence's
+committed tokens occupy the slots [lo[b], hi[b]) (the left-padded prompt, then what was
+generated); the first `scratch` slots are where a step writes the tokens it feeds (query i ->
+slot i). Because keys carry their RoPE position, attention does not care about slot order, so
+after the verify op has picked what to commit:
+  - truncating the rejected tokens is nothing at all (they stay in scratch, masked, and the
+    next step overwrites them);
+  - the accepted tokens of the winning row (main row or a candidate) are copied from scratch to
+    [hi, hi + a) with fixed-shape index tensors, and hi += a.
+Both are device-side and read no host value, so they could live inside a graph.
+
+**Graphs.** On CUDA each step width is padded to a bucket (1, 2, 4, ... scratch) and replayed
+from a torch.cuda.CUDAGraph captured once per bucket: ids, mask, positions, the forward and the
+argmax. The runtime (and so its graphs) is kept on the model and reused across `generate` calls
+while the batch size fits and the capacity suffices. If capture fails on an exotic model, the
+runtime warns once and runs eagerly: never a crash, never a different token.
+
+On CPU the same runtime runs eagerly, with unpadded widths, and attends only up to the longest
+committed sequence (no cost for unused capacity).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+from transformers.cache_utils import StaticCache, StaticLayer
+
+from .masks import for_backend, prefill_mask, step_mask, step_positions
+
+
+def bucket(q: int) -> int:
+    """The padded width of a step feeding q tokens: the next power of two."""
+    return 1 << max(0, (q - 1).bit_length())
+
+
+class SlotLayer(StaticLayer):
+    """A StaticLayer that writes where the runtime says (its current write slots) and returns
+    the buffers up to the runtime's attended width."""
+
+    def __init__(self, max_cache_len: int, runtime: StaticRuntime) -> None:
+        super().__init__(max_cache_len=max_cache_len)
+        self._rt = runtime
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots = self._rt.write_slots
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        w = self._rt.attend
+        return self.keys[:, :, :w], self.values[:, :, :w]
+
+    def get_seq_length(self) -> int:  # positions are always passed explicitly
+        return 0
+
+
+class SlotCache(StaticCache):
+    """transformers' StaticCache whose layers are SlotLayers (see the module docstring)."""
+
+    def __init__(self, config, capacity: int, runtime: StaticRuntime) -> None:
+        super().__init__(config=config, max_cache_len=capacity)
+        for i, layer in enumerate(self.layers):
+            if type(layer) is not StaticLayer:
+                raise ValueError(
+                    f"layer {i} uses a {type(layer).__name__} cache (sliding window, chunked or "
+                    "recurrent state); jacobi_ext's decoding supports full-attention models "
+                    "(Llama, Qwen2, ...)"
+                )
+        self.layers = [SlotLayer(capacity, runtime) for _ in self.layers]
+
+
+def _graphs_wanted(device: torch.device, cuda_graphs: bool | None) -> bool:
+    if device.type != "cuda":
+        return False
+    if cuda_graphs is not None:
+        return cuda_graphs
+    return os.environ.get("JACOBI_EXT_CUDA_GRAPHS", "1") != "0"
+
+
+class StaticRuntime:
+    """Preallocated cache + fixed-shape step buffers for a batch of B sequences."""
+
+    def __init__(
+        self, model, batch: int, committed: int, scratch: int, cuda_graphs: bool | None = None
+    ) -> None:
+        p = next(model.parameters())
+        self.model, self.device, self.dtype = model, p.device, p.dtype
+        self.B, self.scratch, self.committed = batch, scratch, committed
+        self.capacity = scratch + committed
+        dev = self.device
+        self.cache = SlotCache(model.config, self.capacity, self)
+        # Static inputs of a step (graphs read them in place: never rebind, only copy_ / fill_).
+        self.ids = torch.zeros(batch, scratch, dtype=torch.long, device=dev)
+        self.seg = torch.full((batch, scratch), -1, dtype=torch.long, device=dev)
+        self.off = torch.zeros(batch, scratch, dtype=torch.long, device=dev)
+        self.lo = torch.full((batch,), scratch, dtype=torch.long, device=dev)
+        self.hi = torch.full((batch,), scratch, dtype=torch.long, device=dev)
+        self._slots = torch.arange(max(scratch, 1), device=dev)
+        self._rows = torch.arange(batch, device=dev)[:, None]
+        self.write_slots = self._slots
+        self.attend = self.capacity
+        self.use_graphs = _graphs_wanted(dev, cuda_graphs)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
+        self.graph_replays = 0
+
+    def fits(self, model, batch: int, committed: int, scratch: int) -> bool:
+        p = next(model.parameters())
+        return (
+            model is self.model
+            and batch == self.B
+            and committed <= self.committed
+            and scratch <= self.scratch
+            and (p.device, p.dtype) == (self.device, self.dtype)
+        )
+
+    # ---- prefill ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, pad: torch.Tensor, drafts: torch.Tensor | None):
+        """Forward the left-padded prompts ids [B, P] (pad[b] padding tokens first) and, for the
+        parallel methods, draft tokens [B, n] after them (their K/V go to scratch, i.e. are not
+        kept). Returns the argmax [B, P + n]."""
+        B, P = ids.shape
+        n = 0 if drafts is None else drafts.shape[1]
+        if P > self.committed or n > self.scratch:
+            raise ValueError(f"prompt of {P} tokens does not fit a cache of {self.committed}")
+        dev = self.device
+        i = torch.arange(P, device=dev)
+        pos = (i[None, :] - pad[:, None]).clamp_(min=0)
+        x = ids
+        slots = self.scratch + i
+        if n:
+            k = torch.arange(n, device=dev)
+            pos = torch.cat([pos, (P - pad)[:, None] + k[None, :]], dim=1)
+            x = torch.cat([ids, drafts], dim=1)
+            slots = torch.cat([slots, k])
+        self.write_slots = slots
+        self.attend = self.scratch + P
+        mask = for_backend(self.model, prefill_mask(pad, P, n, self.scratch), self.dtype)
+        logits = self.model(
+            input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
+            use_cache=True,
+        ).logits  # fmt: skip
+        self.lo.copy_(self.scratch + pad)
+        self.hi.fill_(self.scratch + P)
+        return logits.argmax(-1)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _forward(self, Q: int, attend: int) -> torch.Tensor:
+        self.write_slots = self._slots[:Q]
+        self.attend = attend
+        seg, off = self.seg[:, :Q], self.off[:, :Q]
+        mask = for_backend(self.model, step_mask(seg, off, self.lo, self.hi, attend), self.dtype)
+        logits = self.model(
+            input_ids=self.ids[:, :Q], position_ids=step_positions(off, self.lo, self.hi),
+            attention_mask=mask, past_key_values=self.cache, use_cache=True,
+        ).logits  # fmt: skip
+        return logits.argmax(-1)
+
+    def width(self, q: int) -> int:
+        """The width a step feeding at most q tokens per sequence runs at."""
+        return min(bucket(q), self.scratch) if self.use_graphs else q
+
+    @torch.inference_mode()
+    def step(self, Q: int, attend: int) -> torch.Tensor:
+        """Run the forward over self.ids/seg/off[:, :Q] (filled by the caller); argmax [B, Q].
+        `attend` is the number of slots an eager step needs to see (graphs see them all)."""
+        if self.use_graphs:
+            g = self._graphs.get(Q) or self._capture(Q)
+            if g is not None:
+                g[0].replay()
+                self.graph_replays += 1
+                return g[1]
+        return self._forward(Q, attend)
+
+    def _capture(self, Q: int):
+        t0 = time.perf_counter()
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: lazy inits, kernel selection
+                for _ in range(2):
+                    self._forward(Q, self.capacity)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(Q, self.capacity)
+            self._pool = graph.pool()
+            self._graphs[Q] = (graph, out)
+            return self._graphs[Q]
+        except Exception as exc:  # an exotic model: eager is slower, never wrong
+            warnings.warn(
+                f"jacobi_ext: CUDA graph capture failed ({type(exc).__name__}: {exc}); "
+                "decoding eagerly instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.use_graphs = False
+            self._graphs.clear()
+            return None
+        finally:
+            torch.cuda.synchronize(self.device)
+            self.warmup_seconds += time.perf_counter() - t0
+
+    # ---- commit ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def commit(self, src: torch.Tensor, count: torch.Tensor, width: int) -> None:
+        """For each sequence b, move the K/V of scratch slots [src[b], src[b] + count[b]) to
+        [hi[b], hi[b] + count[b]) and advance hi[b]; count[b] <= width. Fixed shapes, no host
+        values: entries past count copy a scratch slot onto itself."""
+        ar = self._slots[:width][None, :]
+        valid = ar < count[:, None]
+        s = torch.where(valid, src[:, None] + ar, ar)
+        d = torch.where(valid, self.hi[:, None] + ar, ar)
+        rows = self._rows.expand(-1, width)
+        for layer in self.cache.layers:
+            for buf in (layer.keys, layer.values):
+                t = buf.transpose(1, 2)  # [B, slots, H, D] view
+                t[rows, d] = t[rows, s]
+        self.hi.add_(count)
+
+
+def runtime_for(
+    model, batch: int, committed: int, scratch: int, cuda_graphs: bool | None = None
+) -> StaticRuntime:
+    """The model's runtime, reused (with its captured graphs) when it fits; else a new one sized
+    with some headroom so that the next calls fit too."""
+    rt: StaticRuntime | None = getattr(model, "_jacobi_runtime", None)
+    want = _graphs_wanted(next(model.parameters()).device, cuda_graphs)
+    if rt is not None and rt.fits(model, batch, committed, scratch) and rt.use_graphs == want:
+        return rt
+    if rt is not None:
+        committed = max(committed, rt.committed) if rt.B == batch else committed
+        scratch = max(scratch, rt.scratch) if rt.B == batch else scratch
+    rt = StaticRuntime(model, batch, committed, bucket(scratch), cuda_graphs)
+    try:
+        object.__setattr__(model, "_jacobi_runtime", rt)  # not a submodule: no state_dict entry
+    except (AttributeError, TypeError):  # pragma: no cover
+        pass
+    return rt

@@ -1,0 +1,170 @@
+"""Batches and the static runtime: ragged left-padded prompts decoded together, one forward per
+step, every sequence token for token what transformers' greedy gives for that prompt alone.
+Tiny random float64 models (Llama and Qwen2), so the algorithm is what is tested."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from jacobi_ext import generate
+from jacobi_ext.decoding import runtime
+from jacobi_ext.models import tiny_llama
+
+VOCAB = 64
+
+
+def _hf_greedy(model, ids: list[int], max_new: int, eos: int | None) -> list[int]:
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    out = model.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+        eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
+    )[0, len(ids) :].tolist()  # fmt: skip
+    if eos is not None and eos in out:
+        out = out[: out.index(eos) + 1]
+    return out
+
+
+def _left_pad(prompts: list[list[int]], pad_value: int = 7):
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_value, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p) :] = torch.tensor(p)
+        mask[b, P - len(p) :] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {
+        fam: tiny_llama(vocab_size=VOCAB, seed=s, dtype=torch.float64, family=fam)
+        for s, fam in enumerate(("llama", "qwen2"))
+    }
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_ragged_batch_is_lossless(models, case: int) -> None:
+    rng = random.Random(1000 + case)
+    model = models[rng.choice(["llama", "qwen2"])]
+    B = rng.choice([2, 3, 5])
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 18))] for _ in range(B)]
+    max_new = rng.randint(1, 60)
+    eos = rng.choice([None, rng.randrange(VOCAB)])
+    want = [_hf_greedy(model, p, max_new, eos) for p in prompts]
+    ids, mask = _left_pad(prompts)
+    method = rng.choice(["ar", "jacobi", "multiblock"])
+    kw = {} if method == "ar" else dict(block_size=rng.choice([2, 4, 7]))
+    if method == "multiblock":
+        kw.update(num_blocks=rng.randint(1, 3), pool_size=rng.choice([0, 2, 4]))
+    res = generate(
+        model, ids, max_new_tokens=max_new, method=method, eos_token_id=eos, attention_mask=mask,
+        lookup=case % 2 == 0, seed=case, **kw,
+    )  # fmt: skip
+    for b in range(B):
+        assert res.tokens[b, : res.lengths[b]].tolist() == want[b], (b, method, kw)
+    # one forward per step for the whole batch: never more steps than the longest answer
+    assert res.forwards <= max(len(w) for w in want)
+
+
+def test_batch_rows_stop_at_their_own_eos(models) -> None:
+    model = models["llama"]
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [11]]
+    free = [_hf_greedy(model, p, 40, None) for p in prompts]
+    eos = free[1][5]  # the second row reaches it at token 6 (maybe others earlier or never)
+    want = [_hf_greedy(model, p, 40, eos) for p in prompts]
+    assert len({len(w) for w in want}) > 1  # rows really stop at different lengths
+    ids, mask = _left_pad(prompts)
+    res = generate(model, ids, 40, method="multiblock", block_size=4, eos_token_id=eos,
+                   attention_mask=mask, pad_token_id=0)  # fmt: skip
+    assert res.lengths == [len(w) for w in want]
+    for b, w in enumerate(want):
+        assert res.tokens[b].tolist() == w + [0] * (res.tokens.shape[1] - len(w))
+
+
+def test_batch_equals_one_at_a_time_and_reuses_the_runtime(models) -> None:
+    model = models["qwen2"]
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8], [6, 6]]
+    ids, mask = _left_pad(prompts)
+    together = generate(model, ids, 30, method="jacobi", block_size=5, attention_mask=mask)
+    rt = model._jacobi_runtime
+    again = generate(model, ids, 30, method="jacobi", block_size=5, attention_mask=mask)
+    assert model._jacobi_runtime is rt  # same shapes: the runtime (and its graphs) is reused
+    assert again.tokens.tolist() == together.tokens.tolist()
+    for b, p in enumerate(prompts):
+        alone = generate(model, torch.tensor([p]), 30, method="jacobi", block_size=5)
+        assert together.tokens[b, : together.lengths[b]].tolist() == alone.tokens[0].tolist()
+
+
+def test_batch_bad_inputs(models) -> None:
+    model = models["llama"]
+    ids, mask = _left_pad([[1, 2, 3], [4, 5]])
+    with pytest.raises(ValueError, match="shape of input_ids"):
+        generate(model, ids, 5, attention_mask=mask[:, 1:])
+    right = mask.flip(1)
+    with pytest.raises(ValueError, match="left"):
+        generate(model, ids, 5, attention_mask=right)
+    with pytest.raises(ValueError, match="all padding"):
+        generate(model, ids, 5, attention_mask=torch.zeros_like(mask))
+    with pytest.raises(ValueError, match="only 0"):
+        generate(model, ids, 5, attention_mask=mask * 2)
+    with pytest.raises(ValueError, match="context"):
+        generate(model, ids, 5000, method="ar")
+
+
+def test_sliding_window_models_are_refused() -> None:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8,
+        max_window_layers=0, layer_types=["sliding_attention"] * 2,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError, match="full-attention"):
+        generate(model, torch.tensor([[1, 2, 3]]), 4, method="ar")
+
+
+def test_buckets_and_masks() -> None:
+    assert [runtime.bucket(q) for q in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+    from jacobi_ext.decoding.masks import step_mask
+
+    # two sequences; scratch of 4 slots; committed slots [4+lo, hi)
+    seg = torch.tensor([[0, 0, 1, 1], [0, -1, -1, -1]])
+    off = torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0]])
+    lo, hi = torch.tensor([4, 6]), torch.tensor([7, 8])
+    m = step_mask(seg, off, lo, hi, 9)[:, 0].int()
+    assert m[0].tolist() == [
+        [1, 0, 0, 0, 1, 1, 1, 0, 0],  # main row token 0: itself + committed 4..6
+        [1, 1, 0, 0, 1, 1, 1, 0, 0],
+        [0, 0, 1, 0, 1, 1, 1, 0, 0],  # a candidate row never sees the main row
+        [0, 0, 1, 1, 1, 1, 1, 0, 0],
+    ]
+    assert m[1].tolist()[0] == [1, 0, 0, 0, 0, 0, 1, 1, 0]
+    assert m[1].tolist()[2] == [0, 0, 1, 0, 0, 0, 0, 0, 0]  # padding sees itself only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_graph_runtime_is_lossless(graphs: bool) -> None:
+    """On a GPU, graph replay (every bucket captured once, reused across calls) and eager give
+    greedy's tokens, batch 1 and a ragged batch, fp32."""
+    model = tiny_llama(vocab_size=VOCAB, seed=5, dtype=torch.float32).cuda()
+    rng = random.Random(7)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 20))] for _ in range(4)]
+    want = [_hf_greedy(model, p, 48, None) for p in prompts]
+    for kw in (
+        dict(method="ar"),
+        dict(method="ar", lookup=True),
+        dict(method="jacobi", block_size=8),
+        dict(method="multiblock", block_size=8, num_blocks=3, pool_size=4),
+    ):
+        one = generate(model, torch.tensor([prompts[0]]).cuda(), 48, cuda_graphs=graphs, **kw)
+        assert one.tokens[0].tolist() == want[0], kw
+        assert (one.graph_replays > 0) == graphs
+        ids, mask = _left_pad(prompts)
+        res = generate(model, ids.cuda(), 48, attention_mask=mask.cuda(), cuda_graphs=graphs, **kw)
+        for b in range(4):
+            assert res.tokens[b, : res.lengths[b]].tolist() == want[b], (b, kw)
