@@ -12,8 +12,8 @@ import torch
 
 from jacobi_ext import generate
 from jacobi_ext.decoding import loop
-from jacobi_ext.decoding.trajectory import TrajectoryRecorder
 from jacobi_ext.decoding.lookup import LookupPolicy, NgramIndex
+from jacobi_ext.decoding.trajectory import TrajectoryRecorder
 from jacobi_ext.models import tiny_llama
 
 VOCAB = 48
