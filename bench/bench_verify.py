@@ -76,22 +76,18 @@ def test_decoding_loop_overhead(benchmark, bench_model):
 
 @pytest.mark.parametrize("q", [1, 2, 4, 8, 16, 32, 64, 128, 256])
 def test_forward_latency_vs_tokens(benchmark, bench_model, q):
-    """The roofline this library tunes to: one forward of q new tokens over a 256-token cache."""
-    from jacobi_ext.decoding.cache import TruncatableCache
+    """The roofline this library tunes to: one decoding step of q new tokens over a 256-token
+    cache, run as the engine runs it (static runtime; a CUDA graph replay on GPUs)."""
+    from jacobi_ext.decoding.runtime import StepProbe
 
     model, _, _, _ = bench_model
-    vocab = model.get_output_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    ctx = torch.randint(0, vocab, (1, 256), generator=g)
-    ids = torch.randint(0, vocab, (1, q), generator=g)
-    pos = torch.arange(256, 256 + q)[None]
-    cache = TruncatableCache(model.config, capacity=256 + q + 1)
-    with torch.inference_mode():
-        model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    probe = StepProbe(model, context=256, max_q=q)
+    dev = next(model.parameters()).device
 
-        def fwd():
-            cache.truncate(256)
-            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+    def fwd():
+        probe(q)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
-        benchmark.pedantic(fwd, rounds=7, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(fwd, rounds=7, iterations=1, warmup_rounds=1)
     benchmark.extra_info.update(tokens=q)

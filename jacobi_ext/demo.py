@@ -45,10 +45,10 @@ def run_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jacobi_ext.cli import _load
     from jacobi_ext.data import humaneval_input_ids, load_humaneval
     from jacobi_ext.decoding import generate, tuning
     from jacobi_ext.decoding.baselines import hf_greedy
+    from jacobi_ext.models import load_from_args
     from jacobi_ext.plots import plot_step_curve
 
     console = Console()
@@ -65,7 +65,7 @@ def run_demo(args) -> int:
                 "(pass --base for the base model, --model for another one)"
             )
     with console.status(f"loading {args.model or 'SmolLM2-135M-Instruct'} (offline)"):
-        model, tok = _load(args)
+        model, tok = load_from_args(args)
     curve = tuning.step_curve(model, progress=True)
     png = plot_step_curve(curve, out_dir / "forward_latency_vs_tokens.png")
     problems = load_humaneval(args.prompts)

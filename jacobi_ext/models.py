@@ -147,3 +147,19 @@ def tiny_llama(
             if p.dim() >= 2:
                 p.mul_(4.0)
     return model.eval()
+
+
+# --dtype names the command line accepts (jacobi-forcing generate / tune / demo / bench).
+DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def load_from_args(args):
+    """load_model from parsed command-line arguments (--model, --dtype, --device)."""
+    return load_model(args.model, dtype=DTYPE_NAMES[args.dtype], device=args.device)

@@ -248,3 +248,30 @@ def runtime_for(
     except (AttributeError, TypeError):  # pragma: no cover
         pass
     return rt
+
+
+class StepProbe:
+    """One decoding step of q new tokens over a fixed committed context, run exactly as the
+    engine runs it (same runtime, same buckets, graph replay on CUDA): what the tuner and the
+    forward-latency benchmark time. Nothing is committed, so every call sees the same cache."""
+
+    def __init__(self, model, context: int = 256, max_q: int = 256, seed: int = 0) -> None:
+        p = next(model.parameters())
+        self.dev = p.device
+        vocab = model.get_output_embeddings().weight.shape[0]
+        g = torch.Generator().manual_seed(seed)
+        self.rt = StaticRuntime(model, 1, context + 1, bucket(max_q))
+        ctx = torch.randint(0, vocab, (1, context), generator=g).to(self.dev)
+        self.tokens = torch.randint(0, vocab, (max_q,), generator=g).to(self.dev)
+        self.attend = self.rt.scratch + context
+        self.rt.prefill(ctx, torch.zeros(1, dtype=torch.long, device=self.dev), None)
+
+    @torch.inference_mode()
+    def __call__(self, q: int) -> torch.Tensor:
+        rt = self.rt
+        Q = rt.width(q)
+        rt.ids[0, :q] = self.tokens[:q]
+        rt.seg[0, :Q] = -1
+        rt.seg[0, :q] = 0
+        rt.off[0, :Q] = torch.arange(Q, device=self.dev)
+        return rt.step(Q, self.attend)

@@ -106,31 +106,19 @@ class StepCurve:
 def measure_step_curve(
     model, sizes=SIZES, context: int = 256, repeats: int = 5, progress: bool = False
 ) -> StepCurve:
-    """Time one forward of q new tokens over a cache of `context` tokens, for each q."""
-    from .cache import TruncatableCache
+    """Time one decoding step of q new tokens over a cache of `context` tokens, for each q, as
+    the engine runs it (StepProbe: the static runtime; CUDA graph replay on GPUs)."""
+    from .runtime import StepProbe
 
     p = next(model.parameters())
     dev = p.device
-    vocab = model.get_output_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    ctx_ids = torch.randint(0, vocab, (1, context), generator=g).to(dev)
-    cache = TruncatableCache(model.config, capacity=context + max(sizes) + 1)
-    model(input_ids=ctx_ids, past_key_values=cache, use_cache=True)
-    inputs = {
-        q: (
-            torch.randint(0, vocab, (1, q), generator=g).to(dev),
-            torch.arange(context, context + q, device=dev)[None],
-        )
-        for q in sizes
-    }
+    probe = StepProbe(model, context=context, max_q=max(sizes))
 
     def one(q: int) -> float:
-        ids, pos = inputs[q]
-        cache.truncate(context)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        probe(q)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - t0
@@ -149,7 +137,6 @@ def measure_step_curve(
         for q in sizes:
             times[q].append(one(q))
     secs = monotone([statistics.median(times[q]) for q in sizes])
-    cache.truncate(context)
     hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
     return StepCurve(
         list(sizes), secs, context, str(dev), str(p.dtype), torch.get_num_threads(), hw
