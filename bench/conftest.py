@@ -9,6 +9,9 @@ import pytest
 import torch
 
 QUICK = os.environ.get("JACOBI_BENCH_QUICK", "") not in ("", "0")
+# JACOBI_BENCH_DEVICE / JACOBI_BENCH_DTYPE (jacobi-forcing bench --device/--dtype): where and in
+# what precision the decoding suites run (default: CPU, float32).
+DEVICE = os.environ.get("JACOBI_BENCH_DEVICE", "cpu")
 
 
 def _model_name() -> str | None:
@@ -24,6 +27,10 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     )
     # ... and so do the settings that move the numbers, for a re-render on another shell.
     machine_info["torch_threads"] = torch.get_num_threads()
+    machine_info["jacobi_bench_device"] = os.environ.get("JACOBI_BENCH_DEVICE", "cpu")
+    machine_info["jacobi_bench_dtype"] = os.environ.get("JACOBI_BENCH_DTYPE", "float32")
+    if torch.cuda.is_available() and machine_info["jacobi_bench_device"].startswith("cuda"):
+        machine_info["gpu"] = torch.cuda.get_device_name()
     machine_info["torch_version"] = torch.__version__
 
 
@@ -38,17 +45,20 @@ def bench_model():
     if QUICK:
         from jacobi_ext.models import tiny_llama
 
-        model = tiny_llama(vocab_size=128, seed=0)
+        model = tiny_llama(vocab_size=128, seed=0).to(DEVICE)
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, 128, (1, 12), generator=g) for _ in range(2)]
+        prompts = [torch.randint(0, 128, (1, 12), generator=g).to(DEVICE) for _ in range(2)]
         return model, None, prompts, 16
     from jacobi_ext.data import humaneval_input_ids, load_humaneval
     from jacobi_ext.models import load_model
 
     n_prompts = int(os.environ.get("JACOBI_BENCH_PROMPTS", "20"))
     max_new = int(os.environ.get("JACOBI_BENCH_NEW_TOKENS", "256"))
-    model, tok = load_model(_model_name())
-    prompts = [humaneval_input_ids(tok, p) for p in load_humaneval(n_prompts)]
+    from jacobi_ext.models import DTYPE_NAMES
+
+    dtype = DTYPE_NAMES[os.environ.get("JACOBI_BENCH_DTYPE", "float32")]
+    model, tok = load_model(_model_name(), dtype=dtype, device=DEVICE)
+    prompts = [humaneval_input_ids(tok, p).to(DEVICE) for p in load_humaneval(n_prompts)]
     # The tuner's forward-time curve is measured once per machine and cached: do it before any
     # timed run so "tuned" methods are not charged for it.
     from jacobi_ext.decoding.tuning import step_curve

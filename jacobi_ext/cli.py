@@ -233,6 +233,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--render-only", action="store_true", help="do not run; render the JSON already in --out"
     )
+    p.add_argument("--device", default=None, help="cpu or cuda[:i] for the decoding suites")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPE_NAMES), help="model dtype")
+    p.add_argument(
+        "--batch",
+        default=None,
+        metavar="B,B,...",
+        help="also run the batch sweep at these batch sizes (e.g. 1,2,4,8,16)",
+    )
     p.set_defaults(handler=_cmd_bench)
 
 

@@ -45,7 +45,9 @@ def _machine(benches=()) -> dict:
     }
 
 
-def run_suites(suites, out_dir: Path, quick: bool = False, extra_args=()) -> list[Path]:
+def run_suites(
+    suites, out_dir: Path, quick: bool = False, extra_args=(), env_extra=None
+) -> list[Path]:
     """Run bench/bench_<suite>.py for each suite; one JSON per suite in out_dir."""
     root = Path(__file__).resolve().parent.parent / "bench"
     if not root.is_dir():
@@ -58,6 +60,7 @@ def run_suites(suites, out_dir: Path, quick: bool = False, extra_args=()) -> lis
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     env = dict(os.environ)
+    env.update(env_extra or {})
     if quick:
         env["JACOBI_BENCH_QUICK"] = "1"
     for suite in suites:
@@ -427,7 +430,19 @@ def cmd_bench(args) -> int:
         if unknown:
             raise ValueError(f"unknown suite(s) {sorted(unknown)}; choose from {SUITES}")
         paths = run_suites(
-            suites, out_dir, quick=args.quick, extra_args=["-k", args.k] if args.k else []
+            suites,
+            out_dir,
+            quick=args.quick,
+            extra_args=["-k", args.k] if args.k else [],
+            env_extra={
+                var: str(getattr(args, opt))
+                for opt, var in (
+                    ("device", "JACOBI_BENCH_DEVICE"),
+                    ("dtype", "JACOBI_BENCH_DTYPE"),
+                    ("batch", "JACOBI_BENCH_BATCH"),
+                )
+                if getattr(args, opt, None)
+            },
         )
     report = render(paths, out_dir, baseline=args.compare)
     print(f"report: {report}")

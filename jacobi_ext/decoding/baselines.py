@@ -23,6 +23,8 @@ def hf_greedy(model, ids: torch.Tensor, max_new_tokens: int, **generate_kwargs):
         pad_token_id=(eos if isinstance(eos, int) else (eos[0] if eos else 0)),
         **generate_kwargs,
     )
+    if out.device.type == "cuda":
+        torch.cuda.synchronize(out.device)
     dt = time.perf_counter() - t0
     toks = out[0, ids.shape[1] :].tolist()
     stop = {eos} if isinstance(eos, int) else set(eos or [])
