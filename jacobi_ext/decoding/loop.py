@@ -391,7 +391,7 @@ def decode(
             packed.append(row)
             src.append(s_src)
             cnt.append(s_cnt)
-        rt.commit(torch.stack(src), torch.stack(cnt), width)
+        rt.commit(torch.stack(src), torch.stack(cnt))
         rows = torch.stack(packed).tolist()  # the step's one device -> host copy
         for s, row in zip(active, rows, strict=True):
             fed = len(layout[s.b][1])
