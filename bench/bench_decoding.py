@@ -242,3 +242,74 @@ def test_batch(benchmark, bench_model, method, batch):
         ms_per_step=1e3 * r.seconds / max(r.forwards, 1),
         host_ms_per_step=1e3 * r.verify_seconds / max(r.forwards, 1),
     )
+
+
+# ---- Qwen2.5-7B shape: random weights from the config (no 7B checkpoint offline) -------------
+_QWEN7B = None
+
+
+def _qwen7b():
+    """Qwen2.5-7B's architecture with random bf16 weights on the GPU (built on the meta device,
+    then materialised there: seconds, not a CPU init of 7B parameters)."""
+    global _QWEN7B
+    if _QWEN7B is None:
+        from transformers import AutoModelForCausalLM, Qwen2Config
+
+        cfg = Qwen2Config(
+            vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+            num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+            rope_theta=1e6, tie_word_embeddings=False,
+        )  # fmt: skip
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = model.to_empty(device="cuda").eval()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+        # RoPE's inverse frequencies are a computed buffer, not a parameter: rebuild it.
+        model.model.rotary_emb = type(model.model.rotary_emb)(cfg, device="cuda")
+        _QWEN7B = model
+    return _QWEN7B
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 7B shape needs a GPU")
+@pytest.mark.parametrize("q", [1, 16, 32, 64])
+def test_qwen7b_step(benchmark, q):
+    """One captured decoding step of q tokens over a 256-token cache, Qwen2.5-7B shape."""
+    from jacobi_ext.decoding.runtime import StepProbe
+
+    probe = StepProbe(_qwen7b(), context=256, max_q=q)
+
+    def step():
+        probe(q)
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(step, rounds=20, iterations=1, warmup_rounds=2)
+    benchmark.extra_info.update(model="Qwen2.5-7B shape (random)", tokens=q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 7B shape needs a GPU")
+def test_qwen7b_ar(benchmark):
+    """Our whole `ar` step (forward replay + acceptance + commit + the host copy) against the
+    bare captured forward at n=1 (test_qwen7b_step[1]): the target is within 1.1x."""
+    model = _qwen7b()
+    ids = torch.randint(0, 152064, (1, 200), device="cuda")
+    generate(model, ids, max_new_tokens=16, method="ar", eos_token_id=[])  # capture
+    box = {}
+    benchmark.pedantic(
+        lambda: box.update(
+            r=generate(model, ids, max_new_tokens=128, method="ar", eos_token_id=[])
+        ),
+        rounds=3,
+        iterations=1,
+    )
+    r = box["r"]
+    benchmark.extra_info.update(
+        model="Qwen2.5-7B shape (random)",
+        ms_per_step=1e3 * r.seconds / r.forwards,
+        host_ms_per_step=1e3 * r.verify_seconds / r.forwards,
+    )
