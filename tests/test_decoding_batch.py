@@ -168,3 +168,18 @@ def test_cuda_graph_runtime_is_lossless(graphs: bool) -> None:
         res = generate(model, ids.cuda(), 48, attention_mask=mask.cuda(), cuda_graphs=graphs, **kw)
         for b in range(4):
             assert res.tokens[b, : res.lengths[b]].tolist() == want[b], (b, kw)
+
+
+def test_bucket_padding_is_lossless_on_cpu(models, monkeypatch) -> None:
+    """The GPU path pads every step to a power-of-two width (graph buckets); the padding
+    queries must change nothing. Forced here on CPU, where it is otherwise off."""
+    monkeypatch.setattr(runtime.StaticRuntime, "width", lambda self, q: runtime.bucket(q))
+    model = models["qwen2"]
+    prompts = [[5, 1, 5, 1, 9], [3, 3, 2, 8, 4, 4, 4, 1, 6]]
+    want = [_hf_greedy(model, p, 40, None) for p in prompts]
+    ids, mask = _left_pad(prompts)
+    for kw in (dict(method="ar", lookup=True), dict(method="multiblock", block_size=5)):
+        model.__dict__.pop("_jacobi_runtime", None)
+        res = generate(model, ids, 40, attention_mask=mask, **kw)
+        for b in range(2):
+            assert res.tokens[b, : res.lengths[b]].tolist() == want[b], kw
