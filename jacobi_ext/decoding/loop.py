@@ -74,6 +74,8 @@ class _Seq:
         self.policy = LookupPolicy(cfg.lookup_cost) if cfg.lookup_cost is not None else None
         self.index: NgramIndex | None = None
         self.prompt = prompt
+        self.R = 2 + cfg.pool_size  # rows at most: main + pool + lookup
+        self.eos_dev = torch.tensor(sorted(cfg.eos) or [-1], dtype=torch.long, device=dev)
         self.ctl = FallbackController(cfg.cost_ratio, cfg.fallback_window)
         self.recorder: TrajectoryRecorder | None = None
         self.draft: list[int] = []  # ar mode: this step's lookup drafts after the seed
@@ -97,7 +99,7 @@ class _Seq:
     def sample_init(self) -> torch.Tensor:
         """n draft tokens drawn uniformly from the context (SPEC §1)."""
         idx = torch.randint(0, self.ctx_len, (self.cfg.block_size,), generator=self.gen)
-        return self.ctx[idx.to(self.dev)]
+        return self.ctx[to_device(idx, torch.long, self.dev)]
 
     # ---- what this sequence feeds in the next step -------------------------------------------
     def rows(self) -> tuple[list[torch.Tensor | list[int]], list[int], list[int]]:
@@ -137,7 +139,7 @@ class _Seq:
                 else torch.ones((), dtype=torch.long, device=dev)
             )
             if self.cfg.eos:  # cap at the first EOS (inclusive)
-                eos = torch.tensor(sorted(self.cfg.eos), device=dev)
+                eos = self.eos_dev
                 is_eos = torch.isin(toks, eos)
                 first = torch.where(is_eos, torch.arange(q, device=dev), q).min() + 1
                 acc = torch.minimum(acc, first)
@@ -152,9 +154,7 @@ class _Seq:
             )
             commit = torch.full((width,), -1, dtype=torch.long, device=dev)
             commit[:q] = toks
-            extra = torch.zeros(
-                self.cfg.num_blocks + self.cfg.pool_size + R, dtype=torch.long, device=dev
-            )
+            extra = torch.zeros(self._tail(R), dtype=torch.long, device=dev)
             return torch.cat([summary, commit, extra]), acc * 0, acc
         C, m, ml = self.cands.shape[0], self.m, self.main_len
         Rr, Wr = 1 + C, max(ml, m)
@@ -165,26 +165,32 @@ class _Seq:
         if C:
             tok_rows[1:, :m] = toks[ml:].view(C, m)
             g_rows[1:, :m] = greedy[ml:].view(C, m)
-        row_len = torch.tensor([ml] + [m] * C, dtype=torch.int32, device=dev)
+        row_len = to_device([ml] + [m] * C, torch.int32, dev)
         eos_id = min(self.cfg.eos) if self.cfg.eos else -1
         acc, summary, commit, nxt, ends, cands, cand_len = torch.ops.jacobi_ext.verify_step(
             tok_rows, g_rows, row_len, self.block_ends, self.sample_init(), self.pool,
             self.pool_len, self.pool_head, self.spawn, eos_id,
         )  # fmt: skip
         self._next = (nxt, ends, cands, commit)
-        packed = torch.full((SUMMARY + width + ends.shape[0] + cand_len.shape[0] + R,), -1,
-                            dtype=torch.long, device=dev)  # fmt: skip
+        n, p = self.cfg.block_size, cands.shape[0]
+        packed = torch.full((SUMMARY + width + self._tail(R),), -1, dtype=torch.long, device=dev)
         packed[:SUMMARY] = summary
         packed[SUMMARY : SUMMARY + commit.shape[0]] = commit
         o = SUMMARY + width
-        packed[o : o + ends.shape[0]] = ends
-        o += ends.shape[0]
-        packed[o : o + cand_len.shape[0]] = cand_len
-        o += cand_len.shape[0]
-        packed[o : o + Rr] = acc
+        parts = [(ends, ends.shape[0]), (cand_len, p), (acc, R), (nxt[:n], n)]
+        parts.append((cands.view(-1), p * n))
+        for part, room in parts:
+            packed[o : o + part.shape[0]] = part
+            o += room
         w = summary[0]
         src = (w > 0).long() * (ml + (w - 1) * m)
         return packed, src, summary[1]
+
+    def _tail(self, R: int) -> int:
+        """Packed-row entries after the commit: next block ends, candidate lengths, acceptance
+        per row, the next main row's first block, the next candidates."""
+        c = self.cfg
+        return c.num_blocks + c.pool_size + R + c.block_size + c.pool_size * c.block_size
 
     # ---- host work after the one copy ---------------------------------------------------------
     def advance(self, row: list[int], width: int, fed: int) -> None:
@@ -193,7 +199,12 @@ class _Seq:
         committed = row[SUMMARY : SUMMARY + a]
         K, p = cfg.num_blocks, cfg.pool_size
         o = SUMMARY + width
-        ends, cand_len, accs = row[o : o + K], row[o + K : o + K + p], row[o + K + p :]
+        n = cfg.block_size
+        ends, cand_len = row[o : o + K], row[o + K : o + K + p]
+        o += K + p
+        accs, o = row[o : o + self.R], o + self.R
+        main_head, o = row[o : o + n], o + n
+        cands_host = [row[o + c * n : o + (c + 1) * n] for c in range(p)]
         if self.parallel and self.lk is not None:  # what the lookup row would have committed
             self.policy.observe(self.lk[0], self.m - 1, accs[self.lk[1]] - 1)
             self.lookup_wins += w == self.lk[1]
@@ -233,10 +244,10 @@ class _Seq:
             self._maybe_finish_with_seed()
             return
         keep = [c for c in range(p) if cand_len[c] > 0]
-        self.cands = cands[torch.tensor(keep, dtype=torch.long)] if keep else cands[:0]
+        self.cands = cands[to_device(keep, torch.long, self.dev)] if keep else cands[:0]
         self.lk = None
         if self.index is not None:
-            self._add_lookup_candidate()
+            self._add_lookup_candidate(main_head, [cands_host[c] for c in keep])
         self._maybe_finish_with_seed()
 
     def _maybe_finish_with_seed(self) -> None:
@@ -256,23 +267,22 @@ class _Seq:
         if self.streamer is not None and toks:
             self.streamer.put(torch.tensor(toks, dtype=torch.long))
 
-    def _add_lookup_candidate(self) -> None:
+    def _add_lookup_candidate(self, main_head: list[int], cands: list[list[int]]) -> None:
         """Append the context-lookup row for the next first block (length m, starting with the
         seed) when the context has a match whose class still pays and the row differs from the
-        main row and every recycled candidate (a duplicate cannot win)."""
+        main row and every recycled candidate (a duplicate cannot win). Decided on the host,
+        from the tokens the step's copy brought back."""
         g, j = self.index.match()
         m = self.m
         if m < 2 or g == 0 or self.policy.size(g) == 0:
             return
         row = [self.seed] + self.index.continuation(j, m - 1)
-        cands = self.cands
-        r = torch.full((1, cands.shape[1]), -1, dtype=cands.dtype)
-        r[0, :m] = torch.tensor(row, dtype=cands.dtype)
-        r = r.to(self.dev)
-        if torch.equal(r[0, :m], self.main[:m]) or bool((cands[:, :m] == r[:, :m]).all(1).any()):
+        if row == main_head[:m] or any(row == c[:m] for c in cands):
             return
-        self.cands = torch.cat([cands, r])
-        self.lk = (g, cands.shape[0] + 1)
+        n = self.cfg.block_size
+        r = to_device([row + [-1] * (n - m)], torch.long, self.dev)
+        self.lk = (g, self.cands.shape[0] + 1)
+        self.cands = torch.cat([self.cands, r])
 
     def result(self) -> SeqResult:
         par = self.ctl.acc
@@ -291,6 +301,16 @@ class DecodeStats:
     warmup_seconds: float = 0.0
     graph_replays: int = 0
     widths: list[int] = field(default_factory=list)
+
+
+def to_device(data, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A host list or tensor on `dev` without a stream sync: on CUDA through pinned memory with
+    a non-blocking copy (a plain H2D copy waits for all queued GPU work, which would stop the
+    host from preparing the next launches while the forward runs)."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if dev.type != "cuda":
+        return t.to(dtype)
+    return t.to(dtype).pin_memory().to(dev, non_blocking=True)
 
 
 def _sync(dev) -> None:
@@ -369,11 +389,11 @@ def decode(
             seg_h[b, :q] = torch.tensor(seg)
             off_h[b, :q] = torch.tensor(off)
             pieces = [
-                x if isinstance(x, torch.Tensor) else torch.tensor(x, device=dev) for x in pieces
+                x if isinstance(x, torch.Tensor) else to_device(x, torch.long, dev) for x in pieces
             ]
             rt.ids[b, :q] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        rt.seg[:, :Q] = seg_h.to(dev, non_blocking=True)
-        rt.off[:, :Q] = off_h.to(dev, non_blocking=True)
+        rt.seg[:, :Q] = to_device(seg_h, torch.long, dev)
+        rt.off[:, :Q] = to_device(off_h, torch.long, dev)
         stats.host_seconds += time.perf_counter() - th
         greedy = rt.step(Q, max(hi_host))
         stats.forwards += 1
