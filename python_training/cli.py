@@ -40,7 +40,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     s = collect(
         model, tok, prompts, args.out, block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, teacher=args.model or "base", shard=(k, N),
-        max_prompt_tokens=args.max_prompt_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, fixed_points_only=args.fixed_points,
     )  # fmt: skip
     print(json.dumps(s))
     return 0
@@ -62,6 +62,12 @@ def _add_collect(sub) -> None:
     )
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="skip longer prompts")
     p.add_argument("--shard", default="0/1", help="k/N: this process's share of the prompts")
+    p.add_argument(
+        "--fixed-points",
+        action="store_true",
+        help="store only each block's fixed point, decoded with KV-cached greedy AR (fast): "
+        "the data for synthetic noise (train --synthetic-fraction 1)",
+    )
     p.add_argument("--model", default=None, help="teacher (default SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=_DTYPES)
     p.add_argument("--device", default="cpu")
@@ -77,7 +83,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         d.update(json.loads(Path(args.config).read_text()))
     for k in ("model", "out", "window", "schedule", "variant", "mask_window", "max_blocks",
               "max_seq_len", "ar_weight", "temperature", "lr", "epochs", "max_steps",
-              "grad_accum", "mixed_precision", "save_every", "seed", "threads"):  # fmt: skip
+              "grad_accum", "mixed_precision", "save_every", "seed", "threads",
+              "consistency_reduction", "synthetic_fraction", "lookback",
+              "max_noise_tokens"):  # fmt: skip
         v = getattr(args, k)
         if v is not None:
             d[k] = v
@@ -85,6 +93,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         d["data"] = args.data
     if args.gradient_checkpointing:
         d["gradient_checkpointing"] = True
+    if args.random_phase:
+        d["random_phase"] = True
     last = train(TrainConfig.from_dict(d))
     print(json.dumps(last))
     return 0
@@ -110,6 +120,25 @@ def _add_train(sub) -> None:
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--ar-weight", type=float, default=None, help="λ (default 10)")
     p.add_argument("--temperature", type=float, default=None)
+    p.add_argument(
+        "--consistency-reduction", default=None, choices=["mean_div_T", "mean"],
+        help="mean_div_T (SPEC §5, default): mean over kept positions / T; mean: plain mean",
+    )  # fmt: skip
+    p.add_argument(
+        "--synthetic-fraction", type=float, default=None,
+        help="fraction of blocks whose noisy state is drawn fresh at every packing "
+        "(progressive masking with context tokens) instead of taken from the trajectories",
+    )  # fmt: skip
+    p.add_argument("--lookback", type=int, default=None, help="synthetic noise window (128)")
+    p.add_argument(
+        "--max-noise-tokens", type=int, default=None,
+        help="tokens replaced at noise level 1 (default n; n-1 keeps the first, as a "
+        "Jacobi draft's seed always is)",
+    )  # fmt: skip
+    p.add_argument(
+        "--random-phase", action="store_true",
+        help="draw the saw-tooth's phase per packing (short answers meet every noise level)",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=None, help="default 1e-5")
     p.add_argument("--epochs", type=float, default=None)
     p.add_argument("--max-steps", type=int, default=None)

@@ -21,6 +21,7 @@ from jacobi_ext.hf import jacobi_layout
 from .packing import IGNORE, PackedExample
 
 CHUNK_ROWS = 1024  # rows of [rows, vocab] per soft-CE chunk
+CONSISTENCY_REDUCTIONS = ("mean_div_T", "mean")
 
 
 @dataclass
@@ -69,8 +70,18 @@ def example_loss(
     ex: PackedExample,
     ar_weight: float = 10.0,
     temperature: float = 1.0,
+    consistency_reduction: str = "mean_div_T",
 ) -> LossParts:
-    """λ·AR + consistency for one packed example (SPEC §5) from one forward."""
+    """λ·AR + consistency for one packed example (SPEC §5) from one forward.
+
+    ``consistency_reduction``: "mean_div_T" (SPEC §5: mean over the kept positions, divided by
+    the number of blocks T) or "mean" (the plain mean; with T blocks per sequence it weighs the
+    consistency term T times more against the AR term)."""
+    if consistency_reduction not in CONSISTENCY_REDUCTIONS:
+        raise ValueError(
+            f"consistency_reduction must be one of {CONSISTENCY_REDUCTIONS}, "
+            f"got {consistency_reduction!r}"
+        )
     device = next(model.parameters()).device
     keep, ar_rows, noisy_rows, clean_rows = logit_rows(ex)
     with jacobi_layout(ex.layout):
@@ -96,7 +107,9 @@ def example_loss(
             logits[clean_rows.to(device)].detach(),
             temperature,
         )
-        cons = s / cons_tokens / ex.num_blocks
+        cons = s / cons_tokens
+        if consistency_reduction == "mean_div_T":
+            cons = cons / ex.num_blocks
     else:
         cons = logits.sum() * 0.0
     total = ar_weight * ar + cons

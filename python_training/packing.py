@@ -8,6 +8,7 @@ Everything here is plain integer bookkeeping; the loss (python_training.loss) co
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,17 +35,25 @@ def noise(state: Sequence[int], fixed: Sequence[int]) -> float:
     return (n - first_divergence(state, fixed)) / n
 
 
-def target_noise(j: int, window: int, schedule: str = "linear", rng: random.Random | None = None):
+def target_noise(
+    j: int,
+    window: int,
+    schedule: str = "linear",
+    rng: random.Random | None = None,
+    offset: int = 0,
+):
     """Target noise of block j. "linear": linspace(0, 1, W)[j mod W], a saw-tooth repeating every
     W blocks (the published schedule); "reverse": the same teeth descending; "random": a level
-    of the same grid drawn from ``rng`` (ablations)."""
+    of the same grid drawn from ``rng`` (ablations). ``offset`` shifts the saw-tooth's phase
+    (block j takes tooth position (j + offset) mod W): drawn per packing, it lets answers of
+    fewer than W blocks meet every noise level over the steps instead of only the lowest ones."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     levels = [k / (window - 1) for k in range(window)] if window > 1 else [0.0]
     if schedule == "linear":
-        return levels[j % window]
+        return levels[(j + offset) % window]
     if schedule == "reverse":
-        return levels[window - 1 - j % window]
+        return levels[window - 1 - (j + offset) % window]
     if schedule == "random":
         if rng is None:
             raise ValueError("schedule='random' needs an rng")
@@ -62,6 +71,61 @@ def select_state(states: Sequence[Sequence[int]], target: float) -> int:
         if d < best_d - 1e-12:  # strict: an equal distance later keeps the earlier state
             best, best_d = i, d
     return best
+
+
+LOOKBACK = 128  # tokens of context the synthetic noise draws from
+
+
+def noise_tokens(target: float, n: int, max_tokens: int | None = None) -> int:
+    """k, the number of rightmost tokens a synthetic state replaces for target noise ``target``:
+    round(target * K) with K = ``max_tokens`` (default n) the count at target 1."""
+    k_max = n if max_tokens is None else max_tokens
+    if not 0 <= k_max <= n:
+        raise ValueError(f"max_tokens must be in [0, {n}], got {max_tokens}")
+    if not 0.0 <= target <= 1.0:
+        raise ValueError(f"target noise must be in [0, 1], got {target}")
+    return int(math.floor(target * k_max + 0.5))
+
+
+def synthetic_state(
+    fixed: Sequence[int], k: int, pool: Sequence[int], rng: random.Random
+) -> list[int]:
+    """A progressive-masking noisy state: ``fixed`` with its rightmost k tokens replaced by
+    tokens drawn uniformly (with replacement) from ``pool`` (the context's look-back window).
+
+    The first replaced token (offset n-k) is drawn among the pool tokens that differ from
+    ``fixed[n-k]``, so the state's first divergence is exactly n-k and its noise exactly k/n
+    (SPEC §3); the later ones may coincide with the fixed point by chance, as a Jacobi draft's
+    may. A pool holding nothing but that token falls back to a neighbouring id.
+    """
+    n = len(fixed)
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, {n}], got {k}")
+    out = list(fixed)
+    if k == 0:
+        return out
+    if not pool:
+        raise ValueError("synthetic noise needs a non-empty context pool")
+    d = n - k
+    others = [t for t in pool if t != fixed[d]]
+    if others:
+        out[d] = others[rng.randrange(len(others))]
+    else:
+        out[d] = fixed[d] - 1 if fixed[d] > 0 else fixed[d] + 1
+    for i in range(d + 1, n):
+        out[i] = pool[rng.randrange(len(pool))]
+    return out
+
+
+def context_pool(
+    prompt_ids: Sequence[int], fixed_blocks: Sequence[Sequence[int]], j: int, lookback: int
+) -> list[int]:
+    """The last ``lookback`` tokens before block j: the prompt and the fixed points of blocks
+    < j (the committed context a Jacobi draft of block j is initialised from, SPEC §1)."""
+    ctx = list(prompt_ids[-lookback:]) if lookback > 0 else []
+    for b in fixed_blocks[:j]:
+        ctx += b
+    return ctx[-lookback:] if lookback > 0 else []
 
 
 def pad_after_eos(tokens: Sequence[int], n: int, eos_ids: set[int], pad_id: int) -> list[int]:
@@ -116,16 +180,30 @@ def pack(
     variant: str = "noisy_context",
     mask_window: int | None = None,
     max_blocks: int | None = None,
+    synthetic_fraction: float = 0.0,
+    lookback: int = LOOKBACK,
+    max_noise_tokens: int | None = None,
+    random_phase: bool = False,
 ) -> PackedExample:
     """Pack one trajectory (SPEC §3) and derive its AR targets and consistency pairs (SPEC §5).
 
     ``blocks[j]`` is block j's list of states (the last is the fixed point). States are
-    normalised to n tokens with PAD after the first EOS. Deterministic given ``seed`` (only the
-    "random" schedule draws).
+    normalised to n tokens with PAD after the first EOS.
+
+    Synthetic noise (progressive masking): each block is, with probability
+    ``synthetic_fraction``, given a freshly drawn state instead of a collected one: its fixed
+    point with the rightmost k = :func:`noise_tokens` (t_j, n, ``max_noise_tokens``) tokens
+    replaced by tokens of the ``lookback``-token context window before the block
+    (:func:`synthetic_state`); the other blocks take the collected state nearest t_j. With
+    ``random_phase`` the saw-tooth's phase is drawn per call. Everything random is drawn from
+    ``random.Random(seed)``: the same seed gives the same example, and a trainer that passes a
+    new seed per use never shows the same synthetic state twice.
     """
     n = block_size
     eos = set(eos_ids)
     rng = random.Random(seed)
+    if not 0.0 <= synthetic_fraction <= 1.0:
+        raise ValueError(f"synthetic_fraction must be in [0, 1], got {synthetic_fraction}")
     blocks = list(blocks[:max_blocks] if max_blocks is not None else blocks)
     for j, states in enumerate(blocks):  # nothing after the EOS block is part of the answer
         if eos_index(pad_after_eos(states[-1], n, eos, pad_id), eos) is not None:
@@ -144,11 +222,20 @@ def pack(
     labels[: P - 1] = list(prompt_ids[1:])  # prompt next-token pairs
     cons_noisy, cons_clean, cons_block, levels = [], [], [], []
     prev_last = P - 1  # the logit that predicts clean_j[0]: last prompt / last of clean_{j-1}
+    offset = rng.randrange(window) if random_phase else 0
+    fixed_points = [pad_after_eos(states[-1], n, eos, pad_id) for states in blocks]
     for j, states in enumerate(blocks):
         states = [pad_after_eos(s, n, eos, pad_id) for s in states]
         clean = states[-1]
-        t_j = target_noise(j, window, schedule, rng)
-        noisy = states[select_state(states, t_j)]
+        t_j = target_noise(j, window, schedule, rng, offset)
+        if synthetic_fraction > 0 and (
+            synthetic_fraction >= 1 or rng.random() < synthetic_fraction
+        ):
+            k = noise_tokens(t_j, n, max_noise_tokens)
+            pool = context_pool(prompt_ids, fixed_points, j, lookback)
+            noisy = synthetic_state(clean, k, pool, rng)
+        else:
+            noisy = states[select_state(states, t_j)]
         levels.append(noise(noisy, clean))
         base = P + 2 * j * n  # noisy_j starts here, clean_j at base + n
         ids += noisy + clean

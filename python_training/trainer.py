@@ -45,6 +45,16 @@ class TrainConfig:
     max_seq_len: int | None = None  # skip packed sequences longer than this
     ar_weight: float = 10.0  # λ
     temperature: float = 1.0
+    consistency_reduction: str = "mean_div_T"  # SPEC §5 (mean / T) | "mean"
+    # Synthetic progressive-masking noise (packing.synthetic_state), redrawn every time a
+    # sequence is packed: the fraction of blocks whose noisy state is synthetic (the rest take
+    # the collected state nearest the schedule's level), the context window the noise tokens
+    # come from, the replaced-token count at noise level 1 (None: n), and a saw-tooth phase
+    # drawn per packing (so short answers meet every level, not only the first few teeth).
+    synthetic_fraction: float = 0.0
+    lookback: int = 128
+    max_noise_tokens: int | None = None
+    random_phase: bool = False
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
@@ -123,10 +133,16 @@ def example_at(records: list[dict], cfg: TrainConfig, global_index: int) -> Pack
         rec,
         window=cfg.window,
         schedule=cfg.schedule,
-        seed=cfg.seed * 7919 + global_index,  # a fresh draw per use (random schedule)
+        # A fresh draw per use (random schedule / phase, synthetic noise): the global index
+        # grows across epochs, so a record packed again gets new noise.
+        seed=cfg.seed * 7919 + global_index,
         variant=cfg.variant,
         mask_window=cfg.mask_window,
         max_blocks=cfg.max_blocks,
+        synthetic_fraction=cfg.synthetic_fraction,
+        lookback=cfg.lookback,
+        max_noise_tokens=cfg.max_noise_tokens,
+        random_phase=cfg.random_phase,
     )
 
 
@@ -209,7 +225,9 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
             ctx = acc.no_sync(model) if not sync else _nullcontext()
             with ctx:
                 with acc.autocast():
-                    parts = example_loss(model, ex, cfg.ar_weight, cfg.temperature)
+                    parts = example_loss(
+                        model, ex, cfg.ar_weight, cfg.temperature, cfg.consistency_reduction
+                    )
                 # The layout must also be active during backward: checkpointed layers
                 # recompute their attention there.
                 with jacobi_layout(ex.layout):

@@ -44,6 +44,7 @@ _META_KEYS = (
     "eos_ids",
     "pad_id",
     "dtype",
+    "states",
 )
 
 
@@ -141,11 +142,16 @@ def collect(
     max_prompt_tokens: int | None = None,
     progress: bool = True,
     encode: Callable[[Prompt], torch.Tensor] | None = None,
+    fixed_points_only: bool = False,
 ) -> dict:
     """Collect the teacher's Jacobi trajectories for ``prompts`` into ``out_dir`` (resumable).
 
     ``max_new_tokens`` must be a multiple of ``block_size`` (a cap never cuts a block). With
     ``shard=(k, N)`` this process takes prompts k, k+N, ... and writes its own file.
+    ``fixed_points_only``: decode greedily with KV-cached AR instead of Jacobi (several times
+    faster on a CPU, where Jacobi's TPF ≈ 1) and store each block as its fixed point alone
+    (one state per block): the data for synthetic noise (packing.synthetic_state), which needs
+    nothing else. ``meta.json`` records it (``"states": "fixed_point"``).
     Returns a summary (prompts done now / before, tokens, seconds).
     """
     from tqdm.auto import tqdm
@@ -166,6 +172,8 @@ def collect(
         "pad_id": int(pad),
         "dtype": str(next(model.parameters()).dtype),
     }
+    if fixed_points_only:
+        meta["states"] = "fixed_point"
     _check_meta(d, meta)
     k, N = shard
     path = d / (f"trajectories-{k:03d}-of-{N:03d}.jsonl" if N > 1 else "trajectories.jsonl")
@@ -182,19 +190,25 @@ def collect(
             if max_prompt_tokens is not None and ids.shape[1] > max_prompt_tokens:
                 summary["skipped_long"] += 1
                 continue
-            rec = TrajectoryRecorder()
-            res = generate(
-                model,
-                ids.to(device),
-                method="jacobi",
-                block_size=n,
-                max_new_tokens=max_new_tokens,
-                trajectory=rec,
-            )
+            if fixed_points_only:
+                res = generate(model, ids.to(device), method="ar", max_new_tokens=max_new_tokens)
+                toks = res.tokens[0].tolist()
+                blocks = [[toks[i : i + n]] for i in range(0, len(toks), n)]
+            else:
+                rec = TrajectoryRecorder()
+                res = generate(
+                    model,
+                    ids.to(device),
+                    method="jacobi",
+                    block_size=n,
+                    max_new_tokens=max_new_tokens,
+                    trajectory=rec,
+                )
+                blocks = rec.blocks
             record = make_record(
                 p.id,
                 ids[0].tolist(),
-                rec.blocks,
+                blocks,
                 n,
                 eos,
                 int(pad),
