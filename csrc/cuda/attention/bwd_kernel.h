@@ -272,8 +272,8 @@ __global__ void __launch_bounds__(Kt::kNThreads) block_attention_bwd_dq_kernel(c
   Element* smem_v = smem_k + size(SmemLayoutKV{});
   // dS tile (only with kDsInSmem) and then the mask words.
   Element* smem_ds = smem_v + size(SmemLayoutKV{});
-  uint64_t* smem_mask =
-      reinterpret_cast<uint64_t*>(smem_ds + (Kt::kDsInSmem ? int(size(typename Kt::SmemLayoutPdS{})) : 0));
+  constexpr int kSmemDs = Kt::kDsInSmem ? int(size(typename Kt::SmemLayoutPdS{})) : 0;
+  uint64_t* smem_mask = reinterpret_cast<uint64_t*>(smem_ds + kSmemDs);
 
   const int tid = threadIdx.x;
   const int m_block = blockIdx.x;

@@ -149,9 +149,9 @@ struct BwdDqTraits : BaseTraits<Element_, kHeadDim_> {
                                                Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   // sQ, sdO, sK, sV, [sdS], mask words.
-  static constexpr int kSmemSize = 4 * int(size(SmemLayoutQ{})) * int(sizeof(Element)) +
-                                   (kDsInSmem ? int(size(SmemLayoutPdS{})) * int(sizeof(Element)) : 0) +
-                                   kBlockM * 8;
+  static constexpr int kSmemDs = kDsInSmem ? int(size(SmemLayoutPdS{})) * int(sizeof(Element)) : 0;
+  static constexpr int kSmemSize =
+      4 * int(size(SmemLayoutQ{})) * int(sizeof(Element)) + kSmemDs + kBlockM * 8;
 };
 
 }  // namespace jacobi::cuda::attn
