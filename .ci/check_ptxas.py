@@ -40,10 +40,26 @@ def parse(text: str) -> list[dict]:
     return kernels
 
 
+def short_name(mangled: str) -> str:
+    """A readable label for this repo's kernels: name<element, template ints, flags>."""
+    name = mangled[:60]
+    for m in re.finditer(r"(?<!\d)(\d+)(?=[A-Za-z_])", mangled):  # <length><identifier>
+        ident = mangled[m.end() : m.end() + int(m[1])]
+        if ident.endswith("kernel"):
+            name = ident
+            break
+    elem = "bf16" if "bfloat16" in mangled else ("fp16" if "half_t" in mangled else "")
+    ints = re.findall(r"Li(\d+)E", mangled)
+    flags = re.findall(r"Lb([01])E", mangled)
+    args = ",".join(x for x in [elem, *ints, *(f"b{f}" for f in flags)] if x)
+    return f"{name}<{args}>" if args else name
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("log")
     ap.add_argument("--require-arch", action="append", default=[])
+    ap.add_argument("--table", action="store_true", help="print registers/spills per kernel")
     args = ap.parse_args()
     text = open(args.log, encoding="utf-8", errors="replace").read()
     kernels = parse(text)
@@ -70,6 +86,13 @@ def main() -> int:
         + f"; max registers {max((k['regs'] or 0) for k in kernels)}; "
         f"report {sum(1 for line in text.splitlines() if 'ptxas' in line)} lines"
     )
+    if args.table:
+        rows = sorted(kernels, key=lambda k: (short_name(k["name"]), k["arch"]))
+        for k in rows:
+            print(
+                f"  {k['arch']:7} {k['regs'] or 0:4d} regs  spill {k['spill_st'] or 0}/"
+                f"{k['spill_ld'] or 0} B  {short_name(k['name'])}"
+            )
     for b in bad:
         print("check_ptxas: FAIL", b)
     return 1 if bad else 0

@@ -11,7 +11,10 @@ plain op.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -58,12 +61,15 @@ def block_attention(
     -> block), e.g. one that makes each block's visible key blocks contiguous; the result is
     the same, only the speed changes (see ``BlockTable.reorder``).
     """
-    _ops.check_attention_inputs(q, k, v)
+    q, k, v = _prepare(q, k, v)
+    native = _ops.check_attention_inputs(q, k, v, allow_fallback=True)
     if q.shape[2] != table.seq_len:
         raise ValueError(
             f"q, k, v have seq_len {q.shape[2]} but the block table covers {table.seq_len} tokens; "
             "build the table for this sequence"
         )
+    if not native:
+        return _flex_attention(q, k, v, table.to(q.device), scale, key=table)
     if order is None:
         return _run(q, k, v, table.to(q.device), None, scale)
     reordered, perm = table.reorder(order)
@@ -73,10 +79,16 @@ def block_attention(
     return _run_plan(q, k, v, plan, scale, original=table)
 
 
+def _prepare(q, k, v):
+    # The one normalisation both front ends apply before validating: a unit head_dim stride
+    # (the kernels read rows; every other stride is taken as it is).
+    return tuple(_unit_last_stride(x) if isinstance(x, torch.Tensor) else x for x in (q, k, v))
+
+
 def _run(q, k, v, table: BlockTable, block_row: torch.Tensor | None, scale: float | None):
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
+    _ops.check_block_table_tensors(q, *table.tensors())
     if block_row is None:
         out, _ = ops.block_attention_fwd(q, k, v, *table.tensors(), float(scale))
     else:
@@ -127,12 +139,97 @@ def jacobi_attention(
     q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]; Hq % Hkv == 0; S == layout.seq_len.
     Returns [B, Hq, S, D] in the packed order; differentiable in q, k, v.
     """
-    _ops.check_attention_inputs(q, k, v)
+    q, k, v = _prepare(q, k, v)
+    native = _ops.check_attention_inputs(q, k, v, allow_fallback=True)
     if q.shape[2] != layout.seq_len:
         raise ValueError(
             f"q, k, v have seq_len {q.shape[2]} but {layout} describes "
             f"P + 2*T*n = {layout.seq_len} tokens; pass the layout of this packed sequence"
         )
+    if not native:
+        return _flex_attention(q, k, v, _block_table(layout, q.device), scale, key=layout)
     return _run_plan(
         q, k, v, _stream_plan(layout, q.device), scale, original=_block_table(layout, q.device)
     )
+
+
+# ---- FlexAttention: CUDA head dims without a compiled kernel ----------------------------------
+_flex_warned: set[int] = set()
+# Block masks per (layout or table, device): building one evaluates the mask_mod over the whole
+# sequence, so it is done once. Tables are keyed weakly (by identity), layouts by value.
+_flex_masks_by_layout: OrderedDict = OrderedDict()  # LRU: a training run may see many layouts
+_FLEX_LAYOUT_CACHE = 32
+_flex_masks_by_table: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def flex_mask_mod(table: BlockTable) -> Callable:
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for a block table: a token -> block map
+    and the block-level visibility matrix (captured tensors on the table's device), plus
+    causality inside the diagonal block. ``JacobiLayout.flex_mask_mod`` is this on its table."""
+    tb = table.token_blocks()
+    bm = table.block_mask()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qb, kb = tb[q_idx], tb[kv_idx]
+        return ((qb == kb) & (kv_idx <= q_idx)) | bm[qb, kb]
+
+    return mask_mod
+
+
+def _warn_flex(head_dim: int) -> None:
+    if head_dim in _flex_warned:
+        return
+    _flex_warned.add(head_dim)
+    warnings.warn(
+        f"jacobi_ext: head dim {head_dim} has no compiled CUDA attention kernel (compiled: "
+        f"{', '.join(map(str, _ops.CUDA_HEAD_DIMS))}); running FlexAttention with the layout's "
+        "mask instead (correct, but slower). Pad the head dim to a compiled one for speed.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+@torch.compiler.disable
+def _flex_block_mask(table: BlockTable, key, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if isinstance(key, BlockTable):
+        per_key = _flex_masks_by_table.setdefault(key, {})
+    else:
+        per_key = _flex_masks_by_layout.setdefault(key, {})
+        _flex_masks_by_layout.move_to_end(key)
+        while len(_flex_masks_by_layout) > _FLEX_LAYOUT_CACHE:
+            _flex_masks_by_layout.popitem(last=False)
+    dkey = str(device)
+    if dkey not in per_key:
+        S = table.seq_len
+        per_key[dkey] = create_block_mask(
+            flex_mask_mod(table), B=None, H=None, Q_LEN=S, KV_LEN=S, device=device
+        )
+    return per_key[dkey]
+
+
+_compiled_flex = None
+
+
+def _flex_fn(device: torch.device):
+    """flex_attention, compiled once on CUDA (its eager form materialises the scores)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def _flex_attention(q, k, v, table: BlockTable, scale: float | None, key) -> torch.Tensor:
+    """The layout's attention through torch.nn.attention.flex_attention (same semantics as the
+    kernels: GQA without repeating k/v, rows that see nothing give 0)."""
+    _warn_flex(q.shape[-1])
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    block_mask = _flex_block_mask(table, key, q.device)
+    gqa = q.shape[1] != k.shape[1]
+    return _flex_fn(q.device)(q, k, v, block_mask=block_mask, scale=float(scale), enable_gqa=gqa)

@@ -12,25 +12,51 @@ import torch
 from ._native import ops
 
 _ATTN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CUDA_DTYPES = (torch.bfloat16, torch.float16)
+
+#: Head dims with compiled CUDA kernels (csrc/cuda/attention/attention_cuda.h says the same).
+CUDA_HEAD_DIMS = (64, 96, 128, 256)
+#: Head dims that ``block_attention`` / ``jacobi_attention`` run on CUDA through FlexAttention
+#: when there is no compiled kernel for them (one warning per head dim).
+CUDA_FLEX_HEAD_DIMS = range(32, 257)
+_CUDA_MAX_GRID_Y = 65535  # batch * heads is the kernels' gridDim.y
 
 
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The shape/dtype/device rules of block attention (the C++ checks say the same)."""
+def check_attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, allow_fallback: bool = False
+) -> bool:
+    """The shape/dtype/device/stride rules of block attention, checked on metadata only (works on
+    meta and fake tensors, never touches data or the device). The C++ ops check the same again.
+
+    Returns True when the compiled kernel of q's device takes the inputs. With
+    ``allow_fallback`` (the Python front end), a CUDA head dim without a compiled kernel but
+    inside ``CUDA_FLEX_HEAD_DIMS`` returns False (run FlexAttention) instead of raising.
+    Raises ValueError, saying what is expected, for everything else.
+    """
     for name, t, heads in (("q", q, "q_heads"), ("k", k, "kv_heads"), ("v", v, "kv_heads")):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D [batch, {heads}, seq_len, head_dim], "
                 f"got shape {tuple(t.shape)}"
+            )
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(
+                f"{name} is on {t.device} but q is on {q.device}; move them to one device"
             )
     if q.dtype not in _ATTN_DTYPES:
         raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name} must have dtype {q.dtype} (like q), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(
-                f"{name} is on {t.device} but q is on {q.device}; move them to one device"
-            )
+    cuda = q.device.type == "cuda"
+    if cuda and q.dtype not in _CUDA_DTYPES:
+        raise ValueError(
+            f"the CUDA attention takes bfloat16 or float16 q/k/v, got {q.dtype}; cast them "
+            "(e.g. q.to(torch.bfloat16)) or run on CPU for float32"
+        )
     B, Hq, S, D = q.shape
     if k.shape != v.shape:
         raise ValueError(
@@ -45,15 +71,88 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     if Hkv < 1 or Hq % Hkv != 0:
         raise ValueError(
             f"the number of query heads ({Hq}) must be a multiple of the number of "
-            f"key/value heads ({Hkv})"
+            f"key/value heads ({Hkv}) (grouped-query attention: each k/v head serves "
+            "q_heads / kv_heads query heads); check the head counts and the [B, H, S, D] layout"
         )
     if not 1 <= D <= 256:
         raise ValueError(f"head_dim must be in [1, 256], got {D}")
+    if S >= 1 << 30:
+        raise ValueError(f"seq_len must be < 2**30, got {S}")
+    if not cuda:
+        # The CPU kernel reads every row as a GEMM operand: unit stride along head_dim.
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if D > 1 and t.stride(3) != 1:
+                raise ValueError(
+                    f"{name} must be contiguous in its last dim (head_dim), got strides "
+                    f"{tuple(t.stride())}; call .contiguous()"
+                )
+        return True
+    # CUDA: other strides are fine (the op copies rows that are not 16-byte aligned).
+    if B * Hq > _CUDA_MAX_GRID_Y:
+        raise ValueError(
+            f"batch * query heads ({B} * {Hq}) must be at most {_CUDA_MAX_GRID_Y} on CUDA; "
+            "split the batch"
+        )
+    if D in CUDA_HEAD_DIMS:
+        return True
+    if allow_fallback and D in CUDA_FLEX_HEAD_DIMS:
+        return False
+    where = (
+        f"block_attention/jacobi_attention run head dims {CUDA_FLEX_HEAD_DIMS.start}.."
+        f"{CUDA_FLEX_HEAD_DIMS.stop - 1} without a kernel through FlexAttention"
+    )
+    raise ValueError(
+        f"head dim {D} has no CUDA kernel (compiled: {', '.join(map(str, CUDA_HEAD_DIMS))}); "
+        f"{where}; otherwise pad the head dim to a supported one or run on CPU"
+    )
+
+
+def check_block_table_tensors(
+    q: torch.Tensor, block_start: torch.Tensor, kv_ptr: torch.Tensor, kv_idx: torch.Tensor
+) -> None:
+    """Metadata rules of the table tensors (the values are checked by the CPU op; the CUDA op
+    does not read them on the host)."""
+    for name, t in (("block_start", block_start), ("kv_ptr", kv_ptr), ("kv_idx", kv_idx)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D int32 tensor (block table)")
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must have dtype torch.int32, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(
+                f"{name} is on {t.device} but q is on {q.device}; move the block table to "
+                "q's device (BlockTable.to(device))"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous())")
+    if block_start.numel() < 1 or kv_ptr.numel() != block_start.numel():
+        raise ValueError(
+            "block_start and kv_ptr must both have num_blocks + 1 entries, got "
+            f"{block_start.numel()} and {kv_ptr.numel()}"
+        )
+
+
+def check_attention_bwd_inputs(grad_out, q, k, v, out, lse) -> None:
+    """The backward's extra arguments: grad_out and out shaped like q, lse [B, Hq, S] float32."""
+    check_attention_inputs(q, k, v)
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have dtype {q.dtype} (like q), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if lse.shape != q.shape[:3]:
+        raise ValueError(f"lse must be [B, Hq, S] = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse must have dtype torch.float32, got {lse.dtype}")
+    if lse.device != q.device:
+        raise ValueError(f"lse is on {lse.device} but q is on {q.device}")
 
 
 @torch.library.register_fake("jacobi_ext::block_attention_fwd")
 def _block_attention_fwd_fake(q, k, v, block_start, kv_ptr, kv_idx, scale):
     check_attention_inputs(q, k, v)
+    check_block_table_tensors(q, block_start, kv_ptr, kv_idx)
     out = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return out, lse
@@ -63,7 +162,8 @@ def _block_attention_fwd_fake(q, k, v, block_start, kv_ptr, kv_idx, scale):
 def _block_attention_bwd_fake(
     grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, scale, deterministic
 ):
-    check_attention_inputs(q, k, v)
+    check_attention_bwd_inputs(grad_out, q, k, v, out, lse)
+    check_block_table_tensors(q, block_start, kv_ptr, kv_idx)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -76,8 +176,9 @@ def _block_attention_ordered_fwd_fake(q, k, v, block_start, kv_ptr, kv_idx, bloc
 def _block_attention_ordered_bwd_fake(
     grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, block_row, scale, deterministic
 ):
-    check_attention_inputs(q, k, v)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _block_attention_bwd_fake(
+        grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, scale, deterministic
+    )
 
 
 @torch.library.register_fake("jacobi_ext::jf_block_table")

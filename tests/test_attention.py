@@ -323,7 +323,7 @@ def test_torch_compile_runs_the_op():
     "variant,w", [("noisy_context", None), ("clean_context", None), ("windowed", 2)]
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
 def test_cuda_matches_cpu(variant, w, dtype, D):
     from jacobi_ext.ops import has_kernel
 
@@ -411,3 +411,198 @@ def test_opcheck_ordered_ops():
     out, lse = ops.block_attention_ordered_fwd(*(x.detach() for x in args[:3]), *args[3:])
     bargs = (torch.randn_like(out), *(x.detach() for x in (q, k, v)), out, lse, *args[3:], True)
     torch.library.opcheck(ops.block_attention_ordered_bwd.default, bargs)
+
+
+# ---- the Python validator and the CUDA routing (metadata only: no GPU needed) -------------------
+def fake_cuda(*shape, dtype=torch.bfloat16, head_dim_step=1):
+    """A tensor that claims to live on CUDA but has no storage: shape/dtype/device/strides only
+    (a FakeTensor; only its metadata may be read outside the mode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Every head_dim_step-th element of a row (like x[..., ::step] of a wider tensor).
+    stride, n = [head_dim_step], head_dim_step * shape[-1]
+    for size in reversed(shape[:-1]):
+        stride.insert(0, n)
+        n *= size
+    with FakeTensorMode():
+        return torch.empty_strided(shape, stride, dtype=dtype, device="cuda")
+
+
+def qkv_cuda(B=1, Hq=4, Hkv=2, S=64, D=64, dtype=torch.bfloat16):
+    return fake_cuda(B, Hq, S, D, dtype=dtype), *(fake_cuda(B, Hkv, S, D, dtype=dtype),) * 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(Hq=3, Hkv=2), r"query heads \(3\) must be a multiple of .* key/value heads \(2\)"),
+        (dict(Hq=2, Hkv=0), r"query heads \(2\) must be a multiple"),
+        (dict(D=80), r"head dim 80 has no CUDA kernel \(compiled: 64, 96, 128, 256\)"),
+        (dict(D=32), r"head dim 32 has no CUDA kernel.*FlexAttention"),
+        (dict(D=264), r"head_dim must be in \[1, 256\]"),
+        (dict(dtype=torch.float32), r"bfloat16 or float16 .* q.to\(torch.bfloat16\)"),
+        (dict(B=8193, Hq=8, Hkv=8), r"batch \* query heads \(8193 \* 8\) must be at most 65535"),
+    ],
+)
+def test_validator_rejects_bad_cuda_inputs_without_a_gpu(kwargs, match):
+    from jacobi_ext.ops import check_attention_inputs
+
+    q, k, v = qkv_cuda(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        check_attention_inputs(q, k, v)
+
+
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+def test_validator_accepts_every_compiled_cuda_head_dim(D):
+    from jacobi_ext.ops import check_attention_inputs
+
+    assert check_attention_inputs(*qkv_cuda(D=D)) is True
+    assert check_attention_inputs(*qkv_cuda(D=D), allow_fallback=True) is True
+
+
+@pytest.mark.parametrize(
+    "D,fallback", [(32, True), (48, True), (80, True), (200, True), (16, False)]
+)
+def test_validator_routes_other_cuda_head_dims_to_flex(D, fallback):
+    from jacobi_ext.ops import check_attention_inputs
+
+    if fallback:
+        assert check_attention_inputs(*qkv_cuda(D=D), allow_fallback=True) is False
+    else:
+        with pytest.raises(ValueError, match=rf"head dim {D} has no CUDA kernel"):
+            check_attention_inputs(*qkv_cuda(D=D), allow_fallback=True)
+
+
+def test_validator_rejects_mismatched_devices_dtypes_shapes_and_strides():
+    from jacobi_ext.ops import check_attention_inputs, check_block_table_tensors
+
+    q, k, v = qkv_cuda()
+    kc = torch.empty(k.shape, dtype=k.dtype, device="meta")
+    with pytest.raises(ValueError, match=r"k is on meta but q is on cuda:0; move them"):
+        check_attention_inputs(q, kc, v)
+    with pytest.raises(ValueError, match=r"v must have dtype torch.bfloat16 \(like q\)"):
+        check_attention_inputs(q, k, fake_cuda(*v.shape, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"k and v must have the same shape"):
+        check_attention_inputs(q, k, fake_cuda(1, 2, 64, 32))
+    with pytest.raises(ValueError, match=r"to match q"):
+        check_attention_inputs(q, fake_cuda(1, 2, 60, 64), fake_cuda(1, 2, 60, 64))
+    with pytest.raises(ValueError, match=r"q must be 4-D"):
+        check_attention_inputs(fake_cuda(4, 64, 64), k, v)
+    # CPU (here: meta) kernels need a unit head_dim stride; CUDA copies such rows itself.
+    qm, km, vm = (torch.empty(1, 2, 8, 32, device="meta")[..., ::2] for _ in range(3))
+    with pytest.raises(ValueError, match=r"q must be contiguous in its last dim .*contiguous\(\)"):
+        check_attention_inputs(qm, km, vm)
+    qs = fake_cuda(1, 4, 64, 64, head_dim_step=2)
+    ks = fake_cuda(1, 2, 64, 64, head_dim_step=2)
+    assert qs.shape[-1] == 64 and qs.stride(-1) == 2
+    assert check_attention_inputs(qs, ks, ks) is True
+    # block table tensors
+    i32 = dict(dtype=torch.int32)
+    bs, kp, ki = fake_cuda(3, **i32), fake_cuda(3, **i32), fake_cuda(1, **i32)
+    check_block_table_tensors(q, bs, kp, ki)
+    with pytest.raises(ValueError, match=r"block_start must have dtype torch.int32"):
+        check_block_table_tensors(q, fake_cuda(3, dtype=torch.int64), kp, ki)
+    with pytest.raises(ValueError, match=r"kv_ptr is on cpu but q is on cuda:0; move the block"):
+        check_block_table_tensors(q, bs, torch.zeros(3, **i32), ki)
+    with pytest.raises(ValueError, match=r"kv_idx must be a 1-D int32 tensor"):
+        check_block_table_tensors(q, bs, kp, fake_cuda(1, 1, **i32))
+    with pytest.raises(ValueError, match=r"num_blocks \+ 1 entries, got 3 and 2"):
+        check_block_table_tensors(q, bs, fake_cuda(2, **i32), ki)
+
+
+def test_fake_kernels_apply_the_cuda_rules():
+    """Under torch.compile / FakeTensorMode the ops reject what the CUDA kernels reject."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        i32 = dict(dtype=torch.int32, device="cuda")
+        t = (torch.zeros(3, **i32), torch.zeros(3, **i32), torch.zeros(0, **i32))
+        q, k, v = (
+            torch.empty(1, h, 64, 96, dtype=torch.bfloat16, device="cuda") for h in (4, 2, 2)
+        )
+        out, lse = ops.block_attention_fwd(q, k, v, *t, 0.1)
+        assert out.shape == q.shape and lse.shape == (1, 4, 64) and lse.dtype == torch.float32
+        dq, dk, dv = ops.block_attention_bwd(out, q, k, v, out, lse, *t, 0.1, False)
+        assert dq.shape == q.shape and dk.shape == k.shape
+        q80, k80 = (torch.empty(1, h, 64, 80, dtype=torch.bfloat16, device="cuda") for h in (4, 2))
+        with pytest.raises(ValueError, match=r"head dim 80 has no CUDA kernel"):
+            ops.block_attention_fwd(q80, k80, k80, *t, 0.1)
+        q3 = torch.empty(1, 3, 64, 96, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match=r"must be a multiple"):
+            ops.block_attention_fwd(q3, k, v, *t, 0.1)
+        with pytest.raises(ValueError, match=r"lse must have dtype torch.float32"):
+            ops.block_attention_bwd(out, q, k, v, out, lse.double(), *t, 0.1, False)
+
+
+@pytest.mark.parametrize("front_end", ["jacobi_attention", "block_attention"])
+@pytest.mark.parametrize("D,route", [(64, "kernel"), (96, "kernel"), (256, "kernel"), (80, "flex")])
+def test_cuda_front_ends_route_by_head_dim(monkeypatch, front_end, D, route):
+    """Both front ends validate first, then pick the kernel or FlexAttention; nothing else runs."""
+    from jacobi_ext import attention as A
+
+    layout = JacobiLayout(0, 16, 2)
+    table = layout.block_table()
+    calls = []
+    monkeypatch.setattr(A, "_block_table", lambda layout, device: table)
+    monkeypatch.setattr(A, "_stream_plan", lambda layout, device: None)
+    monkeypatch.setattr(A, "_run_plan", lambda *a, **kw: calls.append("kernel"))
+    monkeypatch.setattr(A, "_run", lambda *a, **kw: calls.append("kernel"))
+    monkeypatch.setattr(A, "_flex_attention", lambda *a, **kw: calls.append("flex"))
+    monkeypatch.setattr(BlockTable, "to", lambda self, device: self)
+    q, k, v = qkv_cuda(D=D)
+    if front_end == "jacobi_attention":
+        jacobi_attention(q, k, v, layout)
+    else:
+        block_attention(q, k, v, table)
+    assert calls == [route]
+    q3, k3, _ = qkv_cuda(Hq=3, Hkv=2, D=D)
+    with pytest.raises(ValueError, match=r"must be a multiple"):
+        (
+            jacobi_attention(q3, k3, k3, layout)
+            if front_end == "jacobi_attention"
+            else block_attention(q3, k3, k3, table)
+        )
+    assert calls == [route], "nothing may run after a rejected input"
+
+
+def test_flex_fallback_warns_once_per_head_dim(monkeypatch):
+    from jacobi_ext import attention as A
+
+    monkeypatch.setattr(A, "_flex_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"head dim 80 has no compiled CUDA attention kernel"):
+        A._warn_flex(80)
+    with pytest.warns(RuntimeWarning, match=r"head dim 48"):
+        A._warn_flex(48)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        A._warn_flex(80)  # second time: silent
+        A._warn_flex(48)
+
+
+@pytest.mark.parametrize(
+    "variant,w", [("noisy_context", None), ("clean_context", None), ("windowed", 2)]
+)
+def test_flex_fallback_math_on_cpu(variant, w):
+    """The FlexAttention fallback (forward; CPU flex has no backward) computes the layout's
+    attention: same mask (from the block table), GQA without repeating k/v, scale."""
+    import warnings
+
+    from jacobi_ext import attention as A
+
+    layout = JacobiLayout(13, 4, 5, variant, w)
+    q, k, v = make_qkv(2, 6, 2, layout.seq_len, 40, torch.float32, requires_grad=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = A._flex_attention(q, k, v, layout.block_table(), 0.3, key=layout)
+        again = A._flex_attention(q, k, v, layout.block_table(), 0.3, key=layout)  # cached mask
+    want = reference(q, k, v, layout.dense_mask(), 0.3)
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got, again)
+    from torch.nn.attention.flex_attention import create_mask
+
+    mask = create_mask(
+        A.flex_mask_mod(layout.block_table()), None, None, *(layout.seq_len,) * 2, device="cpu"
+    )
+    assert torch.equal(mask[0, 0], layout.dense_mask())

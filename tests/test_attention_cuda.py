@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,6 +213,11 @@ GPU_CASES = [
     (1, 9, 3, 64, torch.bfloat16, 100, 32, 5, "windowed", 2),
     (1, 8, 1, 128, torch.bfloat16, 0, 64, 2, "noisy_context", 1),
     (2, 4, 2, 64, torch.float16, 64, 16, 7, "windowed", 3),
+    # head dim 96: 32-column smem pages; 256: the widest accumulators
+    (1, 6, 2, 96, torch.bfloat16, 100, 32, 5, "windowed", 2),
+    (2, 4, 4, 96, torch.float16, 37, 16, 4, "clean_context", 1),
+    (1, 8, 2, 256, torch.bfloat16, 64, 32, 4, "noisy_context", 1),
+    (1, 3, 1, 256, torch.float16, 29, 16, 3, "clean_context", 1),
 ]
 
 
@@ -277,18 +286,249 @@ def test_strided_inputs():
     assert torch.equal(out, out2)
 
 
+# ---- argument errors: each case in its own process, so a crash fails one case, not the run ----
+TESTS_DIR = str(Path(__file__).resolve().parent)
+
+
+def run_isolated(body: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Runs `body` in a fresh interpreter with this file's helpers imported; a segfault or abort
+    shows as a negative return code instead of killing pytest."""
+    code = (
+        "import re, sys, warnings\n"
+        f"sys.path.insert(0, {TESTS_DIR!r})\n"
+        "import torch\n"
+        "import jacobi_ext\n"
+        "from jacobi_ext import BlockTable, JacobiLayout, block_attention, jacobi_attention\n"
+        "from test_attention_cuda import jf_block_table, make_inputs\n"
+        "ops = torch.ops.jacobi_ext\n" + textwrap.dedent(body)
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def expect_value_error(setup: str, call: str, match: str) -> None:
+    body = f"""
+{setup}
+try:
+    {call}
+except ValueError as e:
+    print("ValueError:", e)
+    sys.exit(0 if re.search({match!r}, str(e)) else 3)
+print("no ValueError")
+sys.exit(2)
+"""
+    r = run_isolated(body)
+    what = {2: "no ValueError raised", 3: "ValueError with another message"}.get(
+        r.returncode, "crashed (negative: killed by that signal)" if r.returncode < 0 else "failed"
+    )
+    assert r.returncode == 0, f"{call}: {what}, rc={r.returncode}\n{r.stdout}\n{r.stderr[-3000:]}"
+
+
+_TABLE = "starts, ptr, idx = (t.cuda() for t in jf_block_table(0, 16, 2, 'noisy_context'))\n"
+_LAYOUT = "layout = JacobiLayout(0, 16, 2)\n"
+_RAW_FWD = "ops.block_attention_fwd(q, k, v, starts, ptr, idx, 0.1)"
+_RAW_BWD = "ops.block_attention_bwd(q, q, k, v, q, lse, starts, ptr, idx, 0.1, True)"
+_LSE = "lse = torch.zeros(q.shape[:3], device='cuda')\n"
+ARG_ERRORS = {
+    # name: (setup, call, message regex)
+    "fwd-float32": (
+        _TABLE + "q, k, v = make_inputs(1, 2, 2, 64, 64, torch.float32)",
+        _RAW_FWD,
+        "bfloat16 or float16",
+    ),
+    "fwd-gqa-3-over-2": (
+        _TABLE + "q, k, v = make_inputs(1, 3, 2, 64, 64, torch.bfloat16)",
+        _RAW_FWD,
+        r"query heads \(3\) must be a multiple",
+    ),
+    "fwd-gqa-2-over-4": (
+        _TABLE + "q, k, v = make_inputs(1, 2, 4, 64, 64, torch.bfloat16)",
+        _RAW_FWD,
+        "must be a multiple",
+    ),
+    "fwd-hdim-80": (
+        _TABLE + "q, k, v = make_inputs(1, 2, 2, 64, 80, torch.bfloat16)",
+        _RAW_FWD,
+        r"head dim 80 has no CUDA kernel",
+    ),
+    "fwd-hdim-32": (
+        _TABLE + "q, k, v = make_inputs(1, 2, 2, 64, 32, torch.float16)",
+        _RAW_FWD,
+        r"head dim 32 has no CUDA kernel",
+    ),
+    "fwd-int64-table": (
+        _TABLE + "q, k, v = make_inputs(1, 2, 2, 64, 64, torch.bfloat16)",
+        "ops.block_attention_fwd(q, k, v, starts.long(), ptr, idx, 0.1)",
+        "int32|Int",
+    ),
+    "fwd-cpu-table": (
+        _TABLE + "q, k, v = make_inputs(1, 2, 2, 64, 64, torch.bfloat16)",
+        "ops.block_attention_fwd(q, k, v, starts.cpu(), ptr, idx, 0.1)",
+        "is on cpu",
+    ),
+    "bwd-gqa-3-over-2": (
+        _TABLE + "q, k, v = make_inputs(1, 3, 2, 64, 64, torch.bfloat16)\n" + _LSE,
+        _RAW_BWD,
+        "must be a multiple",
+    ),
+    "bwd-hdim-96-lse-shape": (
+        _TABLE + "q, k, v = make_inputs(1, 2, 2, 64, 96, torch.bfloat16)\n"
+        "lse = torch.zeros(1, 2, 63, device='cuda')",
+        _RAW_BWD,
+        r"lse must be \[B, Hq, S\]",
+    ),
+    "bwd-hdim-48": (
+        _TABLE + "q, k, v = make_inputs(1, 2, 2, 64, 48, torch.bfloat16)\n" + _LSE,
+        _RAW_BWD,
+        "head dim 48 has no CUDA kernel",
+    ),
+    "jacobi-gqa-3-over-2": (
+        _LAYOUT + "q, k, v = make_inputs(1, 3, 2, 64, 64, torch.bfloat16)",
+        "jacobi_attention(q, k, v, layout)",
+        "must be a multiple",
+    ),
+    "jacobi-hdim-16": (
+        _LAYOUT + "q, k, v = make_inputs(1, 2, 2, 64, 16, torch.bfloat16)",
+        "jacobi_attention(q, k, v, layout)",
+        "head dim 16 has no CUDA kernel",
+    ),
+    "jacobi-float32": (
+        _LAYOUT + "q, k, v = make_inputs(1, 2, 2, 64, 64, torch.float32)",
+        "jacobi_attention(q, k, v, layout)",
+        "bfloat16 or float16",
+    ),
+    "block-attention-gqa": (
+        _LAYOUT + "q, k, v = make_inputs(1, 4, 3, 64, 96, torch.bfloat16)",
+        "block_attention(q, k, v, layout.block_table('cuda'))",
+        "must be a multiple",
+    ),
+}
+
+
 @pytest.mark.gpu
-def test_argument_errors():
-    starts, ptr, idx = (t.cuda() for t in jf_block_table(0, 16, 2, "noisy_context"))
-    q, k, v = make_inputs(1, 2, 2, 64, 64, torch.float32)
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
-        torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts, ptr, idx, 0.1)
-    q, k, v = make_inputs(1, 3, 2, 64, 64, torch.bfloat16)
-    with pytest.raises(ValueError, match="multiple"):
-        torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts, ptr, idx, 0.1)
-    q, k, v = make_inputs(1, 2, 2, 64, 96, torch.bfloat16)
-    with pytest.raises(ValueError, match="head dim"):
-        torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts, ptr, idx, 0.1)
-    q, k, v = make_inputs(1, 2, 2, 64, 64, torch.bfloat16)
-    with pytest.raises(ValueError, match="int32|Int"):
-        torch.ops.jacobi_ext.block_attention_fwd(q, k, v, starts.long(), ptr, idx, 0.1)
+@pytest.mark.parametrize("name", sorted(ARG_ERRORS))
+def test_argument_errors(name):
+    expect_value_error(*ARG_ERRORS[name])
+
+
+def _has_cuda_kernel() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("jacobi_ext::block_attention_fwd", "CUDA")
+
+
+# The C++ CUDA op driven with storage-less tensors that claim to be on CUDA (wrapper subclasses,
+# redispatched to the CUDA kernel): its host-side checks run on a machine without a GPU, e.g. the
+# CUDA compile check's import step. Any data access would raise instead of crashing.
+_CPP_CHECK_SETUP = """
+class OnCuda(torch.Tensor):
+    @staticmethod
+    def __new__(cls, shape, dtype=torch.bfloat16):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cuda")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"the op touched tensor data: {func}")
+
+
+CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+fwd = ops.block_attention_fwd.default
+i32 = torch.int32
+t = (OnCuda((5,), i32), OnCuda((5,), i32), OnCuda((6,), i32))
+def qkv(hq, hkv, d, dtype=torch.bfloat16):
+    kv = (1, hkv, 64, d)
+    return OnCuda((1, hq, 64, d), dtype), OnCuda(kv, dtype), OnCuda(kv, dtype)
+"""
+CPP_CHECKS = {
+    "gqa": ("fwd.redispatch(CUDA, *qkv(3, 2, 64), *t, 0.1)", "must be a multiple"),
+    "hdim-32": ("fwd.redispatch(CUDA, *qkv(2, 2, 32), *t, 0.1)", "head dim 32 has no CUDA kernel"),
+    "hdim-80": ("fwd.redispatch(CUDA, *qkv(2, 2, 80), *t, 0.1)", "head dim 80 has no CUDA kernel"),
+    "float32": ("fwd.redispatch(CUDA, *qkv(2, 2, 64, torch.float32), *t, 0.1)", "bfloat16 or"),
+    "int64-table": (
+        "fwd.redispatch(CUDA, *qkv(2, 2, 64), OnCuda((5,), torch.int64), *t[1:], 0.1)",
+        "Int",
+    ),
+    "grid": (
+        "fwd.redispatch(CUDA, OnCuda((70000, 1, 64, 64)), *(OnCuda((70000, 1, 64, 64)),) * 2, "
+        "*t, 0.1)",
+        "at most 65535",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CPP_CHECKS))
+def test_cpp_cuda_checks_without_a_gpu(name):
+    if not _has_cuda_kernel():
+        pytest.skip("this build of jacobi_ext has no CUDA kernels")
+    expect_value_error(_CPP_CHECK_SETUP, *CPP_CHECKS[name])
+
+
+# ---- FlexAttention fallback for head dims without a kernel ------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [32, 80])
+@pytest.mark.parametrize("front_end", ["jacobi_attention", "block_attention"])
+def test_flex_fallback_matches_reference(D, front_end):
+    from jacobi_ext import JacobiLayout, block_attention, jacobi_attention
+    from jacobi_ext import attention as A
+
+    P, n, T, variant, w = 37, 16, 4, "windowed", 2
+    layout = JacobiLayout(P, n, T, variant, w)
+    S = layout.seq_len
+    mask = dense_mask(P, n, T, variant, w).cuda()
+    q, k, v = (x.requires_grad_() for x in make_inputs(2, 6, 2, S, D, torch.bfloat16))
+    A._flex_warned.discard(D)
+
+    def run():
+        if front_end == "jacobi_attention":
+            return jacobi_attention(q, k, v, layout)
+        return block_attention(q, k, v, layout.block_table("cuda"))
+
+    with pytest.warns(RuntimeWarning, match=rf"head dim {D} has no compiled CUDA attention"):
+        out = run()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        run()
+    assert not [x for x in again if "no compiled CUDA attention" in str(x.message)], "warned twice"
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference(qr, kr, vr, mask, D**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout.double())
+    for got, want, name in (
+        (q.grad, qr.grad, "dq"),
+        (k.grad, kr.grad, "dk"),
+        (v.grad, vr.grad, "dv"),
+    ):
+        torch.testing.assert_close(got.double(), want, atol=8e-2, rtol=8e-2, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [96, 256])
+def test_front_end_uses_the_kernel_for_compiled_head_dims(D):
+    """jacobi_attention at D=96/256 runs the compiled kernel (no FlexAttention warning) and
+    matches the float64 reference, backward included."""
+    import warnings
+
+    from jacobi_ext import JacobiLayout, jacobi_attention
+
+    P, n, T = 64, 32, 3
+    layout = JacobiLayout(P, n, T, "noisy_context")
+    mask = dense_mask(P, n, T, "noisy_context").cuda()
+    q, k, v = (x.requires_grad_() for x in make_inputs(1, 4, 2, layout.seq_len, D, torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = jacobi_attention(q, k, v, layout)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference(qr, kr, vr, mask, D**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout.double())
+    for got, want, name in (
+        (q.grad, qr.grad, "dq"),
+        (k.grad, kr.grad, "dk"),
+        (v.grad, vr.grad, "dv"),
+    ):
+        torch.testing.assert_close(got.double(), want, atol=8e-2, rtol=8e-2, msg=name)

@@ -44,6 +44,10 @@ AttnShape check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, co
   TORCH_CHECK_VALUE(st == at::kBFloat16 || st == at::kHalf, op,
                     ": the CUDA kernels take bfloat16 or float16 q/k/v, got ", st,
                     "; cast them (e.g. q.to(torch.bfloat16)) or run on CPU for float32");
+  TORCH_CHECK_VALUE(ca::supported_dtype(st == at::kBFloat16 ? ca::DType::bf16 : ca::DType::fp16),
+                    op, ": this build of jacobi_ext compiled the CUDA attention for bfloat16 only "
+                    "(CMake JACOBI_EXT_CUDA_KERNELS=ci, a compile check); rebuild with the full "
+                    "kernel set or cast q/k/v to bfloat16");
   ck::dtype(k, "k", st);
   ck::dtype(v, "v", st);
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ",
@@ -52,11 +56,20 @@ AttnShape check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, co
                     op, ": q ", q.sizes(), " and k ", k.sizes(),
                     " must agree on batch, sequence length and head dim");
   TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op,
-                    ": query heads (", q.size(1), ") must be a multiple of key/value heads (",
-                    k.size(1), ")");
+                    ": the number of query heads (", q.size(1),
+                    ") must be a multiple of the number of key/value heads (", k.size(1), ")");
   TORCH_CHECK_VALUE(ca::supported_head_dim(q.size(3)), op, ": head dim ", q.size(3),
-                    " has no CUDA kernel (supported: 64, 128)");
-  TORCH_CHECK_VALUE(q.size(2) < (int64_t(1) << 30), op, ": sequence too long");
+                    " has no CUDA kernel (compiled: 64, 96, 128, 256); jacobi_ext.block_attention "
+                    "and jacobi_attention run other head dims in 32..256 through FlexAttention, "
+                    "or pad the head dim");
+  TORCH_CHECK_VALUE(q.size(2) < (int64_t(1) << 30), op, ": seq_len must be < 2**30, got ",
+                    q.size(2));
+  TORCH_CHECK_VALUE(q.size(0) * q.size(1) <= ca::kMaxGridY, op, ": batch * query heads (",
+                    q.size(0), " * ", q.size(1), ") must be at most ", ca::kMaxGridY,
+                    "; split the batch");
+  // Everything the launch relies on, in the kernels' own terms (the checks above imply it).
+  TORCH_CHECK_VALUE(ca::valid_shape(q.size(0), q.size(1), k.size(1), q.size(3)), op,
+                    ": unsupported shape q ", q.sizes(), ", k ", k.sizes());
   return {int32_t(q.size(0)), int32_t(q.size(1)), int32_t(k.size(1)), int32_t(q.size(2)),
           int32_t(q.size(3)), st == at::kBFloat16 ? ca::DType::bf16 : ca::DType::fp16};
 }

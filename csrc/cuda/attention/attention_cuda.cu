@@ -126,6 +126,9 @@ cudaError_t build_plan(const BlockTable& table, int32_t seq_len, void* workspace
 }
 
 cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream_t stream) {
+  if (!valid_shape(params.batch, params.heads_q, params.heads_kv, params.head_dim)) {
+    return cudaErrorInvalidValue;
+  }
   if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
   return JACOBI_DTYPE_SWITCH(dtype, [&] {
     return JACOBI_HEADDIM_SWITCH(params.head_dim,
@@ -134,6 +137,9 @@ cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream
 }
 
 cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream) {
+  if (!valid_shape(params.batch, params.heads_q, params.heads_kv, params.head_dim)) {
+    return cudaErrorInvalidValue;
+  }
   if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
   return JACOBI_DTYPE_SWITCH(dtype, [&] {
     const int64_t rows = int64_t(params.batch) * params.heads_q * params.seq_len;

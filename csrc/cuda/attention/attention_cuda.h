@@ -18,6 +18,9 @@ namespace jacobi::cuda::attn {
 
 enum class DType : int { bf16 = 0, fp16 = 1 };
 
+// The kernels put batch * heads on gridDim.y.
+constexpr int64_t kMaxGridY = 65535;
+
 // The device-side work plan (see jacobi/attention_plan.h), built by build_plan() on the stream.
 struct Plan {
   BlockTable table;           // device pointers
@@ -72,7 +75,25 @@ cudaError_t build_plan(const BlockTable& table, int32_t seq_len, void* workspace
 cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream_t stream);
 cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream);
 
-// Head dims with compiled kernels.
-constexpr bool supported_head_dim(int64_t d) { return d == 64 || d == 128; }
+// Head dims with compiled kernels (one fwd_/bwd_<dtype>_hdim<D>.cu file each; static_switch.h
+// dispatches them; jacobi_ext/ops.py CUDA_HEAD_DIMS lists the same).
+constexpr bool supported_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
+
+// Element types with compiled kernels: both, unless built with the reduced CI kernel set.
+constexpr bool supported_dtype(DType d) {
+#ifdef JACOBI_CUDA_BF16_ONLY
+  return d == DType::bf16;
+#else
+  return d == DType::bf16 || d == DType::fp16;
+#endif
+}
+
+// The shape rules every launch relies on (the torch op checks them with messages first; the entry
+// points below check again and return cudaErrorInvalidValue before any launch):
+// heads_kv >= 1, heads_q % heads_kv == 0, a compiled head dim, batch * heads within a grid row.
+constexpr bool valid_shape(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim) {
+  return batch >= 0 && heads_kv >= 1 && heads_q >= 0 && heads_q % heads_kv == 0 &&
+         supported_head_dim(head_dim) && batch * heads_q <= kMaxGridY;
+}
 
 }  // namespace jacobi::cuda::attn

@@ -198,27 +198,38 @@ __global__ void __launch_bounds__(Kt::kNThreads) block_attention_bwd_dkdv_kernel
       gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, tiled_mma, copy_at, copy_bt, thr_copy_at,
               thr_copy_bt);
       if constexpr (kAtomicDq) {
-        // dQ partial of this key tile: dS [query, key] times K, B operand K^T via ldmatrix.trans.
+        // dQ partial of this key tile: dS [query, key] times K, B operand K^T via ldmatrix.trans,
+        // in column chunks of kDqCols (d=256: two chunks of 128, so the partial accumulator
+        // does not sit on top of the dK/dV ones at full width: ptxas spilled at one chunk).
+        constexpr int kDqCols = Kt::kDqCols;
         Tensor tdQrdS = thr_mma.partition_fragment_A(sdS);
-        Tensor tdQrKt = thr_mma.partition_fragment_B(sKtNoSwizzle);
         Tensor tdQsdS = thr_copy_a.partition_S(sdS);
-        Tensor tdQsKt = thr_copy_bt.partition_S(sKt);
-        Tensor acc_dq = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        clear(acc_dq);
-        gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma, copy_a, copy_bt, thr_copy_a,
-                thr_copy_bt);
-        Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        Tensor tQcQ = thr_mma.partition_C(cQ);
-        Tensor qcoords = make_tensor(tQcQ.data(), acc_rowcol(tQcQ.layout()));
-        Tensor dq = make_tensor(acc_dq.data(), acc_rowcol(acc_dq.layout()));
         float* dq_bh = p.dq_accum + (int64_t(b) * p.heads_q + h) * int64_t(S) * kHeadDim;
         CUTE_UNROLL
-        for (int r = 0; r < size<0>(dq); ++r) {
-          const int pos = row0 + get<0>(qcoords(r, 0));
-          if (pos < S) {
-            float* dst = dq_bh + int64_t(__ldg(plan.perm + pos)) * kHeadDim;
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(dq); ++c) atomicAdd(dst + get<1>(qcoords(0, c)), dq(r, c));
+        for (int chunk = 0; chunk < kHeadDim / kDqCols; ++chunk) {
+          Tensor sKtc = local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(chunk, 0));
+          Tensor sKtcNoSwizzle =
+              local_tile(sKtNoSwizzle, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(chunk, 0));
+          Tensor tdQrKt = thr_mma.partition_fragment_B(sKtcNoSwizzle);
+          Tensor tdQsKt = thr_copy_bt.partition_S(sKtc);
+          Tensor acc_dq = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kDqCols>>{});
+          clear(acc_dq);
+          gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma, copy_a, copy_bt, thr_copy_a,
+                  thr_copy_bt);
+          Tensor cQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kDqCols>>{});
+          Tensor tQcQ = thr_mma.partition_C(cQ);
+          Tensor qcoords = make_tensor(tQcQ.data(), acc_rowcol(tQcQ.layout()));
+          Tensor dq = make_tensor(acc_dq.data(), acc_rowcol(acc_dq.layout()));
+          CUTE_UNROLL
+          for (int r = 0; r < size<0>(dq); ++r) {
+            const int pos = row0 + get<0>(qcoords(r, 0));
+            if (pos < S) {
+              float* dst = dq_bh + int64_t(__ldg(plan.perm + pos)) * kHeadDim + chunk * kDqCols;
+              CUTE_UNROLL
+              for (int c = 0; c < size<1>(dq); ++c) {
+                atomicAdd(dst + get<1>(qcoords(0, c)), dq(r, c));
+              }
+            }
           }
         }
       }
@@ -259,7 +270,10 @@ __global__ void __launch_bounds__(Kt::kNThreads) block_attention_bwd_dq_kernel(c
   Element* smem_do = smem_q + size(SmemLayoutQ{});
   Element* smem_k = smem_do + size(SmemLayoutQ{});
   Element* smem_v = smem_k + size(SmemLayoutKV{});
-  uint64_t* smem_mask = reinterpret_cast<uint64_t*>(smem_v + size(SmemLayoutKV{}));
+  // dS tile (only with kDsInSmem) and then the mask words.
+  Element* smem_ds = smem_v + size(SmemLayoutKV{});
+  constexpr int kSmemDs = Kt::kDsInSmem ? int(size(typename Kt::SmemLayoutPdS{})) : 0;
+  uint64_t* smem_mask = reinterpret_cast<uint64_t*>(smem_ds + kSmemDs);
 
   const int tid = threadIdx.x;
   const int m_block = blockIdx.x;
@@ -367,8 +381,22 @@ __global__ void __launch_bounds__(Kt::kNThreads) block_attention_bwd_dq_kernel(c
       }
     }
     Tensor rdS = convert_fragment<Element>(acc_dp);
-    Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
-    gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_copy_bt);
+    if constexpr (Kt::kDsInSmem) {
+      // Warps split the key columns of dS too: the whole dS row block goes through smem so that
+      // every warp reads its rows over all keys as the A operand of dQ += dS K.
+      Tensor sdS = make_tensor(make_smem_ptr(smem_ds), typename Kt::SmemLayoutPdS{});
+      auto copy_store = make_tiled_copy_C(typename Kt::SmemCopyAtomStore{}, tiled_mma);
+      auto thr_copy_store = copy_store.get_thread_slice(tid);
+      cute::copy(copy_store, thr_copy_store.retile_S(rdS), thr_copy_store.partition_D(sdS));
+      __syncthreads();
+      Tensor tdQrdS = thr_mma.partition_fragment_A(sdS);
+      Tensor tdQsdS = thr_copy_a.partition_S(sdS);
+      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma, copy_a, copy_bt, thr_copy_a,
+              thr_copy_bt);
+    } else {
+      Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
+      gemm_rs(acc_dq, tdQrdS, tdQrKt, tdQsKt, tiled_mma, copy_bt, thr_copy_bt);
+    }
     __syncthreads();
   }
 

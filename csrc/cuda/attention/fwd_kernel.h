@@ -201,12 +201,14 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 namespace jacobi::cuda::attn {
 
-// 128 x 64 tiles. d=64: 4 warps (32 rows each). d=128: 8 warps of 16 rows; with 4 warps the
-// 128-float output accumulator per thread plus the plan bookkeeping spilled (ptxas: 255 registers,
-// 76 B spill stores), 8 warps halve every accumulator at the price of ldmatrix reuse across rows.
+// 128 x 64 tiles. d=64: 4 warps (32 rows each). d >= 96: 8 warps of 16 rows; with 4 warps at
+// d=128 the 128-float output accumulator per thread plus the plan bookkeeping spilled (ptxas: 255
+// registers, 76 B spill stores), 8 warps halve every accumulator at the price of ldmatrix reuse
+// across rows. (At d=256 that is still 128 floats of output per thread, as in FlashAttention-2's
+// 64-row, 4-warp tiles for that head dim.)
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
-  return launch_fwd<FwdTraits<Element, kHeadDim, 128, kHeadDim == 128 ? 8 : 4>>(p, stream);
+  return launch_fwd<FwdTraits<Element, kHeadDim, 128, kHeadDim <= 64 ? 4 : 8>>(p, stream);
 }
 
 }  // namespace jacobi::cuda::attn

@@ -12,6 +12,7 @@
 
 #include <type_traits>
 
+#include "cuda/attention/utils.h"
 #include "jacobi/attention_plan.h"
 
 namespace jacobi::cuda::attn {
@@ -32,11 +33,16 @@ struct BaseTraits {
   using SmemCopyAtomStore = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim % 64 == 0, "head dim must be a multiple of 64");
-  // Rows of 64 elements (128 bytes) swizzled in 16-byte chunks: conflict-free ldmatrix and
-  // cp.async stores. Wider head dims are tiled as 64-column "pages".
-  using SmemLayoutAtom = decltype(composition(Swizzle<3, 3, 3>{},
-                                              Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dim: a multiple of 32, at most 256");
+  // Rows of kPage elements (64: 128 bytes, or 32 for head dim 96) swizzled in 16-byte chunks:
+  // conflict-free ldmatrix and cp.async stores. Wider head dims are tiled as pages.
+  static constexpr int kPage = smem_page_cols(kHeadDim);
+  using SmemLayoutAtom =
+      decltype(composition(Swizzle<kPage == 64 ? 3 : 2, 3, 3>{},
+                           Layout<Shape<_8, Int<kPage>>, Stride<Int<kPage>, _1>>{}));
+  // 64-column atom for the [64 x 64] P / dS tiles of the backward, whatever the head dim.
+  using SmemLayoutAtom64 = decltype(composition(Swizzle<3, 3, 3>{},
+                                                Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
   template <int kRows>
   using SmemLayoutRows = decltype(tile_to_shape(SmemLayoutAtom{},
                                                 Shape<Int<kRows>, Int<kHeadDim>>{}));
@@ -96,11 +102,16 @@ struct BwdDkdvTraits : BaseTraits<Element_, kHeadDim_> {
   using SmemLayoutKt = typename Base::template SmemLayoutRowsT<kBlockN>;
   using SmemLayoutKtNoSwizzle = typename Base::template SmemLayoutRowsTNoSwizzle<kBlockN>;
   // P and dS tiles [kBlockM query rows, kBlockN key rows], and their transposes.
-  using SmemLayoutPdS = decltype(tile_to_shape(typename Base::SmemLayoutAtom{},
+  using SmemLayoutPdS = decltype(tile_to_shape(typename Base::SmemLayoutAtom64{},
                                                Shape<Int<kBlockM>, Int<kBlockN>>{}));
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
   using SmemLayoutPdStNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutPdSt{}));
+
+  // Column chunk of the atomic dQ partial (dS K): the whole head dim up to 128; at d=256, where
+  // dK and dV alone hold 128 floats per thread, 64-wide chunks (ptxas spilled 12 B with 128).
+  static constexpr int kDqCols = kHeadDim <= 128 ? kHeadDim : 64;
+  static_assert(kHeadDim % kDqCols == 0);
 
   static constexpr int kSmemRows = int(size(SmemLayoutQ{})) * int(sizeof(Element));
   static constexpr int kSmemPdS = int(size(SmemLayoutPdS{})) * int(sizeof(Element));
@@ -109,8 +120,11 @@ struct BwdDkdvTraits : BaseTraits<Element_, kHeadDim_> {
       4 * kSmemRows + 2 * kSmemPdS + 2 * kBlockM * int(sizeof(float)) + kBlockM * 8;
 };
 
-// Backward, deterministic dQ pass: one CTA per (kBlockM query rows, batch * query head), the
-// forward's structure (warps split rows) with dS kept in registers as the A operand of dS K.
+// Backward, deterministic dQ pass: one CTA per (kBlockM query rows, batch * query head).
+// Up to d=128 it has the forward's structure (4 warps split the rows) with dS kept in registers
+// as the A operand of dS K. At d=256 that puts a 128-float dQ accumulator per thread next to the
+// S and dP tiles (ptxas: 160 B of spills), so 8 warps split the tile 4 (rows) x 2 (columns), as
+// in the dK/dV kernel, and dS goes through shared memory.
 template <typename Element_, int kHeadDim_>
 struct BwdDqTraits : BaseTraits<Element_, kHeadDim_> {
   using Base = BaseTraits<Element_, kHeadDim_>;
@@ -118,18 +132,26 @@ struct BwdDqTraits : BaseTraits<Element_, kHeadDim_> {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = jacobi::attn::kPlanTile;
   static constexpr int kBlockN = jacobi::attn::kPlanTile;
-  static constexpr int kNWarps = 4;
+  static constexpr bool kDsInSmem = kHeadDim > 128;
+  static constexpr int kNWarps = kDsInSmem ? 8 : 4;
   static constexpr int kNThreads = kNWarps * 32;
 
-  using TiledMma = TiledMMA<typename Base::MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>,
-                            Tile<Int<16 * kNWarps>, _16, _16>>;
+  using TiledMma = std::conditional_t<
+      kDsInSmem,
+      TiledMMA<typename Base::MmaAtom, Layout<Shape<_4, _2, _1>>, Tile<_64, _32, _16>>,
+      TiledMMA<typename Base::MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>,
+               Tile<Int<16 * kNWarps>, _16, _16>>>;
   using SmemLayoutQ = typename Base::template SmemLayoutRows<kBlockM>;
   using SmemLayoutKV = typename Base::template SmemLayoutRows<kBlockN>;
   using SmemLayoutKt = typename Base::template SmemLayoutRowsT<kBlockN>;
   using SmemLayoutKtNoSwizzle = typename Base::template SmemLayoutRowsTNoSwizzle<kBlockN>;
+  using SmemLayoutPdS = decltype(tile_to_shape(typename Base::SmemLayoutAtom64{},
+                                               Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
-  // sQ, sdO, sK, sV, mask words.
-  static constexpr int kSmemSize = 4 * int(size(SmemLayoutQ{})) * int(sizeof(Element)) + kBlockM * 8;
+  // sQ, sdO, sK, sV, [sdS], mask words.
+  static constexpr int kSmemDs = kDsInSmem ? int(size(SmemLayoutPdS{})) * int(sizeof(Element)) : 0;
+  static constexpr int kSmemSize =
+      4 * int(size(SmemLayoutQ{})) * int(sizeof(Element)) + kSmemDs + kBlockM * 8;
 };
 
 }  // namespace jacobi::cuda::attn

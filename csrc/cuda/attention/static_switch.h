@@ -6,6 +6,7 @@
 
 #include "cuda/attention/attention_cuda.h"
 
+#ifndef JACOBI_CUDA_BF16_ONLY
 #define JACOBI_DTYPE_SWITCH(DTYPE, ...)          \
   [&] {                                          \
     if ((DTYPE) == DType::bf16) {                \
@@ -16,14 +17,32 @@
       return __VA_ARGS__();                      \
     }                                            \
   }()
+#else  // the reduced CI kernel set (CMake JACOBI_EXT_CUDA_KERNELS=ci): no fp16 instantiations
+#define JACOBI_DTYPE_SWITCH(DTYPE, ...)          \
+  [&] {                                          \
+    if ((DTYPE) == DType::bf16) {                \
+      using Element = cutlass::bfloat16_t;       \
+      return __VA_ARGS__();                      \
+    }                                            \
+    return cudaErrorNotSupported;                \
+  }()
+#endif
 
+// Every head dim of supported_head_dim() (attention_cuda.h) has a case; anything else returns
+// cudaErrorInvalidValue without launching (the torch op has rejected it before).
 #define JACOBI_HEADDIM_SWITCH(HEADDIM, ...)      \
   [&] {                                          \
     if ((HEADDIM) == 64) {                       \
       constexpr static int kHeadDim = 64;        \
       return __VA_ARGS__();                      \
+    } else if ((HEADDIM) == 96) {                \
+      constexpr static int kHeadDim = 96;        \
+      return __VA_ARGS__();                      \
     } else if ((HEADDIM) == 128) {               \
       constexpr static int kHeadDim = 128;       \
+      return __VA_ARGS__();                      \
+    } else if ((HEADDIM) == 256) {               \
+      constexpr static int kHeadDim = 256;       \
       return __VA_ARGS__();                      \
     }                                            \
     return cudaErrorInvalidValue;                \

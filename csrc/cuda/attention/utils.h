@@ -10,6 +10,11 @@ namespace jacobi::cuda::attn {
 
 using namespace cute;
 
+// Shared-memory rows are stored as "pages" of this many columns (swizzled in 16-byte chunks):
+// 64 (128 bytes) when the head dim is a multiple of 64, else 32 (head dim 96). kernel_traits.h
+// builds the smem layouts from it and the row copies below walk the same pages.
+constexpr int smem_page_cols(int head_dim) { return head_dim % 64 == 0 ? 64 : 32; }
+
 // ---- GEMMs on register fragments ---------------------------------------------------------------
 // acc += A B^T, both operands streamed from shared memory one k-slice ahead of the MMA
 // (ldmatrix for slice i+1 is issued before the MMAs of slice i).
@@ -100,24 +105,26 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Rows p0 .. p0 + kRows - 1 of the permuted order, i.e. gmem rows perm[p], into a swizzled smem
-// tile. 8 threads per 64-element page of a row (16 bytes each): a warp writes 4 rows x 128 bytes,
-// conflict-free under the swizzle. Rows at or past seq_len are zero-filled.
+// tile. kPage / 8 threads per page of a row (16 bytes each): a warp writes whole 128- or 64-byte
+// page rows, conflict-free under the swizzle. Rows at or past seq_len are zero-filled.
 template <int kRows, int kHeadDim, int kNThreads, class SmemLayout, typename Element>
 __device__ __forceinline__ void gather_rows_async(Element* smem, const Element* gmem,
                                                   int64_t row_stride, const int32_t* perm,
                                                   int p0, int seq_len, int tid) {
-  constexpr int kRowsPerPass = kNThreads / 8;
-  static_assert(kRows % kRowsPerPass == 0);
-  const int chunk = (tid % 8) * 8;
+  constexpr int kPage = smem_page_cols(kHeadDim);
+  constexpr int kThreadsPerRow = kPage / 8;
+  constexpr int kRowsPerPass = kNThreads / kThreadsPerRow;
+  static_assert(kHeadDim % kPage == 0 && kRows % kRowsPerPass == 0);
+  const int chunk = (tid % kThreadsPerRow) * 8;
   CUTE_UNROLL
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-    const int r = tid / 8 + pass * kRowsPerPass;
+    const int r = tid / kThreadsPerRow + pass * kRowsPerPass;
     const int p = p0 + r;
     const bool valid = p < seq_len;
     const Element* src = gmem + (valid ? int64_t(__ldg(perm + p)) * row_stride : 0) + chunk;
     CUTE_UNROLL
-    for (int page = 0; page < kHeadDim / 64; ++page) {
-      cp_async_16(smem + SmemLayout{}(r, page * 64 + chunk), src + page * 64, valid);
+    for (int page = 0; page < kHeadDim / kPage; ++page) {
+      cp_async_16(smem + SmemLayout{}(r, page * kPage + chunk), src + page * kPage, valid);
     }
   }
 }
@@ -127,19 +134,21 @@ template <int kRows, int kHeadDim, int kNThreads, class SmemLayout, typename Ele
 __device__ __forceinline__ void scatter_rows(Element* gmem, int64_t row_stride,
                                              const Element* smem, const int32_t* perm, int p0,
                                              int seq_len, int tid) {
-  constexpr int kRowsPerPass = kNThreads / 8;
-  static_assert(kRows % kRowsPerPass == 0);
-  const int chunk = (tid % 8) * 8;
+  constexpr int kPage = smem_page_cols(kHeadDim);
+  constexpr int kThreadsPerRow = kPage / 8;
+  constexpr int kRowsPerPass = kNThreads / kThreadsPerRow;
+  static_assert(kHeadDim % kPage == 0 && kRows % kRowsPerPass == 0);
+  const int chunk = (tid % kThreadsPerRow) * 8;
   CUTE_UNROLL
   for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-    const int r = tid / 8 + pass * kRowsPerPass;
+    const int r = tid / kThreadsPerRow + pass * kRowsPerPass;
     const int p = p0 + r;
     if (p < seq_len) {
       Element* dst = gmem + int64_t(__ldg(perm + p)) * row_stride + chunk;
       CUTE_UNROLL
-      for (int page = 0; page < kHeadDim / 64; ++page) {
-        *reinterpret_cast<uint4*>(dst + page * 64) =
-            *reinterpret_cast<const uint4*>(smem + SmemLayout{}(r, page * 64 + chunk));
+      for (int page = 0; page < kHeadDim / kPage; ++page) {
+        *reinterpret_cast<uint4*>(dst + page * kPage) =
+            *reinterpret_cast<const uint4*>(smem + SmemLayout{}(r, page * kPage + chunk));
       }
     }
   }

@@ -1,0 +1,6 @@
+// Instantiation: backward (dK/dV with atomic or no dQ, deterministic dQ), bf16, head dim 96.
+#include "cuda/attention/bwd_kernel.h"
+
+namespace jacobi::cuda::attn {
+template cudaError_t run_bwd<cutlass::bfloat16_t, 96>(const BwdParams&, cudaStream_t);
+}  // namespace jacobi::cuda::attn
