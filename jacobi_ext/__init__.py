@@ -9,7 +9,7 @@ Public API (filled in by the layers below; see README):
 """
 
 from . import _hf_hook
-from ._native import BUILT_WITH_TORCH, CPU_ISA, WITH_CUDA
+from ._native import BUILT_WITH_TORCH, CPU_ISA, CUDA_ARCHS, WITH_CUDA, cuda_note
 from ._version import __version__
 from .attention import block_attention, jacobi_attention
 from .layout import BlockTable, JacobiLayout
@@ -51,6 +51,8 @@ def build_info() -> dict[str, object]:
         "torch (built against)": BUILT_WITH_TORCH,
         "torch (running)": torch.__version__,
         "cuda kernels": WITH_CUDA,
+        "cuda archs": CUDA_ARCHS,  # "sm_80, sm_90a"; "" without CUDA kernels
+        "no cuda kernels because": cuda_note(),  # what the build found; None: no record
         "cuda available": torch.cuda.is_available(),
         "cpu kernel isa": CPU_ISA,
         "cpu threads": torch.get_num_threads(),

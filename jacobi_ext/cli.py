@@ -22,10 +22,17 @@ def _cmd_info(args: argparse.Namespace) -> int:
     info = jacobi_ext.build_info()
     if args.json:
         print(json.dumps(info, indent=2))
+        return 0
+    # First the kernels this build has, then every fact.
+    if info["cuda kernels"]:
+        cuda = f"CUDA for {info['cuda archs']}"
     else:
-        width = max(len(k) for k in info)
-        for k, v in info.items():
-            print(f"{k:<{width}}  {v}")
+        why = info["no cuda kernels because"]
+        cuda = "no CUDA kernels" + (f" ({why})" if why else "")
+    print(f"kernels built: CPU (this CPU runs the {info['cpu kernel isa']} variant); {cuda}")
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        print(f"{k:<{width}}  {v}")
     return 0
 
 

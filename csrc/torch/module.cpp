@@ -64,8 +64,10 @@ extern "C" __attribute__((visibility("default"))) PyObject* PyInit__C() {
   PyModule_AddStringConstant(mod, "torch_version", JACOBI_EXT_TORCH_VERSION);
 #ifdef JACOBI_WITH_CUDA
   PyModule_AddIntConstant(mod, "with_cuda", 1);
+  PyModule_AddStringConstant(mod, "cuda_archs", JACOBI_EXT_CUDA_ARCHS);  // "sm_80, sm_90a"
 #else
   PyModule_AddIntConstant(mod, "with_cuda", 0);
+  PyModule_AddStringConstant(mod, "cuda_archs", "");
 #endif
   try {
     PyModule_AddStringConstant(mod, "cpu_isa", jacobi::cpu::isa_name(jacobi::cpu::active_isa()));
