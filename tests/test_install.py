@@ -136,7 +136,9 @@ def _cmake_configure(tmp_path: Path, *defines: str) -> tuple[int, str, str]:
     )
     text = " ".join((out.stdout + out.stderr).split())  # CMake wraps its messages
     info = build / "_build_info.py"
-    archs = re.search(r'CUDA_ARCHS = "([^"]*)"', info.read_text()).group(1) if info.is_file() else ""
+    archs = ""
+    if info.is_file():
+        archs = re.search(r'CUDA_ARCHS = "([^"]*)"', info.read_text()).group(1)
     return out.returncode, text, archs
 
 
