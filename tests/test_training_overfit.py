@@ -52,6 +52,7 @@ def test_jacobi_forcing_overfits_tiny_model(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_jacobi_forcing_overfits_smollm2(tmp_path):
     """32 stdlib prompts, n=16, 64 new tokens: plain Jacobi TPF >= 3 on those prompts after
     training with fresh noise (tens of minutes on 2 CPU cores)."""
