@@ -14,13 +14,13 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from . import ops as _ops
 from ._native import ops
-from .layout import BlockTable, JacobiLayout, StreamPlan
+from .layout import BlockTable, JacobiLayout, StreamPlan, table_mask_mod
 
 
 class _PermuteTokens(torch.autograd.Function):
@@ -162,18 +162,8 @@ _FLEX_LAYOUT_CACHE = 32
 _flex_masks_by_table: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def flex_mask_mod(table: BlockTable) -> Callable:
-    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for a block table: a token -> block map
-    and the block-level visibility matrix (captured tensors on the table's device), plus
-    causality inside the diagonal block. ``JacobiLayout.flex_mask_mod`` is this on its table."""
-    tb = table.token_blocks()
-    bm = table.block_mask()
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        qb, kb = tb[q_idx], tb[kv_idx]
-        return ((qb == kb) & (kv_idx <= q_idx)) | bm[qb, kb]
-
-    return mask_mod
+# The FlexAttention mask of a block table (one definition, in layout.py).
+flex_mask_mod = table_mask_mod
 
 
 def _warn_flex(head_dim: int) -> None:

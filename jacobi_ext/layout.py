@@ -245,12 +245,18 @@ class JacobiLayout:
         Built from the same block table: a token -> block map and the block-level visibility
         matrix, both captured tensors on ``device``.
         """
-        table = self.block_table(device)
-        tb = table.token_blocks()
-        bm = table.block_mask()
+        return table_mask_mod(self.block_table(device))
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            qb, kb = tb[q_idx], tb[kv_idx]
-            return ((qb == kb) & (kv_idx <= q_idx)) | bm[qb, kb]
 
-        return mask_mod
+def table_mask_mod(table: BlockTable) -> Callable:
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for a block table: a token -> block map
+    and the block-level visibility matrix (captured tensors on the table's device), plus
+    causality inside the diagonal block."""
+    tb = table.token_blocks()
+    bm = table.block_mask()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qb, kb = tb[q_idx], tb[kv_idx]
+        return ((qb == kb) & (kv_idx <= q_idx)) | bm[qb, kb]
+
+    return mask_mod
