@@ -157,9 +157,26 @@ def stdlib_prompts(modules: Iterable[str] = STDLIB_MODULES) -> list[Prompt]:
 
 
 def load_prompts(source: str | None = None, limit: int | None = None) -> list[Prompt]:
-    """``None`` / "stdlib" for the embedded default, else a JSONL file; HumanEval-checked."""
-    prompts = stdlib_prompts() if source in (None, "stdlib") else load_jsonl(source)
-    check_no_humaneval_overlap(prompts)
+    """A prompt source, HumanEval-checked:
+    ``"code"`` / ``"code-heldout"``: the shipped corpus of installed-code prompts, its training or
+    its held-out-packages split (``prompt_corpus``, ~17 k / ~1.4 k prompts);
+    ``None`` / ``"stdlib"``: the 661 stdlib prompts built at import time;
+    anything else: a JSONL file."""
+    if source in ("code", "code-heldout"):
+        from .prompt_corpus import load_corpus
+
+        prompts = load_corpus("heldout" if source == "code-heldout" else "train")
+    elif source in (None, "stdlib"):
+        prompts = stdlib_prompts()
+        check_no_humaneval_overlap(prompts)
+    else:
+        if not Path(source).is_file():
+            raise FileNotFoundError(
+                f"prompt source {source!r} is neither 'code', 'code-heldout', 'stdlib' nor a "
+                "JSONL file"
+            )
+        prompts = load_jsonl(source)
+        check_no_humaneval_overlap(prompts)
     return prompts[:limit] if limit is not None else prompts
 
 
@@ -171,9 +188,8 @@ def _defined_names(text: str) -> set[str]:
     return set(re.findall(r"def\s+([A-Za-z_]\w*)\s*\(", text))
 
 
-def check_no_humaneval_overlap(prompts: Iterable[Prompt]) -> None:
-    """Raise if a training prompt defines a HumanEval entry point or contains a HumanEval
-    prompt's docstring (whitespace- and case-insensitive)."""
+def humaneval_index() -> tuple[dict[str, str], dict[str, str]]:
+    """HumanEval's entry points and normalised docstring heads, each mapped to its task id."""
     problems = load_humaneval()
     entry = {p["entry_point"]: p["task_id"] for p in problems}
     docs = {}
@@ -181,15 +197,28 @@ def check_no_humaneval_overlap(prompts: Iterable[Prompt]) -> None:
         m = re.search(r'("""|\'\'\')(.*?)\1', p["prompt"], re.S)
         if m and len(_norm(m.group(2))) > 30:
             docs[_norm(m.group(2))[:120]] = p["task_id"]
+    return entry, docs
+
+
+def humaneval_overlap(text: str, index: tuple[dict, dict] | None = None) -> str | None:
+    """Why ``text`` overlaps HumanEval (it defines an entry point or contains a docstring), or
+    None."""
+    entry, docs = index or humaneval_index()
+    for name in _defined_names(text):
+        if name in entry:
+            return f"defines {name}, the entry point of {entry[name]} (HumanEval is held out)"
+    norm = _norm(text)
+    for d, tid in docs.items():
+        if d in norm:
+            return f"contains the docstring of {tid}"
+    return None
+
+
+def check_no_humaneval_overlap(prompts: Iterable[Prompt]) -> None:
+    """Raise if a training prompt defines a HumanEval entry point or contains a HumanEval
+    prompt's docstring (whitespace- and case-insensitive)."""
+    index = humaneval_index()
     for pr in prompts:
-        text = "\n".join(m["content"] for m in pr.chat())
-        for name in _defined_names(text):
-            if name in entry:
-                raise ValueError(
-                    f"training prompt {pr.id} defines {name}, the entry point of {entry[name]} "
-                    "(HumanEval is held out)"
-                )
-        norm = _norm(text)
-        for d, tid in docs.items():
-            if d in norm:
-                raise ValueError(f"training prompt {pr.id} contains the docstring of {tid}")
+        why = humaneval_overlap("\n".join(m["content"] for m in pr.chat()), index)
+        if why:
+            raise ValueError(f"training prompt {pr.id} {why}")

@@ -130,6 +130,17 @@ def eos_ids_of(model, tokenizer) -> set[int]:
     return set() if e is None else ({e} if isinstance(e, int) else set(e))
 
 
+def _left_pad(seqs: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] left-padded ids and their attention mask (1 = token), as generate takes a batch."""
+    P = max(int(x.shape[0]) for x in seqs)
+    ids = torch.full((len(seqs), P), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.long)
+    for j, x in enumerate(seqs):
+        ids[j, P - x.shape[0] :] = x
+        mask[j, P - x.shape[0] :] = 1
+    return ids, mask
+
+
 def collect(
     model,
     tokenizer,
@@ -143,6 +154,7 @@ def collect(
     progress: bool = True,
     encode: Callable[[Prompt], torch.Tensor] | None = None,
     fixed_points_only: bool = False,
+    batch_size: int = 1,
 ) -> dict:
     """Collect the teacher's Jacobi trajectories for ``prompts`` into ``out_dir`` (resumable).
 
@@ -152,6 +164,9 @@ def collect(
     faster on a CPU, where Jacobi's TPF ≈ 1) and store each block as its fixed point alone
     (one state per block): the data for synthetic noise (packing.synthetic_state), which needs
     nothing else. ``meta.json`` records it (``"states": "fixed_point"``).
+    ``batch_size`` (fixed points only): decode that many prompts together, left-padded, one
+    forward per step for the batch (``generate(..., attention_mask=)``); each answer is that
+    prompt's own greedy answer, and the batch's records are written when it finishes.
     Returns a summary (prompts done now / before, tokens, seconds).
     """
     from tqdm.auto import tqdm
@@ -159,6 +174,13 @@ def collect(
     n = block_size
     if max_new_tokens % n:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of n ({n})")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size > 1 and not fixed_points_only:
+        raise ValueError(
+            "batched collection (batch_size > 1) records fixed points only: pass "
+            "fixed_points_only=True (CLI: --fixed-points), or batch_size=1 for Jacobi trajectories"
+        )
     d = Path(out_dir)
     eos = eos_ids_of(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer is not None else None
@@ -182,49 +204,67 @@ def collect(
     encode = encode or (lambda p: p.input_ids(tokenizer))
     device = next(model.parameters()).device
     summary = {"before": len(done), "collected": 0, "skipped_long": 0, "tokens": 0, "seconds": 0.0}
-    bar = tqdm(todo, desc=f"collect n={n}", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(todo), desc=f"collect n={n}", unit="prompt", disable=not progress)
     t_start = time.perf_counter()
+
+    def decode(batch: list[tuple[Prompt, torch.Tensor]]) -> list[tuple[list, object, int, float]]:
+        """(blocks, result, answer tokens, seconds) per prompt of the batch."""
+        if not fixed_points_only:
+            ((_, ids),) = batch
+            rec = TrajectoryRecorder()
+            res = generate(model, ids.to(device), method="jacobi", block_size=n,
+                           max_new_tokens=max_new_tokens, trajectory=rec)  # fmt: skip
+            return [(rec.blocks, res, res.tokens[0].tolist(), res.seconds + res.prefill_seconds)]
+        x, mask = _left_pad([ids[0] for _, ids in batch], int(pad))
+        res = generate(model, x.to(device), attention_mask=mask.to(device), method="ar",
+                       max_new_tokens=max_new_tokens, lookup=False,
+                       pad_token_id=int(pad))  # fmt: skip
+        lengths = res.lengths or [int(res.tokens.shape[-1])]
+        secs = (res.seconds + res.prefill_seconds) / len(batch)  # the batch's time, shared
+        out = []
+        for j, length in enumerate(lengths):
+            toks = res.tokens[j, :length].tolist()
+            out.append(([[toks[i : i + n]] for i in range(0, len(toks), n)], res, toks, secs))
+        return out
+
     with open(path, "ab") as f:
-        for p in bar:
+        pending: list[tuple[Prompt, torch.Tensor]] = []
+        for i, p in enumerate(todo):
             ids = encode(p)
             if max_prompt_tokens is not None and ids.shape[1] > max_prompt_tokens:
                 summary["skipped_long"] += 1
-                continue
-            if fixed_points_only:
-                res = generate(model, ids.to(device), method="ar", max_new_tokens=max_new_tokens)
-                toks = res.tokens[0].tolist()
-                blocks = [[toks[i : i + n]] for i in range(0, len(toks), n)]
+                bar.update(1)
             else:
-                rec = TrajectoryRecorder()
-                res = generate(
-                    model,
-                    ids.to(device),
-                    method="jacobi",
-                    block_size=n,
-                    max_new_tokens=max_new_tokens,
-                    trajectory=rec,
+                pending.append((p, ids))
+            if len(pending) < batch_size and i + 1 < len(todo):
+                continue
+            if not pending:
+                continue
+            for (pr, ids), (blocks, res, toks, secs) in zip(pending, decode(pending), strict=True):
+                record = make_record(
+                    pr.id,
+                    ids[0].tolist(),
+                    blocks,
+                    n,
+                    eos,
+                    int(pad),
+                    new_tokens=len(toks),
+                    forwards=res.forwards,
+                    seconds=round(secs, 4),
+                    finished=bool(toks and toks[-1] in eos),
                 )
-                blocks = rec.blocks
-            record = make_record(
-                p.id,
-                ids[0].tolist(),
-                blocks,
-                n,
-                eos,
-                int(pad),
-                new_tokens=res.new_tokens,
-                forwards=res.forwards,
-                seconds=round(res.seconds + res.prefill_seconds, 4),
-                finished=bool(res.tokens.numel() and int(res.tokens[0, -1]) in eos),
-            )
-            f.write((json.dumps(record, separators=(",", ":")) + "\n").encode())
-            f.flush()
-            os.fsync(f.fileno())
-            summary["collected"] += 1
-            summary["tokens"] += res.new_tokens
+                # One write + fsync per record: an interruption loses at most the batch in flight.
+                f.write((json.dumps(record, separators=(",", ":")) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())
+                summary["collected"] += 1
+                summary["tokens"] += len(toks)
+            bar.update(len(pending))
+            pending = []
             el = time.perf_counter() - t_start
             bar.set_postfix(
                 tok_s=f"{summary['tokens'] / el:.1f}", tpf=f"{res.tokens_per_forward:.2f}"
             )
+    bar.close()
     summary["seconds"] = time.perf_counter() - t_start
     return summary

@@ -106,3 +106,43 @@ def test_stdlib_prompts_are_disjoint_from_humaneval():
     doc_only = he[1]["prompt"].split('"""')[1]
     with pytest.raises(ValueError, match="docstring"):
         check_no_humaneval_overlap([Prompt("y", text=f"Write f.\n{doc_only}")])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_fixed_points_equal_batch1_greedy(tmp_path, family):
+    """Batched fixed-point collection (left-padded prompts of different lengths, one forward per
+    step for the batch): every record is its prompt's own batch-1 greedy answer, EOS included,
+    and a batch size that does not divide the prompt count leaves no prompt out."""
+    model = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=5, dtype=torch.float64, family=family)
+    ps = prompts(11)
+    s = tr.collect(model, None, ps, tmp_path, block_size=4, max_new_tokens=16, progress=False,
+                   encode=encode, fixed_points_only=True, batch_size=4)  # fmt: skip
+    assert s["collected"] == 11
+    recs = {r["id"]: r for r in tr.read_trajectories(tmp_path)}
+    assert sorted(recs) == sorted(p.id for p in ps)
+    finished = 0
+    for p in ps:
+        greedy = generate(model, encode(p), method="ar", max_new_tokens=16).tokens[0].tolist()
+        r = recs[p.id]
+        flat = sum((states[0] for states in r["blocks"]), [])
+        assert r["new_tokens"] == len(greedy)
+        assert flat[: len(greedy)] == greedy, p.id
+        assert r["prompt_ids"] == encode(p)[0].tolist()
+        assert r["finished"] == (greedy[-1] == EOS)
+        finished += r["finished"]
+    assert 0 < finished < 11, "the test needs answers both with and without EOS"
+
+
+def test_batched_collection_resumes_and_refuses_trajectories(tmp_path):
+    model = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=5, dtype=torch.float64)
+    kw = dict(block_size=4, max_new_tokens=16, progress=False, encode=encode,
+              fixed_points_only=True, batch_size=3)  # fmt: skip
+    tr.collect(model, None, prompts(5), tmp_path, **kw)
+    s = tr.collect(model, None, prompts(9), tmp_path, **kw)
+    assert (s["before"], s["collected"]) == (5, 4)
+    assert len(tr.read_trajectories(tmp_path)) == 9
+    with pytest.raises(ValueError, match="fixed_points_only"):
+        tr.collect(model, None, prompts(2), tmp_path / "j", block_size=4, max_new_tokens=16,
+                   progress=False, encode=encode, batch_size=2)  # fmt: skip
+    with pytest.raises(ValueError, match="batch_size"):
+        tr.collect(model, None, prompts(2), tmp_path, **{**kw, "batch_size": 0})
