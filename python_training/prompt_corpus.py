@@ -245,7 +245,7 @@ def token_length_stats(rows: list[dict], tokenizer) -> dict:
 
 def write_corpus(rows: list[dict], manifest: dict, path: Path = CORPUS) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    # No name, mtime=0: the same rows give the same bytes (a rebuild in the same environment is a no-op).
+    # No name, mtime=0: the same rows give the same bytes (a rebuild here is a no-op).
     with open(path, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
         for r in rows:
             f.write((json.dumps(r, sort_keys=True) + "\n").encode())
