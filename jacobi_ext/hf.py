@@ -82,6 +82,12 @@ def jacobi_attention_forward(
             "(a KV cache?); "
             "run the packed training forward without past_key_values, or leave jacobi_layout()"
         )
+    # Under autocast, the projections come out in the low dtype but RoPE promotes q and k back to
+    # float32; SDPA is on autocast's low-precision list and casts for itself, our op does not.
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        low = torch.get_autocast_dtype(dev)
+        query, key, value = query.to(low), key.to(low), value.to(low)
     out = jacobi_attention(query, key, value, layout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

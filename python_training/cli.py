@@ -125,7 +125,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
               "max_seq_len", "ar_weight", "temperature", "lr", "epochs", "max_steps",
               "grad_accum", "mixed_precision", "save_every", "seed", "threads",
               "consistency_reduction", "synthetic_fraction", "lookback",
-              "max_noise_tokens"):  # fmt: skip
+              "max_noise_tokens", "lora_rank", "lora_alpha", "adapter_out", "init_adapter",
+              "snapshot_every"):  # fmt: skip
         v = getattr(args, k)
         if v is not None:
             d[k] = v
@@ -186,6 +187,23 @@ def _add_train(sub) -> None:
     p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"])
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--save-every", type=int, default=None, help="optimizer steps per checkpoint")
+    p.add_argument(
+        "--snapshot-every", type=int, default=None,
+        help="optimizer steps between kept snapshots (a LoRA run's are adapters): the points "
+        "of a held-out curve",
+    )  # fmt: skip
+    p.add_argument(
+        "--lora-rank", type=int, default=None,
+        help="train a LoRA adapter of this rank (peft) instead of the full weights (default 0: "
+        "full); its adapter + train_state.json are written at every save",
+    )  # fmt: skip
+    p.add_argument("--lora-alpha", type=float, default=None, help="default 2 x rank")
+    p.add_argument("--adapter-out", default=None, help="where the adapter goes (out/adapter)")
+    p.add_argument(
+        "--init-adapter", default=None,
+        help="go on from this adapter and its train_state.json (e.g. the one committed by an "
+        "earlier run on another machine) when --out has no checkpoint",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(handler=_cmd_train)

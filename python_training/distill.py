@@ -40,6 +40,21 @@ def _mark(path: Path, info: dict) -> None:
     os.replace(tmp, path)
 
 
+def _seed_from_shipped(shipped: Path, tdir: Path) -> None:
+    """Start a collection from records shipped in the repo (``meta.json`` +
+    ``trajectories*.jsonl.gz``), so a run on a fresh machine collects only what is missing."""
+    import shutil
+
+    if not (shipped / "meta.json").is_file():
+        raise FileNotFoundError(f"{shipped} holds no meta.json: not a trajectory directory")
+    tdir.mkdir(parents=True, exist_ok=True)
+    if not (tdir / "meta.json").exists():
+        shutil.copy(shipped / "meta.json", tdir / "meta.json")
+    for f in sorted(shipped.glob("trajectories*.jsonl.gz")):
+        if not (tdir / f.name).exists():
+            shutil.copy(f, tdir / f.name)
+
+
 def _dtype(name: str):
     import torch
 
@@ -72,12 +87,16 @@ def run_recipe(recipe: dict, out: str | Path | None = None, progress: bool = Tru
         # Collection: the base model for stage 1, the previous stage's model after that.
         if not (sdir / "COLLECTED").exists():
             t0 = time.perf_counter()
+            if st.get("shipped_trajectories"):
+                _seed_from_shipped(Path(st["shipped_trajectories"]), tdir)
             model, tok = load_model(teacher, dtype=_dtype(st.get("collect_dtype", "float32")))
             lo, hi = st.get("prompt_range", [0, len(prompts)])
             summary = collect(
                 model, tok, prompts[lo:hi], tdir, block_size=n,
                 max_new_tokens=int(st["max_new_tokens"]), teacher=str(teacher or "base"),
                 max_prompt_tokens=pcfg.get("max_prompt_tokens"), progress=progress,
+                fixed_points_only=bool(st.get("collect_fixed_points", False)),
+                batch_size=int(st.get("collect_batch_size", 1)),
             )  # fmt: skip
             del model
             summary["wall_seconds"] = time.perf_counter() - t0
@@ -92,6 +111,9 @@ def run_recipe(recipe: dict, out: str | Path | None = None, progress: bool = Tru
             tcfg.setdefault("threads", threads)
             last = train(TrainConfig.from_dict(tcfg), progress=progress)
             last["wall_seconds"] = time.perf_counter() - t0
+            if last.get("stopped_early"):  # a chunk of a long run: the same command goes on
+                print(f"stage {k}: chunk ended at step {last.get('step')}; rerun to go on")
+                return rdir
             _mark(sdir / "TRAINED", last)
             print(f"stage {k}: trained {last}", flush=True)
         teacher = str(final)

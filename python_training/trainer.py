@@ -31,6 +31,9 @@ from .loss import example_loss
 from .packing import PackedExample, pack_record
 from .trajectories import read_trajectories
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TRAIN_STATE = "train_state.json"
+
 
 @dataclass
 class TrainConfig:
@@ -72,6 +75,19 @@ class TrainConfig:
     # TPF vs training trajectories) is evaluated on after the run.
     snapshot_every: int = 0
     log_every: int = 1
+    # LoRA (peft) instead of full weights: the rank (0: full fine-tuning), alpha (None: 2·rank),
+    # the adapted modules. A LoRA run also writes its adapter (safetensors) + train_state.json
+    # at every save, to ``adapter_out`` (default ``out/adapter``): small enough to commit, so a
+    # run can go on on another machine: with no checkpoint in ``out``, training continues from
+    # ``init_adapter``, or else from ``adapter_out`` if it holds an earlier state.
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    adapter_out: str | None = None
+    init_adapter: str | None = None
+    # End this call after so many minutes (at a step boundary, with a checkpoint and, for LoRA,
+    # the adapter saved): a long run goes in chunks; the same command resumes it. None: no limit.
+    stop_after_minutes: float | None = None
     seed: int = 0
     threads: int | None = None
     cpu: bool | None = None  # None: CPU when no CUDA device is visible
@@ -83,8 +99,9 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown training settings: {sorted(unknown)}")
         d = dict(d)
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
+        for k in ("betas", "lora_targets"):
+            if k in d:
+                d[k] = tuple(d[k])
         if isinstance(d.get("data"), str):
             d["data"] = [d["data"]]
         return cls(**d)
@@ -95,12 +112,14 @@ class _DataState:
 
     def __init__(self) -> None:
         self.step = 0
+        self.tokens = 0  # packed training tokens consumed (all processes)
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "tokens": self.tokens}
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
+        self.tokens = int(sd.get("tokens", 0))
 
 
 def load_examples(cfg: TrainConfig) -> list[dict]:
@@ -185,6 +204,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         _checkpointing_on(model)
+    if cfg.lora_rank:
+        model = _with_lora(model, cfg)
 
     records = load_examples(cfg)
     world, rank = acc.num_processes, acc.process_index
@@ -193,7 +214,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     warmup = int(round(cfg.warmup_ratio * total))
 
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        weight_decay=cfg.weight_decay,
     )
     sched = cosine_with_warmup(opt, warmup, total)
     model, opt = acc.prepare(model, opt)
@@ -202,6 +226,13 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     resume = _latest_checkpoint(out)
     if resume is not None:
         acc.load_state(str(resume))
+    elif cfg.init_adapter or (cfg.lora_rank and (_adapter_dir(cfg) / TRAIN_STATE).is_file()):
+        # Another machine's run goes on (no local checkpoint): the adapter it committed, with its
+        # data position and scheduler step; by default the run's own adapter_out.
+        state = load_adapter_state(acc.unwrap_model(model), cfg.init_adapter or _adapter_dir(cfg))
+        data_state.load_state_dict(state)
+        for _ in range(data_state.step):
+            sched.step()
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -215,8 +246,16 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
         disable=not (progress and acc.is_main_process),
     )
     last: dict = {}
-    t_last = time.perf_counter()
+    t_last = t_start = time.perf_counter()
     while data_state.step < total:
+        if cfg.stop_after_minutes is not None and (
+            time.perf_counter() - t_start > 60 * cfg.stop_after_minutes
+        ):
+            _save_checkpoint(acc, out, data_state.step, cfg.keep_checkpoints)
+            if cfg.lora_rank:
+                save_adapter_state(acc, model, _adapter_dir(cfg), data_state, total, cfg)
+            bar.close()
+            return {**last, "stopped_early": True}
         s = data_state.step
         sums = torch.zeros(5, dtype=torch.float64)  # ar, cons, ar_tokens, cons_tokens, seq_tokens
         for a in range(cfg.grad_accum):
@@ -254,10 +293,12 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
             "lr": sched.get_last_lr()[0],
             "grad_norm": grad_norm,
             "tokens": int(sums[4]),
+            "tokens_seen": data_state.tokens + int(sums[4]),
             "examples": data_state.step * G,  # training sequences consumed so far
             "seconds": round(now - t_last, 3),
         }
         t_last = now
+        data_state.tokens = last["tokens_seen"]
         if acc.is_main_process:
             if data_state.step % cfg.log_every == 0 or data_state.step == total:
                 with open(log_path, "a") as f:
@@ -266,16 +307,86 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
             bar.update(1)
         if cfg.save_every and data_state.step % cfg.save_every == 0 and data_state.step < total:
             _save_checkpoint(acc, out, data_state.step, cfg.keep_checkpoints)
+            if cfg.lora_rank:
+                save_adapter_state(acc, model, _adapter_dir(cfg), data_state, total, cfg)
         if cfg.snapshot_every and data_state.step % cfg.snapshot_every == 0:
             snap = out / "snapshots" / f"step-{data_state.step}"
-            if not (snap / "model.safetensors").exists():
+            if cfg.lora_rank:  # a snapshot is the adapter alone (load_model merges it)
+                save_adapter_state(acc, model, snap, data_state, total, cfg)
+            elif not (snap / "model.safetensors").exists():
                 save_hf(acc, model, tokenizer, snap)
                 if cfg.gradient_checkpointing:  # save_hf switched it off for the saved config
                     _checkpointing_on(acc.unwrap_model(model))
     bar.close()
     acc.wait_for_everyone()
+    if cfg.lora_rank:
+        save_adapter_state(acc, model, _adapter_dir(cfg), data_state, total, cfg)
+        # final/ is a plain merged checkpoint, so eval and load_model treat both kinds alike.
+        model = acc.unwrap_model(model).merge_and_unload()
     save_hf(acc, model, tokenizer, out / "final")
     return last
+
+
+def _with_lora(model, cfg: TrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    lcfg = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank,
+        target_modules=list(cfg.lora_targets),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lcfg)
+
+
+def _adapter_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.adapter_out) if cfg.adapter_out else Path(cfg.out) / "adapter"
+
+
+def save_adapter_state(acc, model, path: Path, data_state, total: int, cfg: TrainConfig) -> None:
+    """The adapter (peft's adapter_model.safetensors + adapter_config.json) and train_state.json:
+    the optimizer step (= the data position: the order is a function of seed and step), tokens
+    consumed and the settings, written so that a crash mid-save leaves the old state whole."""
+    if not acc.is_main_process:
+        return
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    acc.unwrap_model(model).save_pretrained(str(tmp), safe_serialization=True)
+    state = {
+        "step": data_state.step,
+        "tokens": data_state.tokens,
+        "total_steps": total,
+        "examples": data_state.step * acc.num_processes * cfg.grad_accum,
+        "note": "optimizer moments are not stored: a run continued from here restarts them",
+        "config": asdict(cfg),
+    }
+    (tmp / TRAIN_STATE).write_text(json.dumps(state, indent=1) + "\n")
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_adapter_state(model, path: str | Path) -> dict:
+    """Load an adapter written by save_adapter_state into a peft model; returns its state."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    f = path / "adapter_model.safetensors"
+    if not f.is_file():
+        raise FileNotFoundError(f"{path} holds no adapter_model.safetensors (not an adapter)")
+    res = set_peft_model_state_dict(model, load_file(str(f)))
+    unexpected = list(getattr(res, "unexpected_keys", []))
+    if unexpected:
+        raise ValueError(f"{path}: adapter keys this model does not have: {unexpected[:4]}")
+    st = path / TRAIN_STATE
+    return json.loads(st.read_text()) if st.is_file() else {"step": 0, "tokens": 0}
 
 
 class _nullcontext:

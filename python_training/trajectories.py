@@ -67,11 +67,18 @@ def _repair_and_read(path: Path) -> list[dict]:
 
 
 def read_trajectories(directory: str | Path) -> list[dict]:
-    """All records of a trajectory directory (every shard), in file then line order."""
+    """All records of a trajectory directory (every shard, and ``trajectories*.jsonl.gz``:
+    collections shipped compressed in the repo), in file then line order."""
+    import gzip
+
     d = Path(directory)
     out = []
-    for p in sorted(d.glob("trajectories*.jsonl")):
-        out += _repair_and_read(p)
+    for p in sorted(d.glob("trajectories*.jsonl*")):
+        if p.suffix == ".gz":
+            with gzip.open(p, "rt", encoding="utf-8") as f:
+                out += [json.loads(line) for line in f if line.strip()]
+        elif p.suffix == ".jsonl":
+            out += _repair_and_read(p)
     for r in out:
         if r.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(f"{d}: record schema {r.get('schema_version')} != {SCHEMA_VERSION}")

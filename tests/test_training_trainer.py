@@ -182,3 +182,67 @@ def test_two_process_gloo_matches_one_process(data_dir, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
         assert a["ar"] == pytest.approx(b["ar"], rel=1e-4)
         assert a["consistency"] == pytest.approx(b["consistency"], rel=1e-4)
+
+
+def test_lora_trains_only_the_adapter_and_writes_it(data_dir, tmp_path):
+    c = cfg(data_dir, tmp_path / "run", max_steps=20, lr=1e-2, warmup_ratio=0.1, lora_rank=4,
+            save_every=10)  # fmt: skip
+    model = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+    ar0, cons0 = losses(model, c)
+    tr.train(c, model=model, progress=False)
+    ar1, cons1 = losses(model, c)
+    assert ar1 < 0.9 * ar0 and cons1 < 0.9 * cons0, (ar0, ar1, cons0, cons1)
+    ad = tmp_path / "run" / "adapter"
+    state = json.loads((ad / tr.TRAIN_STATE).read_text())
+    assert state["step"] == 20 and state["tokens"] > 0
+    assert (ad / "adapter_model.safetensors").stat().st_size < 200_000
+    # final/ is the merged model: equal to the untouched base + the adapter (so training moved
+    # the adapter alone), and it decodes losslessly.
+    from transformers import AutoModelForCausalLM
+
+    from jacobi_ext.decoding import generate
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").eval()
+    fresh = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3)
+    from peft import PeftModel
+
+    ref = PeftModel.from_pretrained(fresh, str(ad)).merge_and_unload()
+    for (n1, p1), (_, p2) in zip(ref.named_parameters(), merged.named_parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, msg=n1)
+    ids = torch.randint(4, V, (1, 6))
+    a = generate(merged, ids, method="ar", max_new_tokens=12).tokens
+    b = generate(merged, ids, method="jacobi", block_size=4, max_new_tokens=12).tokens
+    assert torch.equal(a, b)
+
+
+def test_lora_run_continues_from_its_committed_adapter(data_dir, tmp_path, monkeypatch):
+    """A LoRA run goes on on a 'fresh machine': a new output folder with no checkpoints, only
+    the adapter + train_state.json it wrote (what gets committed)."""
+    kw = dict(max_steps=6, save_every=2, lora_rank=4, adapter_out=str(tmp_path / "repo_adapter"))
+    real = tr.example_at
+
+    def dies_in_step_4(records, c, gi):
+        if gi >= 3:
+            raise KeyboardInterrupt
+        return real(records, c, gi)
+
+    monkeypatch.setattr(tr, "example_at", dies_in_step_4)
+    m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+    with pytest.raises(KeyboardInterrupt):
+        tr.train(cfg(data_dir, tmp_path / "a", **kw), model=m, progress=False)
+    monkeypatch.setattr(tr, "example_at", real)
+    st = json.loads((tmp_path / "repo_adapter" / tr.TRAIN_STATE).read_text())
+    assert st["step"] == 2
+    seen = []
+    monkeypatch.setattr(tr, "example_at", lambda r, c, gi: seen.append(gi) or real(r, c, gi))
+    m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+    c = cfg(data_dir, tmp_path / "b", init_adapter=str(tmp_path / "repo_adapter"), **kw)
+    tr.train(c, model=m, progress=False)
+    assert seen == [2, 3, 4, 5]  # the data position went on where the adapter left it
+    log = [json.loads(x) for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [3, 4, 5, 6]
+    assert log[0]["tokens_seen"] > st["tokens"]
+    st = json.loads((tmp_path / "repo_adapter" / tr.TRAIN_STATE).read_text())
+    assert st["step"] == 6
+    with pytest.raises(FileNotFoundError, match="adapter"):
+        tr.load_adapter_state(m, tmp_path)
