@@ -40,48 +40,101 @@ def stages(run: str | Path) -> list[dict]:
     return out
 
 
+def _is_model(d: Path) -> bool:
+    """A full HF snapshot or a LoRA adapter snapshot (load_model merges the latter)."""
+    return (d / "model.safetensors").exists() or (d / "adapter_model.safetensors").exists()
+
+
+def _tokens_at(log: list[dict], step: int) -> int | None:
+    """Training tokens seen after ``step`` (the log's tokens_seen, else the sum of tokens)."""
+    seen = 0
+    for r in log:
+        seen = r.get("tokens_seen", seen + r.get("tokens", 0))
+        if r["step"] == step:
+            return seen
+    return None
+
+
 def scaling_points(run: str | Path) -> list[dict]:
     """The models of the scaling curve: the base model (teacher of stage 1, ``model=None``),
-    every snapshot and every stage's final model, with the cumulative number of training
-    trajectories each had seen."""
-    pts = [{"label": "base", "model": None, "examples": 0, "stage": 0}]
-    seen = 0
+    every snapshot (full or adapter) and every stage's final model, with the cumulative number
+    of training trajectories and packed training tokens each had seen."""
+    pts = [{"label": "base", "model": None, "examples": 0, "tokens": 0, "stage": 0}]
+    seen = tokens = 0
     for k, st in enumerate(stages(run), 1):
         snaps = sorted((st["train"] / "snapshots").glob("step-*"),
                        key=lambda p: int(p.name.split("-")[1]))  # fmt: skip
         steps_done = st["log"][-1]["step"] if st["log"] else 0
         for s in snaps:
             step = int(s.name.split("-")[1])
-            if step < steps_done and (s / "model.safetensors").exists():
+            # A snapshot at the last step is the final model, unless the stage has not finished
+            # (a chunked run): then it is the newest point.
+            has_final = (st["final"] / "model.safetensors").exists()
+            if _is_model(s) and (step < steps_done or (step == steps_done and not has_final)):
                 pts.append({"label": f"{st['name']}/step-{step}", "model": str(s),
-                            "examples": seen + int(step * st["per_step"]), "stage": k})  # fmt: skip
+                            "examples": seen + int(step * st["per_step"]),
+                            "tokens": tokens + (_tokens_at(st["log"], step) or 0),
+                            "stage": k})  # fmt: skip
         if (st["final"] / "model.safetensors").exists():
             seen += int(steps_done * st["per_step"])
+            tokens += _tokens_at(st["log"], steps_done) or 0
             pts.append({"label": f"{st['name']}/final", "model": str(st["final"]),
-                        "examples": seen, "stage": k})  # fmt: skip
+                        "examples": seen, "tokens": tokens, "stage": k})  # fmt: skip
     return pts
 
 
-def heldout_tpf(model, tokenizer, limit: int, max_new_tokens: int, block_size: int) -> dict:
+# The held-out sets of the curve: HumanEval (the paper's benchmark) and the installed-code
+# prompts of packages training never saw (prompt_corpus.HELDOUT_PACKAGES).
+HELDOUT_SETS = ("humaneval", "code-heldout")
+# Plain Jacobi and multiblock WITHOUT context lookup: lookup drafts copy text and would make a
+# base model look distilled, so they never stand as evidence of distillation.
+CURVE_METHODS = {
+    "jacobi": dict(method="jacobi", lookup=False),
+    "multiblock": dict(method="multiblock", num_blocks=2, pool_size=4, lookup=False),
+}
+
+
+def heldout_inputs(tokenizer, which: str, limit: int) -> list:
+    from jacobi_ext.data import humaneval_input_ids, load_humaneval
+
+    if which == "humaneval":
+        return [humaneval_input_ids(tokenizer, p) for p in load_humaneval(limit)]
+    from .prompts import load_prompts
+
+    return [p.input_ids(tokenizer) for p in load_prompts(which, limit)]
+
+
+def heldout_tpf(
+    model, tokenizer, limit: int, max_new_tokens: int, block_size: int, sets=HELDOUT_SETS
+) -> dict:
+    """TPF of each curve method on the first ``limit`` prompts of each held-out set, as
+    ``{"<set>/<method>": {"tokens", "forwards", "tpf"}}``, plus ``"tpf"``: plain Jacobi on
+    HumanEval (the figure older reports used)."""
     import torch
 
-    from jacobi_ext.data import humaneval_input_ids, load_humaneval
     from jacobi_ext.decoding import generate
 
-    tok = fw = 0
     eos = model.generation_config.eos_token_id
-    for p in load_humaneval(limit):
-        ids = humaneval_input_ids(tokenizer, p)
-        with torch.inference_mode():
-            r = generate(model, ids, method="jacobi", block_size=block_size,
-                         max_new_tokens=max_new_tokens, eos_token_id=eos)  # fmt: skip
-        tok, fw = tok + r.new_tokens, fw + r.forwards
-    return {"tokens": tok, "forwards": fw, "tpf": tok / max(fw, 1)}
+    out = {}
+    for which in sets:
+        inputs = heldout_inputs(tokenizer, which, limit)
+        for name, kw in CURVE_METHODS.items():
+            tok = fw = 0
+            for ids in inputs:
+                with torch.inference_mode():
+                    r = generate(model, ids, block_size=block_size,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos, **kw)  # fmt: skip
+                tok, fw = tok + r.new_tokens, fw + r.forwards
+            out[f"{which}/{name}"] = {"tokens": tok, "forwards": fw, "tpf": tok / max(fw, 1)}
+    if "humaneval/jacobi" in out:
+        out["tpf"] = out["humaneval/jacobi"]["tpf"]
+    return out
 
 
 def measure_scaling(
-    run, results, limit=12, max_new_tokens=128, block_size=16, base=None, progress=True
-):
+    run, results, limit=12, max_new_tokens=128, block_size=16, base=None, progress=True,
+    sets=HELDOUT_SETS,
+):  # fmt: skip
     """Append held-out TPF for every scaling point not yet in ``results`` (JSONL); ``base`` is
     the run's base model (default: SmolLM2-135M-Instruct, as in the recipes)."""
     from tqdm.auto import tqdm
@@ -93,7 +146,7 @@ def measure_scaling(
     todo = [p for p in scaling_points(run) if p["label"] not in done]
     for p in tqdm(todo, desc="held-out TPF", unit="model", disable=not progress):
         model, tok = load_model(p["model"] or base)
-        row = dict(p, **heldout_tpf(model, tok, limit, max_new_tokens, block_size),
+        row = dict(p, **heldout_tpf(model, tok, limit, max_new_tokens, block_size, sets),
                    prompts=limit, max_new_tokens=max_new_tokens, block_size=block_size)  # fmt: skip
         with open(results, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -162,25 +215,28 @@ def plot_training(run, path, smooth: int = 20) -> Path:
 
 
 def plot_scaling(rows: list[dict], path) -> Path:
-    """Held-out TPF vs trajectories seen, one marker colour per stage."""
+    """Held-out TPF vs packed training tokens seen: one line per held-out set and method
+    (rows of older reports, with HumanEval plain Jacobi alone, plot that one line)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted(rows, key=lambda r: (r["examples"], r["stage"]))
+    rows = sorted(rows, key=lambda r: (r.get("tokens", r["examples"]), r["stage"]))
     if not rows or any(not math.isfinite(r["tpf"]) for r in rows):
         raise ValueError("scaling rows missing or not finite")
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot([r["examples"] for r in rows], [r["tpf"] for r in rows], color="gray", lw=1)
-    for k in sorted({r["stage"] for r in rows}):
-        rs = [r for r in rows if r["stage"] == k]
-        ax.plot([r["examples"] for r in rs], [r["tpf"] for r in rs], "o",
-                label="base model" if k == 0 else f"stage {k}")  # fmt: skip
+    keys = [f"{w}/{m}" for w in HELDOUT_SETS for m in CURVE_METHODS if f"{w}/{m}" in rows[0]]
+    x_key = "tokens" if all("tokens" in r for r in rows) else "examples"
+    xs = [r[x_key] / (1e6 if x_key == "tokens" else 1) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key in keys or ["tpf"]:
+        ys = [r[key]["tpf"] if key != "tpf" else r["tpf"] for r in rows]
+        ax.plot(xs, ys, "o-", label=key if key != "tpf" else "humaneval/jacobi")
     r0 = rows[0]
-    ax.set_xlabel("training trajectories seen")
-    ax.set_ylabel(f"held-out TPF (Jacobi n={r0['block_size']})")
-    ax.set_title(f"HumanEval[:{r0['prompts']}], {r0['max_new_tokens']} new tokens")
+    ax.set_xlabel("packed training tokens seen (M)" if x_key == "tokens" else "trajectories")
+    ax.set_ylabel(f"held-out tokens per forward (n={r0['block_size']})")
+    ax.set_title(f"first {r0['prompts']} prompts of each set, {r0['max_new_tokens']} new tokens, "
+                 "no lookup")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

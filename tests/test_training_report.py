@@ -53,12 +53,27 @@ def test_scaling_points_count_trajectories_across_stages(tmp_path):
     assert pts[0]["model"] is None and pts[-1]["model"].endswith("stage-2-n32/train/final")
 
 
+def test_scaling_points_of_a_chunked_lora_run(tmp_path):
+    """A LoRA run between chunks: adapter snapshots, no final model yet; the newest snapshot
+    (at the last logged step) is a point, and x is the training tokens the log counted."""
+    t = tmp_path / "stage-1-n16" / "train"
+    t.mkdir(parents=True)
+    rows = [{"step": s, "ar": 1.0, "consistency": 1.0, "examples": s, "tokens": 300,
+             "tokens_seen": 300 * s} for s in range(1, 5)]  # fmt: skip
+    (t / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for s in (2, 4):
+        (t / "snapshots" / f"step-{s}").mkdir(parents=True)
+        (t / "snapshots" / f"step-{s}" / "adapter_model.safetensors").write_text("x")
+    got = [(p["label"], p["tokens"]) for p in dr.scaling_points(tmp_path)]
+    assert got == [("base", 0), ("stage-1-n16/step-2", 600), ("stage-1-n16/step-4", 1200)]
+
+
 def test_measure_scaling_resumes(tmp_path, monkeypatch):
     run = fake_run(tmp_path / "run")
     calls = []
     monkeypatch.setattr("jacobi_ext.models.load_model", lambda m: (m, None))
 
-    def fake_tpf(model, tok, limit, max_new_tokens, block_size):
+    def fake_tpf(model, tok, limit, max_new_tokens, block_size, sets):
         calls.append(model)
         if len(calls) == 3:
             raise KeyboardInterrupt
