@@ -268,8 +268,10 @@ def real_model_run(
     prompts = load_prompts(None, num_prompts)
     t0 = time.perf_counter()
     model, tok = load_model(model_name)
+    # Batched (8 prompts a forward): collection must not dominate the proof's time.
     collect(model, tok, prompts, wd / "fixed_points", block_size=n, teacher="base",
-            max_new_tokens=max_new_tokens, progress=progress, fixed_points_only=True)  # fmt: skip
+            max_new_tokens=max_new_tokens, progress=progress, fixed_points_only=True,
+            batch_size=8)  # fmt: skip
     t1 = time.perf_counter()
     ids = [p.input_ids(tok) for p in prompts]
 
