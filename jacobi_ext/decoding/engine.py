@@ -3,10 +3,11 @@
 Every method produces exactly the tokens greedy autoregressive decoding produces (SPEC §1, §6):
 a token is committed only when it equals the model's own argmax given the committed prefix.
 
-The pieces, one job each: loop.py (the batched step loop: AR and parallel modes, the verify
-op), runtime.py (the static KV cache, fixed-shape steps, CUDA graphs), masks.py (the step's
-mask and positions, on the device), lookup.py (context-lookup drafts), controller.py (fallback to
-AR), trajectory.py (recording for distillation), tuning.py (the measured cost curve).
+The pieces, one job each: loop.py (prefill and the batched step loop), sequence.py (one
+sequence's state and step work: AR and parallel modes, the verify op), runtime.py (the static
+KV cache, fixed-shape steps, CUDA graphs), masks.py (the step's mask and positions, on the
+device), lookup.py (context-lookup drafts), controller.py (fallback to AR), trajectory.py
+(recording for distillation), tuning.py (the measured cost curve).
 """
 
 from __future__ import annotations
