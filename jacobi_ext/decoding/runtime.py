@@ -27,6 +27,7 @@ committed sequence (no cost for unused capacity).
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import warnings
@@ -78,6 +79,22 @@ class SlotCache(StaticCache):
         self.layers = [SlotLayer(capacity, runtime) for _ in self.layers]
 
 
+def cache_kwarg(model) -> str:
+    """The keyword the model's forward takes its KV cache under. transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns on every call and goes in 5.40); before, only
+    `past_key_values` exists. Read from the forward's own signature (transformers' deprecation
+    decorator keeps it visible), so a remote-code model that still says `past_key_values` gets
+    that; a forward taking only **kwargs gets the name of the installed transformers."""
+    params = inspect.signature(type(model).forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    from transformers import LlamaForCausalLM  # a stock model of the installed transformers
+
+    stock = inspect.signature(LlamaForCausalLM.forward).parameters
+    return "cache" if "cache" in stock else "past_key_values"
+
+
 def _graphs_wanted(device: torch.device, cuda_graphs: bool | None) -> bool:
     if device.type != "cuda":
         return False
@@ -98,6 +115,7 @@ class StaticRuntime:
         self.capacity = scratch + committed
         dev = self.device
         self.cache = SlotCache(model.config, self.capacity, self)
+        self._cache_arg = {cache_kwarg(model): self.cache}  # forward(**self._cache_arg)
         # Static inputs of a step (graphs read them in place: never rebind, only copy_ / fill_).
         self.ids = torch.zeros(batch, scratch, dtype=torch.long, device=dev)
         self.seg = torch.full((batch, scratch), -1, dtype=torch.long, device=dev)
@@ -152,9 +170,8 @@ class StaticRuntime:
         self.attend = self.scratch + P
         mask = for_backend(self.model, prefill_mask(pad, P, n, self.scratch), self.dtype)
         logits = self.model(
-            input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
-            use_cache=True,
-        ).logits  # fmt: skip
+            input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True, **self._cache_arg
+        ).logits
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
         return logits.argmax(-1)
@@ -167,7 +184,7 @@ class StaticRuntime:
         mask = for_backend(self.model, step_mask(seg, off, self.lo, self.hi, attend), self.dtype)
         logits = self.model(
             input_ids=self.ids[:, :Q], position_ids=step_positions(off, self.lo, self.hi),
-            attention_mask=mask, past_key_values=self.cache, use_cache=True,
+            attention_mask=mask, use_cache=True, **self._cache_arg,
         ).logits  # fmt: skip
         return logits.argmax(-1)
 
