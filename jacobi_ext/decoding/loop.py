@@ -4,20 +4,22 @@ Each sequence decodes in one of two modes and may switch from the first to the s
   - parallel (`jacobi`, `multiblock`): its rows are the main row (the blocks in flight) and
     candidate rows (recycled drafts, the context-lookup row) for the first block; the fused op
     torch.ops.jacobi_ext.verify_step decides acceptance, winner, commit, next drafts, spawning
-    and the recycling pool (SPEC §1, §6);
+    and the recycling pool (SPEC §1, §6), one launch for every parallel sequence of the batch;
   - ar: its row is the next token (the seed, always correct) and, with lookup, draft tokens
     after it; the longest matching prefix is committed (prompt-lookup decoding).
 Either way a step commits, per sequence, a prefix of one of its rows whose K/V this very
 forward computed exactly, and knows the next token (the seed) for free: output is token for
 token what greedy decoding produces.
 
-Per step the host fills the runtime's static inputs (tokens, row ids, offsets), the runtime runs
-the forward (a CUDA graph replay on GPUs), the verify work and the K/V commit run on the device,
-and one device->host copy brings back, for every sequence, the step summary and its committed
-tokens. Everything the host decides next (row layout, lookup drafts) comes from that copy.
+Per step the host plans each sequence's rows (sequence.py) into one input tensor, the device
+runs the whole step (step.py: the forward, the verify op, the K/V commit, the next drafts; one
+CUDA graph replay on GPUs), and one device->host copy brings back, for every sequence, the step
+summary and its committed tokens. Everything the host decides next (row layout, lookup drafts)
+comes from that copy.
 
 Owns `decode` (prefill, then the step loop over the batch) and `DecodeStats`; each sequence's
-state and per-step work live in sequence.py, the cache and the forward in runtime.py.
+host state and plans live in sequence.py, the device step in step.py, the cache and the forward
+in runtime.py.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch
 
 from .lookup import NgramIndex
 from .runtime import StaticRuntime, runtime_for
-from .sequence import MAX_AR_DRAFT, DecodeConfig, SeqResult, _Seq, to_device
+from .sequence import DecodeConfig, SeqResult, _Seq
+from .step import MAX_AR_DRAFT, BatchStep
 from .trajectory import TrajectoryRecorder
 
 __all__ = ["DecodeConfig", "DecodeStats", "SeqResult", "decode"]
@@ -40,7 +43,7 @@ class DecodeStats:
     forwards: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
-    host_seconds: float = 0.0  # host work outside the forward (verify launches, bookkeeping)
+    host_seconds: float = 0.0  # host work outside the device step (planning, bookkeeping)
     warmup_seconds: float = 0.0
     graph_replays: int = 0
     widths: list[int] = field(default_factory=list)
@@ -72,9 +75,14 @@ def decode(
         model, B, P + cfg.max_new + width_max, width_max, cfg.cuda_graphs
     )
     width = rt.scratch  # commit width: a row never exceeds the scratch
-    R = 2 + p  # rows per sequence at most: main + pool + lookup
+    key = BatchStep.key(n, K, p, cfg.activation_ratio, cfg.eos)
+    bs = rt.batch_steps.get(key)
+    if bs is None:  # kept with the runtime: its graphs are reused by the next calls
+        bs = rt.batch_steps[key] = BatchStep(rt, n, K, p, cfg.activation_ratio, cfg.eos)
+    bs.reset(prompts)
     seqs = [
-        _Seq(b, pr, cfg, dev, gen, streamer if B == 1 else None) for b, pr in enumerate(prompts)
+        _Seq(b, pr, cfg, gen, streamer if B == 1 else None, bs.cand0, bs.host0)
+        for b, pr in enumerate(prompts)
     ]
     if recorder is not None:
         seqs[0].recorder = recorder
@@ -91,14 +99,13 @@ def decode(
     ids = ids.to(dev)
     _sync(dev)
     t0 = time.perf_counter()
-    drafts = torch.stack([s.sample_init() for s in seqs]) if n > 1 else None
+    drafts = bs.drafts([s.sample_positions() for s in seqs]) if n > 1 else None
     greedy = rt.prefill(ids, pad, drafts)
     first = greedy[:, P - 1 : P - 1 + max(n, 1)]
+    bs.start(first)
     first_host = first.tolist()
     for s in seqs:
         s.seed = first_host[s.b][0]
-        if s.parallel:
-            s.main = first[s.b].clone()
         if s.policy is not None:
             s.index = NgramIndex(s.prompt + [s.seed])
         s._maybe_finish_with_seed()
@@ -112,44 +119,21 @@ def decode(
         if not active:
             break
         th = time.perf_counter()
-        layout = {s.b: s.rows() for s in active}
-        q_max = max(len(seg) for _, seg, _ in layout.values())
-        Q = rt.width(q_max)
-        seg_h = torch.full((B, Q), -1, dtype=torch.long)
-        off_h = torch.zeros(B, Q, dtype=torch.long)
-        for b, (pieces, seg, off) in layout.items():
-            q = len(seg)
-            seg_h[b, :q] = torch.tensor(seg)
-            off_h[b, :q] = torch.tensor(off)
-            pieces = [
-                x if isinstance(x, torch.Tensor) else to_device(x, torch.long, dev) for x in pieces
-            ]
-            rt.ids[b, :q] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        rt.seg[:, :Q] = to_device(seg_h, torch.long, dev)
-        rt.off[:, :Q] = to_device(off_h, torch.long, dev)
+        plans = {s.b: s.plan() for s in active}
+        for s in active:
+            if s.recorder is not None and s.parallel:
+                s.recorder.before_forward(bs.main_row(s.b, s.main_len))
+        Q = rt.width(max(pl.q for pl in plans.values()))
         stats.host_seconds += time.perf_counter() - th
-        greedy = rt.step(Q, max(hi_host))
+        packed = bs.run(plans, Q, max(hi_host))  # the whole step, on the device
         stats.forwards += 1
         stats.widths.append(Q)
+        rows = packed.tolist()  # the step's one device -> host copy
         tv = time.perf_counter()
-        packed, src, cnt = [], [], []
-        zero = torch.zeros((), dtype=torch.long, device=dev)
-        for s in seqs:
-            if s.done:
-                src.append(zero)
-                cnt.append(zero)
-                continue
-            q = len(layout[s.b][1])
-            row, s_src, s_cnt = s.verify(rt.ids[s.b, :q], greedy[s.b, :q], width, R)
-            packed.append(row)
-            src.append(s_src)
-            cnt.append(s_cnt)
-        rt.commit(torch.stack(src), torch.stack(cnt))
-        rows = torch.stack(packed).tolist()  # the step's one device -> host copy
-        for s, row in zip(active, rows, strict=True):
-            fed = len(layout[s.b][1])
+        for s in active:
+            row = rows[s.b]
             hi_host[s.b] += row[1]
-            s.advance(row, width, fed)
+            s.advance(row, width, plans[s.b].q)
         stats.host_seconds += time.perf_counter() - tv
     _sync(dev)
     stats.seconds = time.perf_counter() - t1

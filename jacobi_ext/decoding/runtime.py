@@ -16,10 +16,12 @@ after the verify op has picked what to commit:
 Both are device-side and read no host value, so they could live inside a graph.
 
 **Graphs.** On CUDA each step width is padded to a bucket (1, 2, 4, ... scratch) and replayed
-from a torch.cuda.CUDAGraph captured once per bucket: ids, mask, positions, the forward and the
-argmax. The runtime (and so its graphs) is kept on the model and reused across `generate` calls
-while the batch size fits and the capacity suffices. If capture fails on an exotic model, the
-runtime warns once and runs eagerly: never a crash, never a different token.
+from a torch.cuda.CUDAGraph captured once per bucket (`replay`): for decoding, the whole step of
+the batch (step.py: ids, mask, positions, the forward, the targets, the verify op, the K/V commit
+and the next drafts); for the tuner's probe, the forward alone (`step`). The runtime (and so its
+graphs) is kept on the model and reused across `generate` calls while the batch size fits and
+the capacity suffices. If capture fails on an exotic model, the runtime warns once and runs
+eagerly: never a crash, never a different token.
 
 On CPU the same runtime runs eagerly, with unpadded widths, and attends only up to the longest
 committed sequence (no cost for unused capacity).
@@ -36,6 +38,13 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from .masks import for_backend, prefill_mask, step_mask, step_positions
+
+
+def targets(logits: torch.Tensor) -> torch.Tensor:
+    """The tokens the model predicts after each position: the greedy argmax. The one place the
+    decoding turns logits into tokens (prefill and every step), so that another rule (sampling
+    with a perturbed argmax) replaces exactly this."""
+    return logits.argmax(-1)
 
 
 def bucket(q: int) -> int:
@@ -127,10 +136,8 @@ class StaticRuntime:
         self.write_slots = self._slots
         self.attend = self.capacity
         self.use_graphs = _graphs_wanted(dev, cuda_graphs)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._src = torch.zeros(batch, dtype=torch.long, device=dev)
-        self._count = torch.zeros(batch, dtype=torch.long, device=dev)
-        self._commit_graph = None  # None: not captured yet; False: capture failed, run eagerly
+        self._graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.batch_steps: dict[object, object] = {}  # step.BatchStep per decoding setting
         self.graphs_requested = self.use_graphs  # stays, even if a capture fails
         self._pool = None
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
@@ -174,7 +181,7 @@ class StaticRuntime:
         ).logits
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
-        return logits.argmax(-1)
+        return targets(logits)
 
     # ---- one step ------------------------------------------------------------------------------
     def _forward(self, Q: int, attend: int) -> torch.Tensor:
@@ -186,99 +193,86 @@ class StaticRuntime:
             input_ids=self.ids[:, :Q], position_ids=step_positions(off, self.lo, self.hi),
             attention_mask=mask, use_cache=True, **self._cache_arg,
         ).logits  # fmt: skip
-        return logits.argmax(-1)
+        return targets(logits)
 
     def width(self, q: int) -> int:
         """The width a step feeding at most q tokens per sequence runs at."""
         return min(bucket(q), self.scratch) if self.use_graphs else q
 
+    def forward(self, Q: int, attend: int) -> torch.Tensor:
+        """The forward over self.ids/seg/off[:, :Q] (filled by the caller): targets [B, Q].
+        `attend` is the number of slots an eager step needs to see (graphs see them all)."""
+        return self._forward(Q, self.capacity if self.use_graphs else attend)
+
     @torch.inference_mode()
     def step(self, Q: int, attend: int) -> torch.Tensor:
-        """Run the forward over self.ids/seg/off[:, :Q] (filled by the caller); argmax [B, Q].
-        `attend` is the number of slots an eager step needs to see (graphs see them all)."""
+        """The forward alone, as a step runs it (a graph replay per width on CUDA): the tuner's
+        and the benchmarks' probe."""
+        return self.replay(("forward", Q), lambda: self.forward(Q, attend))
+
+    def replay(self, key, fn, neutral: tuple[torch.Tensor, ...] = ()):
+        """fn() (no arguments; it reads and writes static buffers only, never a host value) from
+        a CUDA graph captured once per key, or eagerly where graphs are off or capture failed.
+        `neutral`: input buffers that, zeroed, make fn change no state (the warm-up runs before
+        capture execute fn for real); they are zeroed for the warm-up and restored after."""
         if self.use_graphs:
-            g = self._graphs.get(Q) or self._capture(Q)
+            g = self._graphs.get(key) or self._capture(key, fn, neutral)
             if g is not None:
                 g[0].replay()
                 self.graph_replays += 1
                 return g[1]
-        return self._forward(Q, attend)
+        return fn()
 
-    def _capture(self, Q: int):
+    def _capture(self, key, fn, neutral):
         t0 = time.perf_counter()
+        saved = [t.clone() for t in neutral]
         try:
+            for t in neutral:
+                t.zero_()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: lazy inits, kernel selection
                 for _ in range(2):
-                    self._forward(Q, self.capacity)
+                    fn()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(Q, self.capacity)
+                out = fn()
             self._pool = graph.pool()
-            self._graphs[Q] = (graph, out)
-            return self._graphs[Q]
+            self._graphs[key] = (graph, out)
+            return self._graphs[key]
         except Exception as exc:  # an exotic model: eager is slower, never wrong
             warnings.warn(
                 f"jacobi_ext: CUDA graph capture failed ({type(exc).__name__}: {exc}); "
                 "decoding eagerly instead",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             self.use_graphs = False
             self._graphs.clear()
             return None
         finally:
+            for t, v in zip(neutral, saved, strict=True):
+                t.copy_(v)
             torch.cuda.synchronize(self.device)
             self.warmup_seconds += time.perf_counter() - t0
 
     # ---- commit ---------------------------------------------------------------------------------
-    @torch.inference_mode()
     def commit(self, src: torch.Tensor, count: torch.Tensor) -> None:
         """For each sequence b, move the K/V of scratch slots [src[b], src[b] + count[b]) to
         [hi[b], hi[b] + count[b]) and advance hi[b] (count[b] <= scratch). Fixed shapes and no
-        host values, so on CUDA it is one graph replay instead of four launches per layer."""
-        self._src.copy_(src)
-        self._count.copy_(count)
-        if self.use_graphs and self._commit_graph is None:
-            try:
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):  # warm-up: count 0 moves nothing
-                    self._count.zero_()
-                    self._commit()
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                self._count.copy_(count)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._commit()
-                self._commit_graph = graph
-                self._count.copy_(count)  # capture does not run the work: do it now
-                graph.replay()
-                return
-            except Exception as exc:  # pragma: no cover - exotic setups
-                warnings.warn(f"jacobi_ext: commit graph capture failed ({exc}); eager commit",
-                              RuntimeWarning, stacklevel=2)  # fmt: skip
-                self._commit_graph = False
-                self._count.copy_(count)
-        if self._commit_graph:
-            self._commit_graph.replay()
-        else:
-            self._commit()
-
-    def _commit(self) -> None:
+        host values: it runs inside the step's graph."""
         width = self.scratch
         ar = self._slots[:width][None, :]
-        valid = ar < self._count[:, None]
-        s = torch.where(valid, self._src[:, None] + ar, ar)
+        valid = ar < count[:, None]
+        s = torch.where(valid, src[:, None] + ar, ar)
         d = torch.where(valid, self.hi[:, None] + ar, ar)
         rows = self._rows.expand(-1, width)
         for layer in self.cache.layers:
             for buf in (layer.keys, layer.values):
                 t = buf.transpose(1, 2)  # [B, slots, H, D] view
                 t[rows, d] = t[rows, s]
-        self.hi.add_(self._count)
+        self.hi.add_(count)
 
 
 def runtime_for(

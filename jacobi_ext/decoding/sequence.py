@@ -1,26 +1,24 @@
-"""One sequence of a decoding batch: its state and its share of each step.
+"""One sequence of a decoding batch: its host state and its share of each step.
 
-Owns `_Seq` (what the sequence feeds next: its rows, offsets and lookup drafts; its device-side
-acceptance after the forward, packed into one result row; its host bookkeeping after the step's
-one copy: output, blocks, candidates, lookup, fallback), `DecodeConfig` (the settings every
-sequence decodes under), `SeqResult` and `to_device`. The batch loop that drives the sequences
-is loop.py.
+Owns `_Seq`: what the sequence feeds next (`plan`: its rows and where their tokens come from,
+lookup drafts, the context positions of a spawned block's drafts) and its host bookkeeping after
+the step's one copy (`advance`: output, blocks, candidates, lookup, fallback to AR). Its device
+state (next main row, candidates, pool, context) lives in the batch's buffers (step.py), which
+the device step updates itself; the host keeps only what it needs to plan: lengths, which
+candidate slots hold a row, the lookup row. Also `DecodeConfig` (the settings every sequence
+decodes under) and `SeqResult`. The batch loop that drives the sequences is loop.py.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
 from .controller import FallbackController
 from .lookup import LookupPolicy, NgramIndex
+from .step import SUMMARY, Plan
 from .trajectory import TrajectoryRecorder
-
-SUMMARY = 8  # the verify op's summary (csrc/include/jacobi/verify.h, VerifySummary)
-MAX_AR_DRAFT = max(LookupPolicy.SIZES)
 
 
 @dataclass
@@ -47,51 +45,40 @@ class SeqResult:
 
 
 class _Seq:
-    """One sequence's decoding state. Device tensors: main row, block ends, candidates, pool,
-    sampling context; host: output, lookup index, policy, controller."""
+    """One sequence's host state: output, lengths of its rows, candidate slots, lookup index,
+    policy, controller (its device state is in the batch's buffers, step.BatchStep)."""
 
-    def __init__(self, b: int, prompt: list[int], cfg: DecodeConfig, dev, gen, streamer) -> None:
-        self.b, self.cfg, self.dev, self.gen, self.streamer = b, cfg, dev, gen, streamer
+    def __init__(self, b: int, prompt: list[int], cfg: DecodeConfig, gen, streamer,
+                 cand0: int, host0: int) -> None:  # fmt: skip
+        self.b, self.cfg, self.gen, self.streamer = b, cfg, gen, streamer
+        self.cand0, self.host0 = cand0, host0  # source buffer offsets (step.BatchStep)
         self.out: list[int] = []
         self.accepted: list[int] = []
         self.done = False
         self.wins = self.lookup_wins = 0
         self.seed = -1  # the next token (always correct); committed by the next step
-        n, K = cfg.block_size, cfg.num_blocks
+        n = cfg.block_size
         self.parallel = n > 1
         self.policy = LookupPolicy(cfg.lookup_cost) if cfg.lookup_cost is not None else None
         self.index: NgramIndex | None = None
         self.prompt = prompt
         self.R = 2 + cfg.pool_size  # rows at most: main + pool + lookup
-        self.eos_dev = torch.tensor(sorted(cfg.eos) or [-1], dtype=torch.long, device=dev)
         self.ctl = FallbackController(cfg.cost_ratio, cfg.fallback_window)
         self.recorder: TrajectoryRecorder | None = None
         self.draft: list[int] = []  # ar mode: this step's lookup drafts after the seed
         self.g = 0  # ar mode: their match class
         self.lk: tuple[int, int] | None = None  # parallel: (match class, row) of the lookup row
-        if self.parallel:
-            W = K * n
-            self.ctx = torch.empty(len(prompt) + cfg.max_new + W, dtype=torch.long, device=dev)
-            self.ctx[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-            self.ctx_len = len(prompt)
-            p = cfg.pool_size
-            self.pool = torch.full((p, W), -1, dtype=torch.long, device=dev)
-            self.pool_len = torch.zeros(p, dtype=torch.int32, device=dev)
-            self.pool_head = torch.zeros(1, dtype=torch.int32, device=dev)
-            self.block_ends = torch.zeros(K, dtype=torch.int32, device=dev)
-            self.block_ends[0] = n
-            self.main_len, self.m = n, n
-            self.cands = torch.empty(0, n, dtype=torch.long, device=dev)
-            self.spawn = max(1, min(n, math.ceil(cfg.activation_ratio * n)))
+        self.ctx_len = len(prompt)  # the context drafts are sampled from: prompt + committed
+        self.main_len, self.m = n, n  # main row length, first block length
+        self.slots: list[int] = []  # pool slots holding a candidate row for the next step
+        self.lookup_row: list[int] | None = None
 
-    def sample_init(self) -> torch.Tensor:
-        """n draft tokens drawn uniformly from the context (SPEC §1)."""
-        idx = torch.randint(0, self.ctx_len, (self.cfg.block_size,), generator=self.gen)
-        return self.ctx[to_device(idx, torch.long, self.dev)]
+    def sample_positions(self) -> list[int]:
+        """n context positions drawn uniformly (SPEC §1): a spawned block's draft tokens."""
+        return torch.randint(0, self.ctx_len, (self.cfg.block_size,), generator=self.gen).tolist()
 
     # ---- what this sequence feeds in the next step -------------------------------------------
-    def rows(self) -> tuple[list[torch.Tensor | list[int]], list[int], list[int]]:
-        """(token pieces in order, row id per token, offset per token)."""
+    def plan(self) -> Plan:
         if not self.parallel:
             self.draft, self.g = [], 0
             if self.policy is not None:
@@ -99,86 +86,19 @@ class _Seq:
                 room = self.cfg.max_new - len(self.out) - 1  # a step commits drafts + 1 more
                 self.draft = self.index.continuation(j, min(self.policy.size(self.g), room))
             q = 1 + len(self.draft)
-            return [[self.seed] + self.draft], [0] * q, list(range(q))
-        C, m = self.cands.shape[0], self.m
-        pieces = [self.main[: self.main_len]]
-        seg, off = [0] * self.main_len, list(range(self.main_len))
-        if C:
-            pieces.append(self.cands[:, :m].reshape(-1))
-            for c in range(C):
-                seg += [c + 1] * m
-                off += list(range(m))
-        if self.recorder is not None:
-            self.recorder.before_forward(self.main[: self.main_len].tolist())
-        return pieces, seg, off
-
-    # ---- device work after the forward: the packed result row ---------------------------------
-    def verify(self, toks: torch.Tensor, greedy: torch.Tensor, width: int, R: int):
-        """Run acceptance for this sequence on the device. toks/greedy: its [q] fed tokens and
-        argmax. Returns (packed row [SUMMARY + width + K + p + R] int64, K/V source offset in
-        scratch (device scalar), count (device scalar))."""
-        dev = toks.device
-        if not self.parallel:
-            q = toks.shape[0]
-            match = (toks[1:] == greedy[:-1]).long()
-            acc = (
-                1 + match.cumprod(0).sum()
-                if q > 1
-                else torch.ones((), dtype=torch.long, device=dev)
-            )
-            if self.cfg.eos:  # cap at the first EOS (inclusive)
-                eos = self.eos_dev
-                is_eos = torch.isin(toks, eos)
-                first = torch.where(is_eos, torch.arange(q, device=dev), q).min() + 1
-                acc = torch.minimum(acc, first)
-            seed = greedy.gather(0, (acc - 1)[None])[0]
-            fin = (
-                torch.isin(toks.gather(0, (acc - 1)[None]), eos)[0].long()
-                if self.cfg.eos
-                else acc * 0
-            )
-            summary = torch.stack(
-                [acc * 0, acc, fin, acc * 0 + 1, acc * 0 + 1, seed, acc * 0, acc * 0]
-            )
-            commit = torch.full((width,), -1, dtype=torch.long, device=dev)
-            commit[:q] = toks
-            extra = torch.zeros(self._tail(R), dtype=torch.long, device=dev)
-            return torch.cat([summary, commit, extra]), acc * 0, acc
-        C, m, ml = self.cands.shape[0], self.m, self.main_len
-        Rr, Wr = 1 + C, max(ml, m)
-        tok_rows = torch.full((Rr, Wr), -1, dtype=torch.long, device=dev)
-        g_rows = torch.full((Rr, Wr), -1, dtype=torch.long, device=dev)
-        tok_rows[0, :ml] = toks[:ml]
-        g_rows[0, :ml] = greedy[:ml]
-        if C:
-            tok_rows[1:, :m] = toks[ml:].view(C, m)
-            g_rows[1:, :m] = greedy[ml:].view(C, m)
-        row_len = to_device([ml] + [m] * C, torch.int32, dev)
-        eos_id = min(self.cfg.eos) if self.cfg.eos else -1
-        acc, summary, commit, nxt, ends, cands, cand_len = torch.ops.jacobi_ext.verify_step(
-            tok_rows, g_rows, row_len, self.block_ends, self.sample_init(), self.pool,
-            self.pool_len, self.pool_head, self.spawn, eos_id,
-        )  # fmt: skip
-        self._next = (nxt, ends, cands, commit)
-        n, p = self.cfg.block_size, cands.shape[0]
-        packed = torch.full((SUMMARY + width + self._tail(R),), -1, dtype=torch.long, device=dev)
-        packed[:SUMMARY] = summary
-        packed[SUMMARY : SUMMARY + commit.shape[0]] = commit
-        o = SUMMARY + width
-        parts = [(ends, ends.shape[0]), (cand_len, p), (acc, R), (nxt[:n], n)]
-        parts.append((cands.view(-1), p * n))
-        for part, room in parts:
-            packed[o : o + part.shape[0]] = part
-            o += room
-        w = summary[0]
-        src = (w > 0).long() * (ml + (w - 1) * m)
-        return packed, src, summary[1]
-
-    def _tail(self, R: int) -> int:
-        """Packed-row entries after the commit: next block ends, candidate lengths, acceptance
-        per row, the next main row's first block, the next candidates."""
-        c = self.cfg
-        return c.num_blocks + c.pool_size + R + c.block_size + c.pool_size * c.block_size
+            h = self.host0
+            return Plan([q], list(range(h, h + q)), [self.seed] + self.draft, True, [])
+        m, n = self.m, self.cfg.block_size
+        rows, idx = [self.main_len], list(range(self.main_len))
+        for c in self.slots:
+            rows.append(m)
+            idx += range(self.cand0 + c * n, self.cand0 + c * n + m)
+        host: list[int] = []
+        if self.lookup_row is not None:
+            rows.append(m)
+            idx += range(self.host0, self.host0 + m)
+            host = self.lookup_row
+        return Plan(rows, idx, host, False, self.sample_positions())
 
     # ---- host work after the one copy ---------------------------------------------------------
     def advance(self, row: list[int], width: int, fed: int) -> None:
@@ -222,20 +142,17 @@ class _Seq:
         if not self.parallel:
             self._maybe_finish_with_seed()
             return
-        nxt, ends_t, cands, commit = self._next
-        self.ctx[self.ctx_len : self.ctx_len + a] = commit[:a]
-        self.ctx_len += a
+        self.ctx_len += a  # the device appended the same tokens to its context
         self.ctl.observe(a, fed)
-        self.main, self.block_ends, self.main_len, self.m = nxt, ends_t, next_len, ends[0]
+        self.main_len, self.m = next_len, ends[0]  # the device holds the row itself
         if self.ctl.should_fall_back():
             self.parallel = False  # the same index and lookup record serve AR's drafts
             self._maybe_finish_with_seed()
             return
-        keep = [c for c in range(p) if cand_len[c] > 0]
-        self.cands = cands[to_device(keep, torch.long, self.dev)] if keep else cands[:0]
-        self.lk = None
+        self.slots = [c for c in range(p) if cand_len[c] > 0]
+        self.lk, self.lookup_row = None, None
         if self.index is not None:
-            self._add_lookup_candidate(main_head, [cands_host[c] for c in keep])
+            self._add_lookup_candidate(main_head, [cands_host[c] for c in self.slots])
         self._maybe_finish_with_seed()
 
     def _maybe_finish_with_seed(self) -> None:
@@ -256,7 +173,7 @@ class _Seq:
             self.streamer.put(torch.tensor(toks, dtype=torch.long))
 
     def _add_lookup_candidate(self, main_head: list[int], cands: list[list[int]]) -> None:
-        """Append the context-lookup row for the next first block (length m, starting with the
+        """Add the context-lookup row for the next first block (length m, starting with the
         seed) when the context has a match whose class still pays and the row differs from the
         main row and every recycled candidate (a duplicate cannot win). Decided on the host,
         from the tokens the step's copy brought back."""
@@ -267,10 +184,8 @@ class _Seq:
         row = [self.seed] + self.index.continuation(j, m - 1)
         if row == main_head[:m] or any(row == c[:m] for c in cands):
             return
-        n = self.cfg.block_size
-        r = to_device([row + [-1] * (n - m)], torch.long, self.dev)
-        self.lk = (g, self.cands.shape[0] + 1)
-        self.cands = torch.cat([self.cands, r])
+        self.lk = (g, len(self.slots) + 1)
+        self.lookup_row = row
 
     def result(self) -> SeqResult:
         par = self.ctl.acc
@@ -278,13 +193,3 @@ class _Seq:
             self.out, self.accepted, int(self.wins), self.lookup_wins,
             sum(par) / len(par) if par else None,
         )  # fmt: skip
-
-
-def to_device(data, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-    """A host list or tensor on `dev` without a stream sync: on CUDA through pinned memory with
-    a non-blocking copy (a plain H2D copy waits for all queued GPU work, which would stop the
-    host from preparing the next launches while the forward runs)."""
-    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-    if dev.type != "cuda":
-        return t.to(dtype)
-    return t.to(dtype).pin_memory().to(dev, non_blocking=True)
