@@ -134,3 +134,61 @@ def test_the_whole_step_is_one_graph_replay() -> None:
         assert res.graph_replays == res.forwards, kw
         keys = model._jacobi_runtime._graphs.keys()
         assert keys and all(k[0] == "step" for k in keys), list(keys)
+
+
+# ---- the compiled variant of the step (torch.compile reduce-overhead, next to direct capture) --
+
+
+def test_graph_mode_is_selectable(models, monkeypatch) -> None:
+    from jacobi_ext.decoding.runtime import _graphs_wanted
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _graphs_wanted(cuda, None) == "capture"  # the default stays direct capture
+    assert _graphs_wanted(cuda, True) == "capture" and _graphs_wanted(cuda, False) is None
+    assert _graphs_wanted(cuda, "compile") == "compile"
+    assert _graphs_wanted(cpu, "compile") is None  # CPU steps always run eagerly
+    monkeypatch.setenv("JACOBI_EXT_CUDA_GRAPHS", "compile")
+    assert _graphs_wanted(cuda, None) == "compile"
+    monkeypatch.setenv("JACOBI_EXT_CUDA_GRAPHS", "0")
+    assert _graphs_wanted(cuda, None) is None
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        generate(models[0], IDS, 4, attention_mask=MASK, cuda_graphs="fast")
+    kw = dict(attention_mask=MASK, method="multiblock", block_size=4)
+    want = generate(models[0], IDS, 12, **kw).tokens
+    assert torch.equal(generate(models[0], IDS, 12, cuda_graphs="compile", **kw).tokens, want)
+
+
+def test_the_step_traces_as_one_graph(models, monkeypatch) -> None:
+    # What torch.compile(mode="reduce-overhead") needs to make the step one CUDA graph: dynamo
+    # traces the whole step (forward, verify op through its fake, commit, next drafts) without
+    # a graph break. Checked on CPU with the eager backend (no code generation), against eager.
+    model = models[0]
+    kw = dict(attention_mask=MASK, method="multiblock", block_size=4, pool_size=2)
+    want = generate(model, IDS, 12, **kw).tokens
+    real = step.BatchStep._step
+    compiled = {}
+
+    def traced(self, Q, attend):
+        if Q not in compiled:
+            fn = lambda: real(self, Q, self.rt.capacity)  # noqa: E731  (as graphs attend)
+            compiled[Q] = torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)
+        return compiled[Q]()
+
+    monkeypatch.setattr(step.BatchStep, "_step", traced)
+    model.__dict__.pop("_jacobi_runtime", None)
+    assert torch.equal(generate(model, IDS, 12, **kw).tokens, want)
+    assert compiled
+    model.__dict__.pop("_jacobi_runtime", None)
+
+
+@pytest.mark.gpu
+def test_compiled_step_is_lossless_on_cuda() -> None:
+    model = tiny_llama(vocab_size=VOCAB, seed=6, dtype=torch.float32).cuda()
+    for kw in (dict(method="ar"), dict(method="multiblock", block_size=6)):
+        model.__dict__.pop("_jacobi_runtime", None)
+        eager = generate(model, IDS.cuda(), 40, attention_mask=MASK.cuda(), cuda_graphs=False, **kw)
+        res = generate(
+            model, IDS.cuda(), 40, attention_mask=MASK.cuda(), cuda_graphs="compile", **kw
+        )
+        assert res.tokens.tolist() == eager.tokens.tolist(), kw
+        assert res.warmup_seconds > 0, kw  # the compile, reported apart from the steps

@@ -75,6 +75,7 @@ def decode(
         model, B, P + cfg.max_new + width_max, width_max, cfg.cuda_graphs
     )
     width = rt.scratch  # commit width: a row never exceeds the scratch
+    warm0, replays0 = rt.warmup_seconds, rt.graph_replays  # the runtime outlives this call
     key = BatchStep.key(n, K, p, cfg.activation_ratio, cfg.eos)
     bs = rt.batch_steps.get(key)
     if bs is None:  # kept with the runtime: its graphs are reused by the next calls
@@ -137,6 +138,6 @@ def decode(
         stats.host_seconds += time.perf_counter() - tv
     _sync(dev)
     stats.seconds = time.perf_counter() - t1
-    stats.warmup_seconds = rt.warmup_seconds
-    stats.graph_replays = rt.graph_replays
+    stats.warmup_seconds = rt.warmup_seconds - warm0
+    stats.graph_replays = rt.graph_replays - replays0
     return [s.result() for s in seqs], stats

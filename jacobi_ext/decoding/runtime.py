@@ -104,12 +104,25 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in stock else "past_key_values"
 
 
-def _graphs_wanted(device: torch.device, cuda_graphs: bool | None) -> bool:
-    if device.type != "cuda":
-        return False
-    if cuda_graphs is not None:
-        return cuda_graphs
-    return os.environ.get("JACOBI_EXT_CUDA_GRAPHS", "1") != "0"
+GRAPH_MODES = ("capture", "compile")
+
+
+def _graphs_wanted(device: torch.device, cuda_graphs: bool | str | None) -> str | None:
+    """How CUDA steps run: "capture" (torch.cuda.CUDAGraph per width bucket, the default),
+    "compile" (torch.compile(mode="reduce-overhead") of the same step) or None (eager). CPU
+    steps always run eagerly. None = env JACOBI_EXT_CUDA_GRAPHS (0 / capture / compile)."""
+    if cuda_graphs is None:
+        env = os.environ.get("JACOBI_EXT_CUDA_GRAPHS", "1").strip().lower()
+        cuda_graphs = env if env in GRAPH_MODES else env not in ("0", "off", "false")
+    if cuda_graphs is True:
+        cuda_graphs = "capture"
+    if cuda_graphs is not False and cuda_graphs not in GRAPH_MODES:
+        raise ValueError(
+            f"cuda_graphs must be True / 'capture', 'compile', False or None, got {cuda_graphs!r}"
+        )
+    if device.type != "cuda" or cuda_graphs is False:
+        return None
+    return cuda_graphs
 
 
 class StaticRuntime:
@@ -135,10 +148,11 @@ class StaticRuntime:
         self._rows = torch.arange(batch, device=dev)[:, None]
         self.write_slots = self._slots
         self.attend = self.capacity
-        self.use_graphs = _graphs_wanted(dev, cuda_graphs)
+        self.graph_mode = _graphs_wanted(dev, cuda_graphs)
+        self.use_graphs = self.graph_mode is not None  # fixed widths, all slots attended
         self._graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.batch_steps: dict[object, object] = {}  # step.BatchStep per decoding setting
-        self.graphs_requested = self.use_graphs  # stays, even if a capture fails
+        self.graphs_requested = self.graph_mode  # stays, even if a capture fails
         self._pool = None
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
         self.graph_replays = 0
@@ -214,7 +228,11 @@ class StaticRuntime:
         """fn() (no arguments; it reads and writes static buffers only, never a host value) from
         a CUDA graph captured once per key, or eagerly where graphs are off or capture failed.
         `neutral`: input buffers that, zeroed, make fn change no state (the warm-up runs before
-        capture execute fn for real); they are zeroed for the warm-up and restored after."""
+        capture execute fn for real); they are zeroed for the warm-up and restored after.
+        In "compile" mode fn runs through torch.compile(mode="reduce-overhead") instead (its
+        first call per key compiles, and runs the real step)."""
+        if self.graph_mode == "compile":
+            return self._compiled_call(key, fn)
         if self.use_graphs:
             g = self._graphs.get(key) or self._capture(key, fn, neutral)
             if g is not None:
@@ -222,6 +240,32 @@ class StaticRuntime:
                 self.graph_replays += 1
                 return g[1]
         return fn()
+
+    def _compiled_call(self, key, fn):
+        f = self._graphs.get(key)
+        if f is not None:
+            self.graph_replays += 1  # torch.compile's own CUDA graphs replay inside
+            return f()
+        t0 = time.perf_counter()
+        cfg = torch._dynamo.config  # one compiled step per width bucket: room for all of them
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 64))
+        for t in self._static_tensors():
+            torch._dynamo.mark_static_address(t)  # mutated in place: graph inputs, fixed address
+        f = self._graphs[key] = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+        out = f()
+        torch.cuda.synchronize(self.device)
+        self.warmup_seconds += time.perf_counter() - t0
+        return out
+
+    def _static_tensors(self):
+        yield from (self.ids, self.seg, self.off, self.lo, self.hi)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                yield from (layer.keys, layer.values)
+        for bs in self.batch_steps.values():
+            yield from bs.state_tensors()
 
     def _capture(self, key, fn, neutral):
         t0 = time.perf_counter()

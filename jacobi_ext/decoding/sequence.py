@@ -31,7 +31,7 @@ class DecodeConfig:
     activation_ratio: float
     cost_ratio: object = None  # q -> t(q)/t(1) for the fallback controller, or None
     lookup_cost: object = None  # q -> t(q)/t(1) for lookup drafts, or None (lookup off)
-    cuda_graphs: bool | None = None
+    cuda_graphs: bool | str | None = None  # True / "capture", "compile", False (runtime.py)
     fallback_window: int = 8  # parallel steps the controller judges at a time
 
 

@@ -119,6 +119,11 @@ class BatchStep:
         """The context tokens at the given positions, [B, n] (the prefill's drafts)."""
         return self.ctx.gather(1, torch.tensor(positions, dtype=torch.long).to(self.ctx.device))
 
+    def state_tensors(self):
+        """The buffers the step reads and updates in place (static inputs for torch.compile)."""
+        return (self.src, self.block_ends, self.pool, self.pool_len, self.pool_head, self.ctx,
+                self.ctx_len, self.inputs)  # fmt: skip
+
     def main_row(self, b: int, length: int) -> list[int]:
         """Sequence b's main row (a device read: for trajectory recording only)."""
         return self.src[b, :length].tolist()
