@@ -253,8 +253,21 @@ class StaticRuntime:
                 setattr(cfg, name, max(getattr(cfg, name), 64))
         for t in self._static_tensors():
             torch._dynamo.mark_static_address(t)  # mutated in place: graph inputs, fixed address
-        f = self._graphs[key] = torch.compile(fn, mode="reduce-overhead", dynamic=False)
-        out = f()
+        f = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+        try:
+            out = f()  # compiles (tracing and code generation happen before the step runs)
+        except Exception as exc:  # like a failed capture: eager is slower, never wrong
+            warnings.warn(
+                f"jacobi_ext: torch.compile of the step failed ({type(exc).__name__}: {exc}); "
+                "decoding eagerly instead",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self.graph_mode, self.use_graphs = None, False
+            self._graphs.clear()
+            out = fn()
+        else:
+            self._graphs[key] = f
         torch.cuda.synchronize(self.device)
         self.warmup_seconds += time.perf_counter() - t0
         return out
