@@ -194,6 +194,27 @@ def _jf_block_table_fake(prompt_len, block_size, num_pairs, variant, window):
     )
 
 
+@torch.library.register_fake("jacobi_ext::verify_step")
+def _verify_step_fake(
+    tokens, greedy, row_len, block_ends, init_tokens, pool, pool_len, pool_head, spawn, eos
+):
+    # One sequence ([rows, width] tokens, ...) or a batch (a leading [batch] everywhere): the
+    # outputs' shapes follow the inputs' (csrc/include/jacobi/verify.h), whatever the values.
+    lead = tuple(tokens.shape[:-2])
+    R, W = tokens.shape[-2:]
+    K, n, p = block_ends.shape[-1], init_tokens.shape[-1], pool.shape[-2]
+    i32 = torch.int32
+    return (
+        tokens.new_empty(lead + (R,), dtype=i32),
+        tokens.new_empty(lead + (8,)),
+        tokens.new_empty(lead + (W,)),
+        tokens.new_empty(lead + (W + n,)),
+        tokens.new_empty(lead + (K,), dtype=i32),
+        tokens.new_empty(lead + (p, n)),
+        tokens.new_empty(lead + (p,), dtype=i32),
+    )
+
+
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, block_start, kv_ptr, kv_idx, scale = inputs
     out, lse = output

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jacobi_ext import generate
-from jacobi_ext.decoding import loop
+from jacobi_ext.decoding import loop, sequence
 from jacobi_ext.decoding.lookup import LookupPolicy, NgramIndex
 from jacobi_ext.decoding.trajectory import TrajectoryRecorder
 from jacobi_ext.models import tiny_llama
@@ -161,8 +161,9 @@ def test_parallel_lookup_candidates_are_lossless(models, case: int) -> None:
 def test_parallel_lookup_candidates_win_on_repetitive_text(models, monkeypatch) -> None:
     # A random tiny model falls into loops, which lookup predicts: with drafts priced as free,
     # the lookup row must win steps and raise tokens per forward over the same run without it.
-    real = loop.LookupPolicy
-    monkeypatch.setattr(loop, "LookupPolicy", lambda cost_ratio, **kw: real(lambda q: 1.0, **kw))
+    real = sequence.LookupPolicy
+    free = lambda cost_ratio, **kw: real(lambda q: 1.0, **kw)  # noqa: E731
+    monkeypatch.setattr(sequence, "LookupPolicy", free)
     model, ids = models[0], torch.tensor([[7, 3, 7, 3, 7, 3]])
     kw = dict(max_new_tokens=120, method="multiblock", block_size=8, pool_size=0)
     plain = generate(model, ids, lookup=False, **kw)

@@ -73,7 +73,9 @@ def test_tuned_generation_is_lossless_and_learns_acceptance() -> None:
     res = generate(model, ids, max_new_tokens=60, method="multiblock", block_size=None)
     assert torch.equal(res.tokens, want)
     prof = tuning.load_profile(model)
-    if res.method != "ar":
+    # The tuner may pick AR on a busy machine (the measured curve decides); then the method is
+    # "ar" or "ar+lookup" and no parallel acceptance was observed.
+    if res.block_size > 1:
         assert 0.0 <= prof["rho"] <= 1.0 and prof["rho_weight"] > 0
 
 

@@ -11,9 +11,10 @@ import torch
 from jacobi_ext.decoding import reference as ref
 
 
-def _random_step(rng: random.Random, vocab: int):
-    n = rng.randint(2, 9)
-    K = rng.randint(1, 4)
+def _random_step(rng: random.Random, vocab: int, shared: dict | None = None):
+    """One random step; `shared` fixes the sizes and knobs (n, K, p, eos, thr) of a batch."""
+    n = shared["n"] if shared else rng.randint(2, 9)
+    K = shared["K"] if shared else rng.randint(1, 4)
     nb = rng.randint(1, K)
     first = rng.randint(1, n)  # the real-active block may be partly committed already
     ends = [first] + [first + n * i for i in range(1, nb)]
@@ -43,14 +44,14 @@ def _random_step(rng: random.Random, vocab: int):
         ]
         rows.append(c)
         greedy.append(g)
-    p = rng.randint(0, 4)
+    p = shared["p"] if shared else rng.randint(0, 4)
     pool = []
     for _ in range(p):
         length = rng.randint(0, W)
         pool.append([rng.randrange(vocab) for _ in range(length)])
     head = rng.randrange(p) if p else 0
     init = [rng.randrange(vocab) for _ in range(n)]
-    eos = rng.choice([None, rng.randrange(vocab)])
+    eos = shared["eos"] if shared else rng.choice([None, rng.randrange(vocab)])
     r = rng.choice([0.5, 0.85, 1.0])
     return dict(
         rows=rows,
@@ -63,7 +64,7 @@ def _random_step(rng: random.Random, vocab: int):
         K=K,
         W=W,
         eos=eos,
-        thr=max(1, min(n, math.ceil(r * n))),
+        thr=shared["thr"] if shared else max(1, min(n, math.ceil(r * n))),
     )
 
 
@@ -202,3 +203,168 @@ def test_verify_step_cuda_matches_cpu(seed: int) -> None:
     out = torch.ops.jacobi_ext.verify_step(*cuda_args)
     out = [o.cpu() for o in out]
     _check_against_reference(s, out, cuda_args[5].cpu(), cuda_args[6].cpu(), cuda_args[7].cpu())
+
+
+# ---- the batch: one launch for B sequences ------------------------------------------------------
+
+
+def _random_batch(rng: random.Random):
+    """B sequences sharing n, K, p, eos and the spawn threshold, with different main-row lengths
+    and candidate counts; some take no part (None: finished, or decoding as AR) and carry a
+    random pool that must stay untouched. The vocabulary is small enough that EOS is hit often."""
+    vocab = rng.choice([3, 5, 50])
+    n = rng.randint(2, 9)
+    shared = dict(n=n, K=rng.randint(1, 4), p=rng.randint(0, 4), thr=rng.randint(1, n))
+    shared["eos"] = rng.choice([None, rng.randrange(vocab)])
+    B = rng.randint(1, 6)
+    steps = [None if rng.random() < 0.25 else _random_step(rng, vocab, shared) for _ in range(B)]
+    return shared, steps
+
+
+def _to_batch_args(rng: random.Random, shared: dict, steps: list):
+    """The batched op's arguments: every sequence padded to the batch's rows (absent rows have
+    length 0); a sequence that takes no part has an empty main row."""
+    n, K, p = shared["n"], shared["K"], shared["p"]
+    W = K * n
+    B = len(steps)
+    R = max([len(s["rows"]) for s in steps if s is not None] + [1])
+    tok = torch.full((B, R, W), -1, dtype=torch.long)
+    gre = torch.full((B, R, W), -1, dtype=torch.long)
+    row_len = torch.zeros(B, R, dtype=torch.int32)
+    ends = torch.zeros(B, K, dtype=torch.int32)
+    init = torch.randint(0, 50, (B, n))
+    pool = torch.randint(0, 50, (B, p, W))
+    pool_len = torch.randint(0, W + 1, (B, p), dtype=torch.int32)
+    head = torch.randint(0, max(p, 1), (B, 1), dtype=torch.int32)
+    for b, s in enumerate(steps):
+        if s is None:
+            continue
+        t, g, rl, e, i, pl, plen, h, _, _ = _to_op_args(s)
+        tok[b, : t.shape[0]], gre[b, : g.shape[0]], row_len[b, : rl.shape[0]] = t, g, rl
+        ends[b], init[b], pool[b], pool_len[b], head[b] = e, i, pl, plen, h
+    eos = -1 if shared["eos"] is None else shared["eos"]
+    return tok, gre, row_len, ends, init, pool, pool_len, head, shared["thr"], eos
+
+
+def _check_batch(shared, steps, args, out, pool_before) -> None:
+    """Sequence b of the batched op equals the single-sequence op on b alone and the reference;
+    a sequence that takes no part has the neutral outputs and its pool untouched."""
+    pool, pool_len, head = args[5], args[6], args[7]
+    want = ref.verify_batch(
+        [
+            None
+            if s is None
+            else dict(rows=s["rows"], greedy=s["greedy"], block_ends=s["ends"],
+                      init_tokens=s["init"], pool=s["pool"], pool_head=s["head"])
+            for s in steps
+        ],
+        shared["n"], shared["K"], shared["thr"], shared["eos"],
+    )  # fmt: skip
+    for b, s in enumerate(steps):
+        mine = [o[b] for o in out]
+        if s is None:
+            assert want[b] is None
+            accept, summary, commit, nxt, ends, cands, cand_len = mine
+            assert (accept == 0).all() and (summary == 0).all() and (commit == -1).all()
+            assert (nxt == -1).all() and (ends == 0).all() and (cands == -1).all()
+            assert (cand_len == 0).all()
+            for t, t0 in zip((pool[b], pool_len[b], head[b]), pool_before, strict=True):
+                assert torch.equal(t, t0[b])
+            continue
+        single = _to_op_args(s)
+        one = torch.ops.jacobi_ext.verify_step(*single)
+        R_b = single[0].shape[0]
+        assert torch.equal(mine[0][:R_b], one[0]) and (mine[0][R_b:] == 0).all()
+        for got, alone in zip(mine[1:], one[1:], strict=True):
+            assert torch.equal(got, alone)
+        assert torch.equal(pool[b], single[5]) and torch.equal(pool_len[b], single[6])
+        assert torch.equal(head[b], single[7])
+        cut = [mine[0][:R_b]] + mine[1:]
+        _check_against_reference(s, cut, pool[b], pool_len[b], head[b])
+        assert (want[b].winner, want[b].accepted) == tuple(mine[1][:2].tolist())
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_batched_verify_equals_single_sequence_calls(seed: int) -> None:
+    rng = random.Random(5000 + seed)
+    shared, steps = _random_batch(rng)
+    torch.manual_seed(seed)
+    args = _to_batch_args(rng, shared, steps)
+    before = [args[5].clone(), args[6].clone(), args[7].clone()]
+    out = torch.ops.jacobi_ext.verify_step(*args)
+    B, R = args[0].shape[:2]
+    n, K, p, W = shared["n"], shared["K"], shared["p"], shared["K"] * shared["n"]
+    shapes = [(B, R), (B, 8), (B, W), (B, W + n), (B, K), (B, p, n), (B, p)]
+    assert [tuple(o.shape) for o in out] == shapes  # fixed shapes, whatever the values
+    _check_batch(shared, steps, args, out, before)
+
+
+def test_batched_verify_hits_every_case() -> None:
+    # The random batches above cover finished (EOS) sequences, sequences taking no part,
+    # different main-row lengths and candidate counts in one batch: make sure they do.
+    seen = set()
+    for seed in range(150):
+        rng = random.Random(5000 + seed)
+        shared, steps = _random_batch(rng)
+        torch.manual_seed(seed)
+        args = _to_batch_args(rng, shared, steps)
+        out = torch.ops.jacobi_ext.verify_step(*args)
+        active = [b for b, s in enumerate(steps) if s is not None]
+        seen.add("inactive" if len(active) < len(steps) else "all active")
+        if any(out[1][b, 2] == 1 for b in active):
+            seen.add("finished")
+        if len({int(args[2][b, 0]) for b in active}) > 1:
+            seen.add("different main lengths")
+        if len({int((args[2][b] > 0).sum()) for b in active}) > 1:
+            seen.add("different row counts")
+    assert seen >= {"inactive", "finished", "different main lengths", "different row counts"}
+
+
+def test_batched_verify_rejects_bad_input() -> None:
+    rng = random.Random(1)
+    shared = dict(n=4, K=2, p=2, thr=2, eos=None)
+    steps = [_random_step(rng, 50, shared), None]
+    args = list(_to_batch_args(rng, shared, steps))
+    bad = list(args)
+    bad[3] = args[3][:1]
+    with pytest.raises(ValueError, match="block_ends must have one entry per sequence"):
+        torch.ops.jacobi_ext.verify_step(*bad)
+    bad = list(args)
+    bad[2] = args[2].clone()
+    bad[2][1, 1] = 3  # a candidate row in a sequence that takes no part
+    with pytest.raises(ValueError, match="takes no part"):
+        torch.ops.jacobi_ext.verify_step(*bad)
+    bad = list(args)
+    bad[7] = args[7].view(-1)
+    with pytest.raises(ValueError, match="pool_head must be 2-D"):
+        torch.ops.jacobi_ext.verify_step(*bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(30))
+def test_batched_verify_cuda_matches_cpu(seed: int) -> None:
+    rng = random.Random(7000 + seed)
+    shared, steps = _random_batch(rng)
+    torch.manual_seed(seed)
+    args = _to_batch_args(rng, shared, steps)
+    cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    out = [o.cpu() for o in torch.ops.jacobi_ext.verify_step(*cuda_args)]
+    want = torch.ops.jacobi_ext.verify_step(*args)
+    for got, cpu in zip(out, want, strict=True):
+        assert torch.equal(got, cpu)
+    for i in (5, 6, 7):  # the pools, updated in place on each device
+        assert torch.equal(cuda_args[i].cpu(), args[i])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_verify_step_opcheck(seed: int) -> None:
+    # Schema (in-place pool), fake (shapes for torch.compile) and dispatch agree with the kernel,
+    # for one sequence and for a batch.
+    rng = random.Random(9000 + seed)
+    torch.manual_seed(seed)
+    if seed % 2:
+        args = _to_op_args(_random_step(rng, vocab=rng.choice([3, 50])))
+    else:
+        shared, steps = _random_batch(rng)
+        args = _to_batch_args(rng, shared, steps)
+    torch.library.opcheck(torch.ops.jacobi_ext.verify_step.default, args)

@@ -5,6 +5,7 @@
 
 namespace jacobi::cpu {
 
-void verify_step(const VerifyShape& shape, const VerifyArgs<int64_t>& args);
+// `batch` sequences laid out as verify_args_at says (batch 1: the plain single-step layout).
+void verify_step(const VerifyShape& shape, const VerifyArgs<int64_t>& args, int batch);
 
 }  // namespace jacobi::cpu

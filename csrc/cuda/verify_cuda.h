@@ -7,8 +7,9 @@
 
 namespace jacobi::cuda {
 
-// One launch, no host synchronisation: capturable in a CUDA graph. Returns the launch status.
-cudaError_t verify_step(const VerifyShape& shape, const VerifyArgs<int64_t>& args,
+// One launch for `batch` sequences (layout: verify_args_at), no host synchronisation:
+// capturable in a CUDA graph. Returns the launch status.
+cudaError_t verify_step(const VerifyShape& shape, const VerifyArgs<int64_t>& args, int batch,
                         cudaStream_t stream);
 
 }  // namespace jacobi::cuda

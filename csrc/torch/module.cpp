@@ -43,6 +43,8 @@ TORCH_LIBRARY(jacobi_ext, m) {
       "(Tensor block_start, Tensor kv_ptr, Tensor kv_idx)");
   // Decoding: one verify-accept-recycle step over the packed rows of a forward
   // (semantics: csrc/include/jacobi/verify.h). pool / pool_len / pool_head are updated in place.
+  // One sequence (tokens [rows, width], ...) or a batch in one launch (every tensor, inputs and
+  // outputs, with a leading [batch]; a sequence with row_len[b][0] == 0 takes no part).
   m.def(
       "verify_step(Tensor tokens, Tensor greedy, Tensor row_len, Tensor block_ends, "
       "Tensor init_tokens, Tensor(a!) pool, Tensor(b!) pool_len, Tensor(c!) pool_head, "

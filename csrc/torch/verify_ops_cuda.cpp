@@ -18,7 +18,8 @@ VerifyResult verify_step_cuda(const at::Tensor& tokens, const at::Tensor& greedy
   VerifyLaunch l = prepare_verify(tokens, greedy, row_len, block_ends, init_tokens, pool, pool_len,
                                   pool_head, spawn_threshold, eos_token_id);
   const cudaError_t err =
-      jacobi::cuda::verify_step(l.shape, l.args, c10::cuda::getCurrentCUDAStream().stream());
+      jacobi::cuda::verify_step(l.shape, l.args, l.batch,
+                                c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "jacobi_ext::verify_step: CUDA launch failed: ",
               cudaGetErrorString(err));
   return l.outputs;

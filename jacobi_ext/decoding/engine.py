@@ -3,10 +3,11 @@
 Every method produces exactly the tokens greedy autoregressive decoding produces (SPEC §1, §6):
 a token is committed only when it equals the model's own argmax given the committed prefix.
 
-The pieces, one job each: loop.py (the batched step loop: AR and parallel modes, the verify
-op), runtime.py (the static KV cache, fixed-shape steps, CUDA graphs), masks.py (the step's
-mask and positions, on the device), lookup.py (context-lookup drafts), controller.py (fallback to
-AR), trajectory.py (recording for distillation), tuning.py (the measured cost curve).
+The pieces, one job each: loop.py (prefill and the batched step loop), sequence.py (one
+sequence's state and step work: AR and parallel modes, the verify op), runtime.py (the static
+KV cache, fixed-shape steps, CUDA graphs), masks.py (the step's mask and positions, on the
+device), lookup.py (context-lookup drafts), controller.py (fallback to AR), trajectory.py
+(recording for distillation), tuning.py (the measured cost curve).
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ class GenerateResult:
     prefill_seconds: float = 0.0
     lengths: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # tokens committed by each forward
-    verify_seconds: float = 0.0  # host time outside the forward: verify launches, bookkeeping
+    verify_seconds: float = 0.0  # host time outside the device step: planning, bookkeeping
     candidate_wins: int = 0  # steps whose committed tokens came from a candidate row
     lookup_wins: int = 0  # of those, steps won by the context-lookup candidate
-    warmup_seconds: float = 0.0  # CUDA graph capture (once per width bucket, then reused)
-    graph_replays: int = 0  # steps replayed from a captured CUDA graph
+    warmup_seconds: float = 0.0  # this call's CUDA graph capture / compile (once per width bucket)
+    graph_replays: int = 0  # this call's steps replayed from a captured (or compiled) CUDA graph
 
     @property
     def new_tokens(self) -> int:
@@ -146,7 +147,7 @@ def generate(
     trajectory: TrajectoryRecorder | None = None,
     lookup: bool | None = None,
     attention_mask: torch.Tensor | None = None,
-    cuda_graphs: bool | None = None,
+    cuda_graphs: bool | str | None = None,
 ) -> GenerateResult:
     """Generate greedily with `method` ("ar" | "jacobi" | "multiblock"); the tokens equal
     greedy autoregressive decoding's for every method, every sequence of a batch.
@@ -171,8 +172,13 @@ def generate(
     methods). `res.method` then ends in "+lookup".
 
     `cuda_graphs` (CUDA only; default on, or env JACOBI_EXT_CUDA_GRAPHS=0 for off): replay each
-    step width from a captured graph (runtime.py).
+    step width (the whole step of the batch) from a captured graph (runtime.py, step.py).
+    "compile" (or JACOBI_EXT_CUDA_GRAPHS=compile) runs the same step through
+    torch.compile(mode="reduce-overhead") instead of direct capture; True = "capture".
     """
+    from .runtime import _graphs_wanted
+
+    _graphs_wanted(torch.device("cpu"), cuda_graphs)  # a bad value fails here, on any device
     _check_args(
         model,
         input_ids,

@@ -1,4 +1,5 @@
-"""Pure-Python restatement of the verify-accept-recycle step (csrc/include/jacobi/verify.h).
+"""Pure-Python restatement of the verify-accept-recycle step (csrc/include/jacobi/verify.h),
+for one sequence (verify_step) and for a batch (verify_batch).
 
 Written from SPEC §1 and §6 without looking at indices the C++ way, so that the randomized tests
 comparing it with torch.ops.jacobi_ext.verify_step check the semantics, not a transliteration.
@@ -95,3 +96,28 @@ def verify_step(
                     cand = c
         candidates.append(cand)
     return StepResult(accept, winner, a, finished, commit, nxt, ends, candidates, pool, pool_head)
+
+
+def verify_batch(
+    steps: list[dict | None],
+    block_size: int,
+    max_blocks: int,
+    spawn_threshold: int,
+    eos: int | None = None,
+) -> list[StepResult | None]:
+    """The batched op: sequence by sequence, sharing the sizes and knobs. steps[b] holds
+    verify_step's arguments of sequence b (rows, greedy, block_ends, init_tokens, pool,
+    pool_head), or is None for a sequence that takes no part this step (finished, or decoding as
+    AR): its result is None, i.e. nothing accepted or committed, and its pool stays as it was."""
+    return [
+        None
+        if s is None
+        else verify_step(
+            **s,
+            block_size=block_size,
+            max_blocks=max_blocks,
+            spawn_threshold=spawn_threshold,
+            eos=eos,
+        )
+        for s in steps
+    ]

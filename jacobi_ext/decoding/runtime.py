@@ -16,10 +16,12 @@ after the verify op has picked what to commit:
 Both are device-side and read no host value, so they could live inside a graph.
 
 **Graphs.** On CUDA each step width is padded to a bucket (1, 2, 4, ... scratch) and replayed
-from a torch.cuda.CUDAGraph captured once per bucket: ids, mask, positions, the forward and the
-argmax. The runtime (and so its graphs) is kept on the model and reused across `generate` calls
-while the batch size fits and the capacity suffices. If capture fails on an exotic model, the
-runtime warns once and runs eagerly: never a crash, never a different token.
+from a torch.cuda.CUDAGraph captured once per bucket (`replay`): for decoding, the whole step of
+the batch (step.py: ids, mask, positions, the forward, the targets, the verify op, the K/V commit
+and the next drafts); for the tuner's probe, the forward alone (`step`). The runtime (and so its
+graphs) is kept on the model and reused across `generate` calls while the batch size fits and
+the capacity suffices. If capture fails on an exotic model, the runtime warns once and runs
+eagerly: never a crash, never a different token.
 
 On CPU the same runtime runs eagerly, with unpadded widths, and attends only up to the longest
 committed sequence (no cost for unused capacity).
@@ -27,6 +29,7 @@ committed sequence (no cost for unused capacity).
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import warnings
@@ -35,6 +38,13 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from .masks import for_backend, prefill_mask, step_mask, step_positions
+
+
+def targets(logits: torch.Tensor) -> torch.Tensor:
+    """The tokens the model predicts after each position: the greedy argmax. The one place the
+    decoding turns logits into tokens (prefill and every step), so that another rule (sampling
+    with a perturbed argmax) replaces exactly this."""
+    return logits.argmax(-1)
 
 
 def bucket(q: int) -> int:
@@ -78,12 +88,41 @@ class SlotCache(StaticCache):
         self.layers = [SlotLayer(capacity, runtime) for _ in self.layers]
 
 
-def _graphs_wanted(device: torch.device, cuda_graphs: bool | None) -> bool:
-    if device.type != "cuda":
-        return False
-    if cuda_graphs is not None:
-        return cuda_graphs
-    return os.environ.get("JACOBI_EXT_CUDA_GRAPHS", "1") != "0"
+def cache_kwarg(model) -> str:
+    """The keyword the model's forward takes its KV cache under. transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns on every call and goes in 5.40); before, only
+    `past_key_values` exists. Read from the forward's own signature (transformers' deprecation
+    decorator keeps it visible), so a remote-code model that still says `past_key_values` gets
+    that; a forward taking only **kwargs gets the name of the installed transformers."""
+    params = inspect.signature(type(model).forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    from transformers import LlamaForCausalLM  # a stock model of the installed transformers
+
+    stock = inspect.signature(LlamaForCausalLM.forward).parameters
+    return "cache" if "cache" in stock else "past_key_values"
+
+
+GRAPH_MODES = ("capture", "compile")
+
+
+def _graphs_wanted(device: torch.device, cuda_graphs: bool | str | None) -> str | None:
+    """How CUDA steps run: "capture" (torch.cuda.CUDAGraph per width bucket, the default),
+    "compile" (torch.compile(mode="reduce-overhead") of the same step) or None (eager). CPU
+    steps always run eagerly. None = env JACOBI_EXT_CUDA_GRAPHS (0 / capture / compile)."""
+    if cuda_graphs is None:
+        env = os.environ.get("JACOBI_EXT_CUDA_GRAPHS", "1").strip().lower()
+        cuda_graphs = env if env in GRAPH_MODES else env not in ("0", "off", "false")
+    if cuda_graphs is True:
+        cuda_graphs = "capture"
+    if cuda_graphs is not False and cuda_graphs not in GRAPH_MODES:
+        raise ValueError(
+            f"cuda_graphs must be True / 'capture', 'compile', False or None, got {cuda_graphs!r}"
+        )
+    if device.type != "cuda" or cuda_graphs is False:
+        return None
+    return cuda_graphs
 
 
 class StaticRuntime:
@@ -98,6 +137,7 @@ class StaticRuntime:
         self.capacity = scratch + committed
         dev = self.device
         self.cache = SlotCache(model.config, self.capacity, self)
+        self._cache_arg = {cache_kwarg(model): self.cache}  # forward(**self._cache_arg)
         # Static inputs of a step (graphs read them in place: never rebind, only copy_ / fill_).
         self.ids = torch.zeros(batch, scratch, dtype=torch.long, device=dev)
         self.seg = torch.full((batch, scratch), -1, dtype=torch.long, device=dev)
@@ -108,12 +148,11 @@ class StaticRuntime:
         self._rows = torch.arange(batch, device=dev)[:, None]
         self.write_slots = self._slots
         self.attend = self.capacity
-        self.use_graphs = _graphs_wanted(dev, cuda_graphs)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._src = torch.zeros(batch, dtype=torch.long, device=dev)
-        self._count = torch.zeros(batch, dtype=torch.long, device=dev)
-        self._commit_graph = None  # None: not captured yet; False: capture failed, run eagerly
-        self.graphs_requested = self.use_graphs  # stays, even if a capture fails
+        self.graph_mode = _graphs_wanted(dev, cuda_graphs)
+        self.use_graphs = self.graph_mode is not None  # fixed widths, all slots attended
+        self._graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.batch_steps: dict[object, object] = {}  # step.BatchStep per decoding setting
+        self.graphs_requested = self.graph_mode  # stays, even if a capture fails
         self._pool = None
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
         self.graph_replays = 0
@@ -152,12 +191,11 @@ class StaticRuntime:
         self.attend = self.scratch + P
         mask = for_backend(self.model, prefill_mask(pad, P, n, self.scratch), self.dtype)
         logits = self.model(
-            input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=self.cache,
-            use_cache=True,
-        ).logits  # fmt: skip
+            input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True, **self._cache_arg
+        ).logits
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
-        return logits.argmax(-1)
+        return targets(logits)
 
     # ---- one step ------------------------------------------------------------------------------
     def _forward(self, Q: int, attend: int) -> torch.Tensor:
@@ -167,101 +205,131 @@ class StaticRuntime:
         mask = for_backend(self.model, step_mask(seg, off, self.lo, self.hi, attend), self.dtype)
         logits = self.model(
             input_ids=self.ids[:, :Q], position_ids=step_positions(off, self.lo, self.hi),
-            attention_mask=mask, past_key_values=self.cache, use_cache=True,
+            attention_mask=mask, use_cache=True, **self._cache_arg,
         ).logits  # fmt: skip
-        return logits.argmax(-1)
+        return targets(logits)
 
     def width(self, q: int) -> int:
         """The width a step feeding at most q tokens per sequence runs at."""
         return min(bucket(q), self.scratch) if self.use_graphs else q
 
+    def forward(self, Q: int, attend: int) -> torch.Tensor:
+        """The forward over self.ids/seg/off[:, :Q] (filled by the caller): targets [B, Q].
+        `attend` is the number of slots an eager step needs to see (graphs see them all)."""
+        return self._forward(Q, self.capacity if self.use_graphs else attend)
+
     @torch.inference_mode()
     def step(self, Q: int, attend: int) -> torch.Tensor:
-        """Run the forward over self.ids/seg/off[:, :Q] (filled by the caller); argmax [B, Q].
-        `attend` is the number of slots an eager step needs to see (graphs see them all)."""
+        """The forward alone, as a step runs it (a graph replay per width on CUDA): the tuner's
+        and the benchmarks' probe."""
+        return self.replay(("forward", Q), lambda: self.forward(Q, attend))
+
+    def replay(self, key, fn, neutral: tuple[torch.Tensor, ...] = ()):
+        """fn() (no arguments; it reads and writes static buffers only, never a host value) from
+        a CUDA graph captured once per key, or eagerly where graphs are off or capture failed.
+        `neutral`: input buffers that, zeroed, make fn change no state (the warm-up runs before
+        capture execute fn for real); they are zeroed for the warm-up and restored after.
+        In "compile" mode fn runs through torch.compile(mode="reduce-overhead") instead (its
+        first call per key compiles, and runs the real step)."""
+        if self.graph_mode == "compile":
+            return self._compiled_call(key, fn)
         if self.use_graphs:
-            g = self._graphs.get(Q) or self._capture(Q)
+            g = self._graphs.get(key) or self._capture(key, fn, neutral)
             if g is not None:
                 g[0].replay()
                 self.graph_replays += 1
                 return g[1]
-        return self._forward(Q, attend)
+        return fn()
 
-    def _capture(self, Q: int):
+    def _compiled_call(self, key, fn):
+        f = self._graphs.get(key)
+        if f is not None:
+            self.graph_replays += 1  # torch.compile's own CUDA graphs replay inside
+            return f()
         t0 = time.perf_counter()
+        cfg = torch._dynamo.config  # one compiled step per width bucket: room for all of them
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 64))
+        for t in self._static_tensors():
+            torch._dynamo.mark_static_address(t)  # mutated in place: graph inputs, fixed address
+        f = torch.compile(fn, mode="reduce-overhead", dynamic=False)
         try:
+            out = f()  # compiles (tracing and code generation happen before the step runs)
+        except Exception as exc:  # like a failed capture: eager is slower, never wrong
+            warnings.warn(
+                f"jacobi_ext: torch.compile of the step failed ({type(exc).__name__}: {exc}); "
+                "decoding eagerly instead",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self.graph_mode, self.use_graphs = None, False
+            self._graphs.clear()
+            out = fn()
+        else:
+            self._graphs[key] = f
+        torch.cuda.synchronize(self.device)
+        self.warmup_seconds += time.perf_counter() - t0
+        return out
+
+    def _static_tensors(self):
+        yield from (self.ids, self.seg, self.off, self.lo, self.hi)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                yield from (layer.keys, layer.values)
+        for bs in self.batch_steps.values():
+            yield from bs.state_tensors()
+
+    def _capture(self, key, fn, neutral):
+        t0 = time.perf_counter()
+        saved = [t.clone() for t in neutral]
+        try:
+            for t in neutral:
+                t.zero_()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: lazy inits, kernel selection
                 for _ in range(2):
-                    self._forward(Q, self.capacity)
+                    fn()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(Q, self.capacity)
+                out = fn()
             self._pool = graph.pool()
-            self._graphs[Q] = (graph, out)
-            return self._graphs[Q]
+            self._graphs[key] = (graph, out)
+            return self._graphs[key]
         except Exception as exc:  # an exotic model: eager is slower, never wrong
             warnings.warn(
                 f"jacobi_ext: CUDA graph capture failed ({type(exc).__name__}: {exc}); "
                 "decoding eagerly instead",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             self.use_graphs = False
             self._graphs.clear()
             return None
         finally:
+            for t, v in zip(neutral, saved, strict=True):
+                t.copy_(v)
             torch.cuda.synchronize(self.device)
             self.warmup_seconds += time.perf_counter() - t0
 
     # ---- commit ---------------------------------------------------------------------------------
-    @torch.inference_mode()
     def commit(self, src: torch.Tensor, count: torch.Tensor) -> None:
         """For each sequence b, move the K/V of scratch slots [src[b], src[b] + count[b]) to
         [hi[b], hi[b] + count[b]) and advance hi[b] (count[b] <= scratch). Fixed shapes and no
-        host values, so on CUDA it is one graph replay instead of four launches per layer."""
-        self._src.copy_(src)
-        self._count.copy_(count)
-        if self.use_graphs and self._commit_graph is None:
-            try:
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):  # warm-up: count 0 moves nothing
-                    self._count.zero_()
-                    self._commit()
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                self._count.copy_(count)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._commit()
-                self._commit_graph = graph
-                self._count.copy_(count)  # capture does not run the work: do it now
-                graph.replay()
-                return
-            except Exception as exc:  # pragma: no cover - exotic setups
-                warnings.warn(f"jacobi_ext: commit graph capture failed ({exc}); eager commit",
-                              RuntimeWarning, stacklevel=2)  # fmt: skip
-                self._commit_graph = False
-                self._count.copy_(count)
-        if self._commit_graph:
-            self._commit_graph.replay()
-        else:
-            self._commit()
-
-    def _commit(self) -> None:
+        host values: it runs inside the step's graph."""
         width = self.scratch
         ar = self._slots[:width][None, :]
-        valid = ar < self._count[:, None]
-        s = torch.where(valid, self._src[:, None] + ar, ar)
+        valid = ar < count[:, None]
+        s = torch.where(valid, src[:, None] + ar, ar)
         d = torch.where(valid, self.hi[:, None] + ar, ar)
         rows = self._rows.expand(-1, width)
         for layer in self.cache.layers:
             for buf in (layer.keys, layer.values):
                 t = buf.transpose(1, 2)  # [B, slots, H, D] view
                 t[rows, d] = t[rows, s]
-        self.hi.add_(self._count)
+        self.hi.add_(count)
 
 
 def runtime_for(

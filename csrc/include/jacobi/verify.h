@@ -34,6 +34,12 @@
 //      pool entry, its suffix from the first occurrence of the next seed, cut to the next first
 //      block's length and padded with the next main row's tokens; entries without the seed, or
 //      whose suffix holds only the seed, or that equal the main row's first block give none.
+//
+// A batch of B sequences is B such steps side by side, sharing the sizes and knobs (VerifyShape)
+// and laid out with a leading batch dimension (verify_args_at). Sequence b takes part when its
+// main row is non-empty (row_len[b][0] >= 1); otherwise (finished, or decoding as AR this step)
+// its outputs are the neutral values of verify_inactive and its pool is left as it was, so one
+// launch serves the whole batch with fixed-shape outputs.
 #pragma once
 
 #include <cstdint>
@@ -220,6 +226,56 @@ JACOBI_HD void verify_finish(const VerifyShape& s, const VerifyArgs<Tok>& a) {
   a.summary[kNextSeed] = next_len > 0 ? static_cast<int64_t>(a.next_tokens[0]) : static_cast<int64_t>(seed);
   a.summary[kNumCandidates] = ncand;
   a.summary[7] = 0;
+}
+
+// Sequence b's view of a batch: every tensor of VerifyArgs with a leading batch dimension
+// ([B, R, W] tokens and greedy, [B, R] row_len, [B, K] block_ends, [B, n] init_tokens,
+// [B, p, pool_width] pool, [B, p] pool_len, [B, 1] pool_head; outputs [B, R] accept,
+// [B, kSummarySize] summary, [B, W] commit, [B, W + n] next_tokens, [B, K] next_block_ends,
+// [B, p, n] candidates, [B, p] candidate_len), dense and row-major.
+template <typename Tok>
+JACOBI_HD VerifyArgs<Tok> verify_args_at(const VerifyShape& s, const VerifyArgs<Tok>& a, int b) {
+  const int64_t B = b, R = s.rows, W = s.width, K = s.max_blocks, n = s.block_size;
+  const int64_t p = s.pool_size;
+  VerifyArgs<Tok> o;
+  o.tokens = a.tokens + B * R * W;
+  o.greedy = a.greedy + B * R * W;
+  o.row_len = a.row_len + B * R;
+  o.block_ends = a.block_ends + B * K;
+  o.init_tokens = a.init_tokens + B * n;
+  o.pool = a.pool + B * p * s.pool_width;
+  o.pool_len = a.pool_len + B * p;
+  o.pool_head = a.pool_head + B;
+  o.accept = a.accept + B * R;
+  o.summary = a.summary + B * kSummarySize;
+  o.commit = a.commit + B * W;
+  o.next_tokens = a.next_tokens + B * (W + n);
+  o.next_block_ends = a.next_block_ends + B * K;
+  o.candidates = a.candidates + B * p * n;
+  o.candidate_len = a.candidate_len + B * p;
+  return o;
+}
+
+// Whether the sequence takes part in this step (its main row is non-empty).
+template <typename Tok>
+JACOBI_HD bool verify_active(const VerifyArgs<Tok>& a) {
+  return a.row_len[0] > 0;
+}
+
+// The outputs of a sequence that does not take part: nothing accepted, nothing committed, no
+// next row, no blocks, no candidates (summary all 0). Its pool is not touched.
+template <typename Tok>
+JACOBI_HD void verify_inactive(const VerifyShape& s, const VerifyArgs<Tok>& a) {
+  const int W = s.width, n = s.block_size;
+  for (int r = 0; r < s.rows; ++r) a.accept[r] = 0;
+  for (int i = 0; i < kSummarySize; ++i) a.summary[i] = 0;
+  for (int i = 0; i < W; ++i) a.commit[i] = Tok(-1);
+  for (int i = 0; i < W + n; ++i) a.next_tokens[i] = Tok(-1);
+  for (int b = 0; b < s.max_blocks; ++b) a.next_block_ends[b] = 0;
+  for (int c = 0; c < s.pool_size; ++c) {
+    for (int i = 0; i < n; ++i) a.candidates[static_cast<int64_t>(c) * n + i] = Tok(-1);
+    a.candidate_len[c] = 0;
+  }
 }
 
 }  // namespace jacobi
