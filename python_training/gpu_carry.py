@@ -11,7 +11,7 @@ runs it before anything is installed.
 - Out: a call brings back at most 8 files of 16 MiB (64 MiB together). ``pack`` writes a run's
   state as a gzipped tar cut into parts; ``restore`` puts such parts back together.
 
-    python python_training/gpu_carry.py prepare            # here: .gpu/p1 ... (+ .git exclude)
+    python python_training/gpu_carry.py prepare            # here: .gpu/p1, .gpu/p2, ...
     python3 python_training/gpu_carry.py assemble --stash S --site T   # there (gpu_setup.sh)
 """
 
@@ -80,23 +80,11 @@ def split_into_parts(files: list[Path], dest: Path, part_bytes: int) -> list[Pat
     return [dest / p for p in parts]
 
 
-def _exclude(root: Path, pattern: str) -> None:
-    """Ignore ``pattern`` in this checkout only (.git/info/exclude, worktrees included)."""
-    path = subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=root,
-                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
-    path = (root / path).resolve()
-    lines = path.read_text().splitlines() if path.exists() else []
-    if pattern not in lines:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join([*lines, pattern]) + "\n")
-
-
 def prepare(root: Path, dest: Path | None = None, part_mib: float | None = None) -> list[Path]:
     """Here: download the wheels for the machine's Python and cut them into carry folders, each
     small enough to travel in one call beside the repo's own files."""
     root = Path(root).resolve()
-    dest = Path(dest or root / ".gpu")
-    _exclude(root, "/" + str(dest.relative_to(root)) + "/")
+    dest = Path(dest or root / ".gpu")  # ignored (.gitignore): travels only when carried
     wheels = dest / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",

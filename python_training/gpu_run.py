@@ -46,7 +46,7 @@ PHASES = ("collect", "train", "eval")
 # prompts per collect() call (batches × collect_batch_size); the allowance for the trainer's
 # model and data load (its own clock starts after it); the least training time worth a load;
 # HumanEval problems per evaluate() call; the size of a state part.
-RUN_DEFAULTS = dict(reserve_seconds=30.0, collect_chunk_batches=4, train_load_seconds=45.0,
+RUN_DEFAULTS = dict(reserve_seconds=40.0, collect_chunk_batches=4, train_load_seconds=45.0,
                     min_train_seconds=60.0, humaneval_slice=8, part_mib=15.0)  # fmt: skip
 EVAL_DEFAULTS = dict(dtype="float32", block_size=16, max_new_tokens=256, curve_prompts=16,
                      humaneval_limit=64, humaneval_methods=["ar", "jacobi", "multiblock"],
@@ -218,7 +218,10 @@ class Run:
         units = [("curve", points[0]), ("curve", final), ("humaneval", final, "final"),
                  ("humaneval", points[0], "base")]  # fmt: skip
         units += [("curve", p) for p in points[1:] if p is not final]
-        took: dict[str, float] = {}  # seconds of the last curve point / HumanEval slice
+        # Seconds of the last curve point / HumanEval slice of this call; until one was timed, a
+        # guess for the GPU recipe's sizes (unmeasured), so a call does not start one it cannot
+        # finish.
+        took = {"curve": 60.0, "slice": 30.0} if self.device != "cpu" else {}
         loaded: list = [None, None]  # (model key, (model, tokenizer)): one model at a time
         try:
             for unit in units:

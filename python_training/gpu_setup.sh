@@ -61,9 +61,10 @@ if [ "$missing" -ne 0 ] || ! [ -f "$ENV/built-$src_hash" ]; then
   exit 3
 fi
 cd "$ROOT"
-"$PY" -c 'import torch, jacobi_ext._native as n; print("== torch", torch.__version__, "| GPU:",
-  torch.cuda.get_device_name() if torch.cuda.is_available() else "none", "| jacobi_ext CUDA:",
-  n.WITH_CUDA, n.CUDA_ARCHS)'
+"$PY" -c 'import torch, jacobi_ext._native as n, jacobi_ext.models as m
+print("== torch", torch.__version__, "| GPU:", torch.cuda.get_device_name() if
+      torch.cuda.is_available() else "none", "| jacobi_ext CUDA kernels:", n.WITH_CUDA,
+      n.CUDA_ARCHS, "| model:", m.default_model_file())'
 restore=()
 [ -d "$ENV/state" ] && restore=(--restore "$ENV/state")
 PYTHONUNBUFFERED=1 exec "$PY" -m python_training.gpu_run "${restore[@]}" "$@"

@@ -98,6 +98,14 @@ def test_gpu_recipe_is_valid_and_sized_for_one_gpu():
     assert hi - lo >= cfg.max_steps  # each training sequence a new prompt
 
 
+def test_gpu_run_command_exists(capsys):
+    from jacobi_ext.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["gpu-run", "--help"])
+    assert e.value.code == 0 and "--minutes" in capsys.readouterr().out
+
+
 def test_unknown_driver_keys_and_bad_overrides_are_errors():
     recipe = load_recipe(GPU_RECIPE)
     recipe["eval"]["limit"] = 3
