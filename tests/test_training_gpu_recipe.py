@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from python_training import gpu_carry, gpu_run
-from python_training.distill import load_recipe
+from python_training.distill import load_recipe, run_recipe
 from python_training.trainer import TrainConfig
 
 ROOT = Path(__file__).parents[1]
@@ -126,6 +126,8 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="asks for device 'cuda'.*sees no CUDA device"):
         gpu_run.run(load_recipe(GPU_RECIPE), out=tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    with pytest.raises(RuntimeError, match="sees no CUDA device"):  # distill: the same check
+        run_recipe(load_recipe(GPU_RECIPE), out=tmp_path / "out2")
 
 
 def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
@@ -205,6 +207,9 @@ def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
     s = gpu_run.run(dry_recipe(tiny_model), out=out)
     assert s["next"] == "done" and tree_digest(out) == before
     assert all("nothing" in c.get("did", "") for c in lines(out / "calls.jsonl")[-3:])
+    # `jacobi-forcing distill` reads the same folder: both stages done, final linked.
+    final = run_recipe(dry_recipe(tiny_model), out=out, progress=False)
+    assert (final / "model.safetensors").exists() and final.resolve() == (train_dir / "final")
 
     # 6. A fresh machine: the finished run's parts restore, and the merged model is rebuilt
     #    from the adapter (the pack leaves it out) equal to the trained one.
