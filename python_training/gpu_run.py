@@ -292,7 +292,8 @@ class Run:
                 return False
             t0 = time.perf_counter()
             model, tok = self._model(point, loaded)
-            evaluate(model, tok, path, methods=methods, limit=step, offset=off,
+            n = min(step, len(tasks) - off)
+            evaluate(model, tok, path, methods=methods, limit=n, offset=off,
                      max_new_tokens=int(ev["max_new_tokens"]), block_size=int(ev["block_size"]),
                      label=which, progress=self.progress)  # fmt: skip
             took["slice"] = time.perf_counter() - t0

@@ -54,7 +54,7 @@ def dry_recipe(model: Path, **extra: str) -> dict:
         "stages.0.train.max_steps": str(STEPS), "stages.0.train.save_every": "2",
         "stages.0.train.snapshot_every": "3", "stages.0.train.mixed_precision": "no",
         "eval.dtype": "float32", "eval.max_new_tokens": "16", "eval.curve_prompts": "1",
-        "eval.humaneval_limit": "2", "run.humaneval_slice": "1", "run.collect_chunk_batches": "1",
+        "eval.humaneval_limit": "3", "run.humaneval_slice": "2", "run.collect_chunk_batches": "1",
         "run.train_load_seconds": "0", "run.min_train_seconds": "0", "run.reserve_seconds": "0",
         **extra,
     }  # fmt: skip
@@ -189,9 +189,10 @@ def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
         for key in ("humaneval/jacobi", "humaneval/multiblock", "code-heldout/jacobi"):
             assert c[key]["tpf"] >= 1.0 and c[key]["tokens"] > 0
     he = s["eval"]["humaneval_final"]
-    assert set(he) == {"ar", "jacobi", "multiblock"} and he["ar"]["tasks"] == 2
+    assert set(he) == {"ar", "jacobi", "multiblock"} and he["ar"]["tasks"] == 3
     assert he["jacobi"]["identical_to_ar"] == 1.0  # fp32: lossless, token for token
     assert set(s["eval"]["humaneval_base"]) == {"ar"}
+    assert s["eval"]["humaneval_base"]["ar"]["tasks"] == 3  # slices of 2: the last one short
     for f in ("curve.png", "training_curves.png", "EVALUATED"):
         assert (out / "eval" / f).exists()
     assert (train_dir / "adapter" / "adapter_model.safetensors").exists()
