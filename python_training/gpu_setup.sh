@@ -39,7 +39,8 @@ if [ -d "$ENV/site/cutlass_library" ] && ! [ -f "$ENV/built-$src_hash" ]; then
   rm -rf "$ENV/wheel"
   (cd "$ROOT" && JACOBI_EXT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip wheel -q \
     --no-build-isolation --no-deps --no-index -w "$ENV/wheel" \
-    -Ccmake.define.JACOBI_EXT_CUDA_ARCHS=90a -Ccmake.define.JACOBI_EXT_CUDA_KERNELS=ci .)
+    --config-settings=cmake.define.JACOBI_EXT_CUDA_ARCHS=90a \
+    --config-settings=cmake.define.JACOBI_EXT_CUDA_KERNELS=ci .)
   "$PY" - "$ENV/wheel" "$ROOT" <<'EOF'
 import sys, zipfile, pathlib
 whl = next(pathlib.Path(sys.argv[1]).glob("jacobi_ext-*.whl"))
