@@ -1,4 +1,4 @@
-"""The distillation subcommands of ``jacobi-forcing``: collect, train, distill, eval.
+"""The distillation subcommands of ``jacobi-forcing``: collect, train, distill, eval, gpu-run.
 
 Registered by ``jacobi_ext.cli``; heavy imports (torch models, transformers, accelerate) happen
 inside the handlers so ``--help`` stays instant.
@@ -303,4 +303,11 @@ def _add_distill_report(sub) -> None:
     p.set_defaults(handler=_cmd_distill_report)
 
 
-REGISTRARS = [_add_prompts, _add_collect, _add_train, _add_distill, _add_eval, _add_distill_report]
+def _add_gpu_run(sub) -> None:
+    from .gpu_run import add_parser  # light: its heavy imports happen inside the handler
+
+    add_parser(sub)
+
+
+REGISTRARS = [_add_prompts, _add_collect, _add_train, _add_distill, _add_eval, _add_distill_report,
+              _add_gpu_run]  # fmt: skip

@@ -61,6 +61,21 @@ def _dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def check_device(name: str) -> str:
+    """The recipe's ``device`` ("cpu", "cuda", "cuda:1"), refused at once when it names CUDA and
+    torch sees no CUDA device (else collection would fail late, and training would silently run
+    on the CPU: the trainer picks the CPU when no GPU is visible)."""
+    import torch
+
+    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"the recipe asks for device {name!r}, but torch {torch.__version__} sees no CUDA "
+            f"device (CUDA build: {torch.version.cuda or 'none'}): run it on a GPU machine, or "
+            'override the device for a CPU run (device = "cpu", with collect_dtype = "float32")'
+        )
+    return name
+
+
 def run_recipe(recipe: dict, out: str | Path | None = None, progress: bool = True) -> Path:
     """Run (or resume) every stage of ``recipe``; returns the final model's directory."""
     import torch
@@ -72,6 +87,7 @@ def run_recipe(recipe: dict, out: str | Path | None = None, progress: bool = Tru
     from .trajectories import collect
 
     out = Path(out or recipe.get("out", "runs/distill"))
+    device = check_device(recipe.get("device", "cpu"))  # collection's; training: accelerate's
     out.mkdir(parents=True, exist_ok=True)
     base = recipe.get("model") or None
     threads = recipe.get("threads")
@@ -89,7 +105,8 @@ def run_recipe(recipe: dict, out: str | Path | None = None, progress: bool = Tru
             t0 = time.perf_counter()
             if st.get("shipped_trajectories"):
                 _seed_from_shipped(Path(st["shipped_trajectories"]), tdir)
-            model, tok = load_model(teacher, dtype=_dtype(st.get("collect_dtype", "float32")))
+            dtype = _dtype(st.get("collect_dtype", "float32"))
+            model, tok = load_model(teacher, dtype=dtype, device=device)
             lo, hi = st.get("prompt_range", [0, len(prompts)])
             summary = collect(
                 model, tok, prompts[lo:hi], tdir, block_size=n,

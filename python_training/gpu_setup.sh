@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Makes a bare GPU machine of the device tool ready for python_training/gpu_run.py, and runs it:
+#   bash python_training/gpu_setup.sh                   setup only (stash, install, build)
+#   bash python_training/gpu_setup.sh run ARGS...       setup, then gpu_run.py ARGS
+# Safe at the start of every call: what is done is skipped. It
+# 1. keeps what this call carried (.gpu/p1, .gpu/p2, ... from `python python_training/gpu_carry.py
+#    prepare`; .gpu/state, a packed run) in runs/gpu-env, an ignored folder that a warm machine
+#    keeps between calls, so a later call need not carry it again;
+# 2. installs every wheel whose pieces are all there into runs/gpu-env/site (gpu_carry.py
+#    assemble: sha256-checked, pip --no-index --no-deps);
+# 3. builds jacobi_ext's extension against the machine's torch once per source state (CUDA on,
+#    bf16 kernels for sm_90a: H100/H200) and puts _C next to the sources, as an in-place build;
+# 4. with `run`: checks that everything is there, then runs gpu_run.py from the repo root with
+#    --restore runs/gpu-env/state when a packed run was carried.
+# The machine is bare again once given back (30 s idle): a part it lacks is named in the error.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ENV="${JF_GPU_ENV:-$ROOT/runs/gpu-env}"
+PY="${PYTHON:-python3}"
+mkdir -p "$ENV/stash" "$ENV/site"
+t0=$SECONDS
+
+shopt -s nullglob
+for d in "$ROOT"/.gpu/p[0-9]*/; do cp -f "$d"* "$ENV/stash/"; done
+if [ -d "$ROOT/.gpu/state" ]; then
+  rm -rf "$ENV/state" && cp -r "$ROOT/.gpu/state" "$ENV/state"
+fi
+set +e
+"$PY" "$ROOT/python_training/gpu_carry.py" assemble --stash "$ENV/stash" --site "$ENV/site"
+missing=$?
+set -e
+export PYTHONPATH="$ROOT:$ENV/site${PYTHONPATH:+:$PYTHONPATH}"
+
+# The extension: rebuilt only when its sources or the torch it is built against change.
+src_hash=$( (cd "$ROOT" && find csrc CMakeLists.txt pyproject.toml -type f -print0 | sort -z \
+  | xargs -0 sha256sum; "$PY" -c 'import torch; print(torch.__version__)') | sha256sum | cut -c1-16)
+if [ -d "$ENV/site/cutlass_library" ] && ! [ -f "$ENV/built-$src_hash" ]; then
+  echo "== building jacobi_ext (CUDA, sm_90a, bf16 kernels) against torch $("$PY" -c 'import torch; print(torch.__version__)')"
+  rm -rf "$ENV/wheel"
+  (cd "$ROOT" && JACOBI_EXT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip wheel -q \
+    --no-build-isolation --no-deps --no-index -w "$ENV/wheel" \
+    --config-settings=cmake.define.JACOBI_EXT_CUDA_ARCHS=90a \
+    --config-settings=cmake.define.JACOBI_EXT_CUDA_KERNELS=ci .)
+  "$PY" - "$ENV/wheel" "$ROOT" <<'EOF'
+import sys, zipfile, pathlib
+whl = next(pathlib.Path(sys.argv[1]).glob("jacobi_ext-*.whl"))
+with zipfile.ZipFile(whl) as z:
+    for n in z.namelist():
+        if n.startswith("jacobi_ext/_C") or n == "jacobi_ext/_build_info.py":
+            z.extract(n, sys.argv[2])
+            print("  in place:", n)
+EOF
+  rm -f "$ENV"/built-* && touch "$ENV/built-$src_hash"
+fi
+echo "== setup: $((SECONDS - t0)) s"
+
+[ "${1:-}" = "run" ] || exit 0
+shift
+if [ "$missing" -ne 0 ] || ! [ -f "$ENV/built-$src_hash" ]; then
+  echo "gpu_setup: this machine lacks pieces (above: \"missing\"): carry those .gpu/pN folders" \
+    "(a machine given back starts bare: carry from .gpu/p1 again)" >&2
+  exit 3
+fi
+cd "$ROOT"
+"$PY" -c 'import torch, jacobi_ext._native as n, jacobi_ext.models as m
+print("== torch", torch.__version__, "| GPU:", torch.cuda.get_device_name() if
+      torch.cuda.is_available() else "none", "| jacobi_ext CUDA kernels:", n.WITH_CUDA,
+      n.CUDA_ARCHS, "| model:", m.default_model_file())'
+restore=()
+[ -d "$ENV/state" ] && restore=(--restore "$ENV/state")
+PYTHONUNBUFFERED=1 exec "$PY" -m python_training.gpu_run "${restore[@]}" "$@"

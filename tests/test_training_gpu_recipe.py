@@ -1,0 +1,304 @@
+"""The GPU recipe (recipes/smollm2_gpu.toml) and its driver (python_training/gpu_run.py), dry-run
+on the CPU: the same recipe with a few overrides (device cpu, float32, a tiny random Llama with
+SmolLM2's tokenizer, 6 prompts, 6 steps) runs every phase end to end into one folder; a call whose
+budget runs out, a crash mid-training and a chunk that ends early all go on when rerun; a finished
+run's rerun changes nothing; the packed state (what a device call brings back) fits the tool's
+limits and continues on a "fresh machine" (another folder). Also: the real recipe parses into
+valid settings, and CUDA asked for without a GPU is a clear error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from python_training import gpu_carry, gpu_run
+from python_training.distill import load_recipe, run_recipe
+from python_training.trainer import TrainConfig
+
+ROOT = Path(__file__).parents[1]
+GPU_RECIPE = ROOT / "python_training" / "recipes" / "smollm2_gpu.toml"
+N_PROMPTS, STEPS = 6, 6
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's own tokenizer (vocab 49152, from the GGUF that is
+    installed with the package: no download), saved like a checkpoint."""
+    from transformers import AutoTokenizer
+
+    from jacobi_ext.models import default_model_file, tiny_llama
+
+    path = default_model_file()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = tiny_llama(vocab_size=len(tok), eos_token_id=tok.eos_token_id, seed=1)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    d = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def dry_recipe(model: Path, **extra: str) -> dict:
+    """The GPU recipe with the CPU dry-run's overrides, applied as `--set` would."""
+    recipe = load_recipe(GPU_RECIPE)
+    sets = {
+        "model": str(model), "device": "cpu", "threads": "1",
+        "stages.0.collect_dtype": "float32", "stages.0.prompt_range": f"[0, {N_PROMPTS}]",
+        "stages.0.max_new_tokens": "32", "stages.0.collect_batch_size": "2",
+        "stages.0.train.max_steps": str(STEPS), "stages.0.train.save_every": "2",
+        "stages.0.train.snapshot_every": "3", "stages.0.train.mixed_precision": "no",
+        "eval.dtype": "float32", "eval.max_new_tokens": "16", "eval.curve_prompts": "1",
+        "eval.humaneval_limit": "3", "run.humaneval_slice": "2", "run.collect_chunk_batches": "1",
+        "run.train_load_seconds": "0", "run.min_train_seconds": "0", "run.reserve_seconds": "0",
+        **extra,
+    }  # fmt: skip
+    for k, v in sets.items():
+        gpu_run.set_key(recipe, f"{k}={v}")
+    return recipe
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def tree_digest(out: Path) -> dict[str, str]:
+    """Content hash of every file a rerun must not touch (its own call log and summary aside)."""
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name not in ("calls.jsonl", "summary.json")
+    }
+
+
+def test_gpu_recipe_is_valid_and_sized_for_one_gpu():
+    recipe = gpu_run.check_recipe(load_recipe(GPU_RECIPE))
+    st = recipe["stages"][0]
+    assert recipe["device"] == "cuda" and st["collect_dtype"] == "bfloat16"
+    assert st["collect_fixed_points"] and st["collect_batch_size"] >= 64
+    assert st["max_new_tokens"] % st["block_size"] == 0
+    tr = st["train"]
+    # What the driver adds to the stage's settings must make a valid TrainConfig too.
+    cfg = TrainConfig.from_dict({**tr, "model": None, "data": ["x"], "out": "y", "cpu": False,
+                                 "stop_after_minutes": 8.0})  # fmt: skip
+    assert cfg.lora_rank == 16 and cfg.mixed_precision == "bf16"
+    assert (cfg.variant, cfg.synthetic_fraction, cfg.random_phase) == ("clean_context", 1.0, True)
+    assert cfg.ar_weight == 1.0 and cfg.consistency_reduction == "mean"
+    # ≥ 4 curve points: base, ≥ 2 snapshots, final.
+    assert cfg.max_steps // cfg.snapshot_every >= 2 and cfg.max_steps % cfg.snapshot_every == 0
+    ev = recipe["eval"]
+    assert set(ev["humaneval_methods"]) <= {"ar", "jacobi", "multiblock", "greedy"}
+    assert ev["max_new_tokens"] == 256 and ev["curve_prompts"] >= 8
+    lo, hi = st["prompt_range"]
+    assert hi - lo >= cfg.max_steps  # each training sequence a new prompt
+
+
+def test_gpu_run_command_exists(capsys):
+    from jacobi_ext.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["gpu-run", "--help"])
+    assert e.value.code == 0 and "--minutes" in capsys.readouterr().out
+
+
+def test_unknown_driver_keys_and_bad_overrides_are_errors():
+    recipe = load_recipe(GPU_RECIPE)
+    recipe["eval"]["limit"] = 3
+    with pytest.raises(ValueError, match=r"unknown \[eval\] settings: \['limit'\]"):
+        gpu_run.check_recipe(recipe)
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        gpu_run.set_key(recipe, "device")
+    r = load_recipe(GPU_RECIPE)
+    gpu_run.set_key(r, "device=cpu")
+    gpu_run.set_key(r, "stages.0.prompt_range=[0, 3]")
+    gpu_run.set_key(r, "stages.0.train.lr=1e-3")
+    assert r["device"] == "cpu" and r["stages"][0]["prompt_range"] == [0, 3]
+    assert r["stages"][0]["train"]["lr"] == 1e-3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="asks for device 'cuda'.*sees no CUDA device"):
+        gpu_run.run(load_recipe(GPU_RECIPE), out=tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    with pytest.raises(RuntimeError, match="sees no CUDA device"):  # distill: the same check
+        run_recipe(load_recipe(GPU_RECIPE), out=tmp_path / "out2")
+
+
+def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
+    out, back = tmp_path / "run", tmp_path / "OUT"
+    traj = out / "stage-1-n16" / "trajectories" / "trajectories.jsonl"
+
+    # 1. A call whose budget runs out after the first collect chunk (2 prompts): it stops there,
+    #    says so, and packs what it has.
+    def clock():  # the budget is gone once the first chunk is written
+        return 1e9 if traj.exists() and len(traj.read_text().splitlines()) >= 2 else 0.0
+
+    s = gpu_run.run(dry_recipe(tiny_model), out=out, minutes=1, pack_dir=back, clock=clock)
+    assert s["next"] == "collect" and len(lines(traj)) == 2
+    assert "stopped" in lines(out / "calls.jsonl")[-1]
+
+    # 2. The next call collects the rest (no prompt twice), then training crashes at step 3.
+    from python_training import trainer
+
+    real = trainer.example_at
+    calls = {"n": 0}
+
+    def crash_at_step_3(records, cfg, i):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash")
+        return real(records, cfg, i)
+
+    monkeypatch.setattr(trainer, "example_at", crash_at_step_3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        gpu_run.run(dry_recipe(tiny_model), out=out, pack_dir=back)
+    monkeypatch.setattr(trainer, "example_at", real)
+    ids = [r["id"] for r in lines(traj)]
+    assert len(ids) == len(set(ids)) == N_PROMPTS
+    assert (out / "stage-1-n16" / "COLLECTED").exists()
+    train_dir = out / "stage-1-n16" / "train"
+    assert not (out / "stage-1-n16" / "TRAINED").exists()
+    assert json.loads((train_dir / "adapter" / "train_state.json").read_text())["step"] == 2
+    summary = json.loads((back / "summary.json").read_text())  # packed despite the crash
+    assert summary["next"] == "train" and summary["train"]["state"]["step"] == 2
+    crashed = tmp_path / "OUT-crashed"  # what that call brought back, kept for step 7
+    shutil.copytree(back, crashed)
+    assert list(crashed.glob("state.tar.gz.*"))
+
+    # 3. A chunk that ends at once (stop_after_minutes ~ 0): stopped early, nothing lost.
+    r = dry_recipe(tiny_model, **{"stages.0.train.stop_after_minutes": "1e-9"})
+    s = gpu_run.run(r, phases=("train",), out=out)
+    assert (
+        s["next"] == "train"
+        and "chunk ended at step 2" in lines(out / "calls.jsonl")[-1]["stopped"]
+    )
+
+    # 4. The same command goes on: training from its checkpoint, then the evaluation.
+    s = gpu_run.run(dry_recipe(tiny_model), out=out, pack_dir=back)
+    assert s["next"] == "done"
+    assert [r["step"] for r in lines(train_dir / "log.jsonl")] == list(range(1, STEPS + 1))
+    curve = lines(out / "eval" / "curve.jsonl")
+    assert [c["label"] for c in curve] == ["base", "stage-1-n16/final", "stage-1-n16/step-3"]
+    for c in curve:
+        for key in ("humaneval/jacobi", "humaneval/multiblock", "code-heldout/jacobi"):
+            assert c[key]["tpf"] >= 1.0 and c[key]["tokens"] > 0
+    he = s["eval"]["humaneval_final"]
+    assert set(he) == {"ar", "jacobi", "multiblock"} and he["ar"]["tasks"] == 3
+    assert he["jacobi"]["identical_to_ar"] == 1.0  # fp32: lossless, token for token
+    assert set(s["eval"]["humaneval_base"]) == {"ar"}
+    assert s["eval"]["humaneval_base"]["ar"]["tasks"] == 3  # slices of 2: the last one short
+    for f in ("curve.png", "training_curves.png", "EVALUATED"):
+        assert (out / "eval" / f).exists()
+    assert (train_dir / "adapter" / "adapter_model.safetensors").exists()
+    assert s["seconds_per_phase"].keys() == {"collect", "train", "eval"}
+
+    # What comes back fits the device tool: ≤ 8 files, ≤ 16 MiB each, summary readable as is.
+    files = sorted(back.iterdir())
+    assert len(files) <= 8 and all(f.stat().st_size <= 16 * 2**20 for f in files)
+    assert {"summary.json", "curve.png"} <= {f.name for f in files}
+
+    # 5. Rerun of a finished run: nothing new anywhere.
+    before = tree_digest(out)
+    s = gpu_run.run(dry_recipe(tiny_model), out=out)
+    assert s["next"] == "done" and tree_digest(out) == before
+    assert all("nothing" in c.get("did", "") for c in lines(out / "calls.jsonl")[-3:])
+    # `jacobi-forcing distill` reads the same folder: both stages done, final linked.
+    final = run_recipe(dry_recipe(tiny_model), out=out, progress=False)
+    assert (final / "model.safetensors").exists() and final.resolve() == (train_dir / "final")
+
+    # 6. A fresh machine: the finished run's parts restore, and the merged model is rebuilt
+    #    from the adapter (the pack leaves it out) equal to the trained one.
+    fresh = tmp_path / "fresh"
+    s = gpu_run.run(dry_recipe(tiny_model), out=fresh, restore_dir=back)
+    assert s["next"] == "done"
+    from safetensors.torch import load_file
+
+    a = load_file(train_dir / "final" / "model.safetensors")
+    b = load_file(fresh / "stage-1-n16" / "train" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert lines(fresh / "eval" / "curve.jsonl") == curve  # measured once, carried over
+
+    # 7. A fresh machine with the crashed call's parts: training goes on from the adapter's
+    #    train_state.json (no checkpoint came along) to the end, its log continued.
+    fresh = tmp_path / "fresh-after-crash"
+    s = gpu_run.run(dry_recipe(tiny_model), phases=("train",), out=fresh, restore_dir=crashed)
+    assert s["next"] == "eval" and s["train"]["state"]["step"] == STEPS
+    log = lines(fresh / "stage-1-n16" / "train" / "log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, STEPS + 1))
+
+
+def test_pack_limits_and_round_trip(tmp_path):
+    src = tmp_path / "src"
+    (src / "a" / "checkpoints").mkdir(parents=True)
+    (src / "a" / "checkpoints" / "big.bin").write_bytes(b"x" * 1000)
+    (src / "a" / "keep.bin").write_bytes(torch.randint(0, 255, (300_000,)).byte().numpy().tobytes())
+    (src / "summary.json").write_text("{}")
+    dest = tmp_path / "OUT"
+    files = gpu_run.pack(src, dest, part_mib=0.1)
+    parts = sorted(dest.glob("state.tar.gz.*"))
+    assert len(parts) >= 3 and all(p.stat().st_size <= 0.1 * 2**20 for p in parts)
+    assert set(files) == {*parts, dest / "summary.json"}
+    back = tmp_path / "back"
+    assert gpu_run.restore(dest, back)
+    assert (back / "a" / "keep.bin").read_bytes() == (src / "a" / "keep.bin").read_bytes()
+    assert not (back / "a" / "checkpoints").exists()
+    with pytest.raises(RuntimeError, match="over what a device call brings back"):
+        gpu_run.pack(src, tmp_path / "OUT2", part_mib=0.02)
+
+
+def _wheel(dest: Path, name: str, payload: bytes) -> Path:
+    """A minimal valid pure-Python wheel holding one data file."""
+    path = dest / f"{name}-0.1-py3-none-any.whl"
+    info = f"{name}-0.1.dist-info"
+    files = {
+        f"{name}/__init__.py": b"",
+        f"{name}/blob.bin": payload,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
+    }
+    record = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, data in files.items():
+            z.writestr(n, data)
+        z.writestr(f"{info}/RECORD", record)
+    return path
+
+
+def test_carry_parts_assemble_only_when_complete(tmp_path):
+    """Wheels cut into carry folders of a fixed size; the machine installs each wheel once all
+    its pieces arrived (call by call), checked by sha256."""
+    src = tmp_path / "wheels"
+    src.mkdir()
+    big = torch.randint(0, 255, (250_000,)).byte().numpy().tobytes()  # incompressible
+    wheels = [_wheel(src, "smallpkg", b"s"), _wheel(src, "bigpkg", big)]
+    parts = gpu_carry.split_into_parts(wheels, tmp_path / "carry", 100_000)
+    assert [p.name for p in parts] == [f"p{i}" for i in range(1, len(parts) + 1)]
+    assert len(parts) >= 3
+    for p in parts:
+        assert sum(f.stat().st_size for f in p.iterdir() if f.name != "MANIFEST.json") <= 100_000
+    stash, site = tmp_path / "stash", tmp_path / "site"
+    stash.mkdir()
+    for f in parts[0].iterdir():  # the first call
+        shutil.copy(f, stash)
+    res = gpu_carry.assemble(stash, site)
+    assert res["installed"] == ["smallpkg-0.1-py3-none-any.whl"]
+    assert res["missing"] == [p.name for p in parts[1:]]
+    for p in parts[1:]:  # the later calls
+        for f in p.iterdir():
+            shutil.copy(f, stash)
+    res = gpu_carry.assemble(stash, site)
+    assert res["missing"] == [] and len(res["installed"]) == 2
+    assert (site / "bigpkg" / "blob.bin").read_bytes() == big
+    # A damaged piece is refused, not installed.
+    (site / ".installed-bigpkg-0.1-py3-none-any.whl").unlink()
+    piece = next(stash.glob("bigpkg-*.001"))
+    piece.write_bytes(b"0" + piece.read_bytes()[1:])
+    with pytest.raises(ValueError, match="sha256"):
+        gpu_carry.assemble(stash, site)
