@@ -192,6 +192,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     # cpu=True lets accelerate run a multi-process CPU job (torchrun / accelerate launch) as
     # DDP over gloo; without it a CPU-only torchrun silently gives independent processes.
     cpu = cfg.cpu if cfg.cpu is not None else not torch.cuda.is_available()
+    _forget_other_precision(cfg.mixed_precision)
     acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=1, cpu=cpu)
     out = Path(cfg.out)
     if model is None:
@@ -204,8 +205,11 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         _checkpointing_on(model)
+    frozen_bf16 = None
     if cfg.lora_rank:
         model = _with_lora(model, cfg)
+        if cfg.mixed_precision == "bf16":
+            frozen_bf16 = FrozenLinearsBF16(model)
 
     records = load_examples(cfg)
     world, rank = acc.num_processes, acc.process_index
@@ -321,10 +325,65 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     acc.wait_for_everyone()
     if cfg.lora_rank:
         save_adapter_state(acc, model, _adapter_dir(cfg), data_state, total, cfg)
+        if frozen_bf16 is not None:
+            frozen_bf16.remove()  # merging changes the weights the copies were made from
         # final/ is a plain merged checkpoint, so eval and load_model treat both kinds alike.
         model = acc.unwrap_model(model).merge_and_unload()
     save_hf(acc, model, tokenizer, out / "final")
     return last
+
+
+def _forget_other_precision(mixed_precision: str) -> None:
+    """accelerate keeps one process-wide state and refuses a second Accelerator with another
+    mixed precision; a library user may train twice in one process (fp32, then bf16), so the
+    process-wide part is dropped then (the distributed part, PartialState, is kept)."""
+    from accelerate.state import AcceleratorState
+
+    shared = AcceleratorState._shared_state
+    if shared and str(shared.get("_mixed_precision", mixed_precision)) != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+
+
+class FrozenLinearsBF16:
+    """bf16 copies of the frozen Linear weights (the base model under LoRA), used while CPU
+    autocast runs in bf16. Autocast would cast every fp32 weight to bf16 at every forward (~11%
+    of a LoRA step, profile in docs/results/distill-cpu-2026-11-24); the cast of a frozen
+    weight is the same every time, so it is made once. Numerics are unchanged: autocast rounds
+    the weight to bf16 either way. Outside bf16 autocast, and for a weight changed since (its
+    version moved), the module runs as before. The base weights themselves stay fp32, so the
+    merged model is exactly base + adapter."""
+
+    def __init__(self, model):
+        self.patched = []
+        for m in model.modules():
+            w = getattr(m, "weight", None)
+            if type(m) is torch.nn.Linear and not w.requires_grad and w.dtype == torch.float32:
+                b = m.bias.detach().to(torch.bfloat16) if m.bias is not None else None
+                cache = (w._version, w.detach().to(torch.bfloat16), b)
+                m.forward = self._forward(m, cache)
+                self.patched.append(m)
+
+    @staticmethod
+    def _forward(m, cache):
+        orig = type(m).forward.__get__(m)
+
+        def forward(x):
+            version, w16, b16 = cache
+            if (
+                torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16
+                and x.device.type == "cpu"
+                and m.weight._version == version
+            ):
+                return torch.nn.functional.linear(x, w16, b16)
+            return orig(x)
+
+        return forward
+
+    def remove(self) -> None:
+        for m in self.patched:
+            del m.forward
+        self.patched = []
 
 
 def _with_lora(model, cfg: TrainConfig):
@@ -364,12 +423,37 @@ def save_adapter_state(acc, model, path: Path, data_state, total: int, cfg: Trai
         "config": asdict(cfg),
     }
     (tmp / TRAIN_STATE).write_text(json.dumps(state, indent=1) + "\n")
+    _portable_adapter_files(tmp, state)
     old = path.with_name(path.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _portable_adapter_files(path: Path, state: dict) -> None:
+    """peft records the base model as a path of the training machine and writes a blank model
+    card; the adapter ships in the repo, so name the base portably and say what it is."""
+    from jacobi_ext.models import DEFAULT_MODEL
+
+    base = state["config"].get("model") or DEFAULT_MODEL
+    cfg_path = path / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = str(base)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    c = state["config"]
+    (path / "README.md").write_text(
+        f"# Jacobi Forcing LoRA adapter for {base}\n\n"
+        f"Written by `python_training` (jacobi_ext) at optimizer step {state['step']} of "
+        f"{state['total_steps']}, after {state['tokens']:,} packed training tokens.\n"
+        f"LoRA rank {c.get('lora_rank')}, alpha {c.get('lora_alpha') or 2 * c.get('lora_rank')}, "
+        f"learning rate {c.get('lr')}, "
+        f"window n = {c.get('window')}, variant {c.get('variant')}.\n\n"
+        "Load it merged into its base model with `jacobi_ext.models.load_model(<this folder>)`;\n"
+        "`train_state.json` holds the full training settings, and a run given this folder as\n"
+        "`adapter_out` or `init_adapter` continues from it.\n"
+    )
 
 
 def load_adapter_state(model, path: str | Path) -> dict:

@@ -246,3 +246,43 @@ def test_lora_run_continues_from_its_committed_adapter(data_dir, tmp_path, monke
     assert st["step"] == 6
     with pytest.raises(FileNotFoundError, match="adapter"):
         tr.load_adapter_state(m, tmp_path)
+
+
+def test_bf16_lora_frozen_weight_copies_change_no_number(data_dir, tmp_path, monkeypatch):
+    """The bf16 copies of the frozen base weights are a pure speed-up: a bf16 LoRA run with and
+    without them writes the same adapter bit for bit, and the merged final/ is base (fp32,
+    untouched) + adapter."""
+    kw = dict(max_steps=4, lr=1e-2, lora_rank=4, mixed_precision="bf16")
+
+    def run(name):
+        m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+        tr.train(cfg(data_dir, tmp_path / name, **kw), model=m, progress=False)
+        from safetensors.torch import load_file
+
+        return load_file(str(tmp_path / name / "adapter" / "adapter_model.safetensors"))
+
+    patched = []
+    real = tr.FrozenLinearsBF16.__init__
+
+    def spy(self, model):
+        real(self, model)
+        patched.append(len(self.patched))
+
+    monkeypatch.setattr(tr.FrozenLinearsBF16, "__init__", spy)
+    with_copies = run("with")
+    assert patched and patched[0] == 2 * 7 + 1  # q k v o gate up down per layer, and lm_head
+    monkeypatch.setattr(tr.FrozenLinearsBF16, "__init__", lambda self, model: setattr(
+        self, "patched", []))  # fmt: skip
+    without = run("without")
+    assert with_copies.keys() == without.keys()
+    for k in with_copies:
+        assert torch.equal(with_copies[k], without[k]), k
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "with" / "final")
+    fresh = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3)
+    ref = PeftModel.from_pretrained(fresh, str(tmp_path / "with" / "adapter")).merge_and_unload()
+    for (n1, p1), (_, p2) in zip(ref.named_parameters(), merged.named_parameters(), strict=True):
+        assert p2.dtype == torch.float32
+        torch.testing.assert_close(p1, p2, msg=n1)
