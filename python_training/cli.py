@@ -73,8 +73,9 @@ def _add_collect(sub) -> None:
         "--batch-size",
         type=int,
         default=1,
-        help="with --fixed-points: prompts decoded together, left-padded (default 1; 8 was "
-        "measured ~4x the prompts/s of 1 on 2 CPU cores)",
+        help="prompts decoded together, left-padded, fixed points or Jacobi trajectories "
+        "(default 1; for fixed points, 8 measured 3.8x the prompts/s of 1 in bf16 on 2 CPU "
+        "cores: docs/results/collect-cpu-2026-11-24)",
     )
     p.add_argument("--model", default=None, help="teacher (default SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=_DTYPES)

@@ -171,9 +171,10 @@ def collect(
     faster on a CPU, where Jacobi's TPF ≈ 1) and store each block as its fixed point alone
     (one state per block): the data for synthetic noise (packing.synthetic_state), which needs
     nothing else. ``meta.json`` records it (``"states": "fixed_point"``).
-    ``batch_size`` (fixed points only): decode that many prompts together, left-padded, one
-    forward per step for the batch (``generate(..., attention_mask=)``); each answer is that
-    prompt's own greedy answer, and the batch's records are written when it finishes.
+    ``batch_size``: decode that many prompts together, left-padded, one forward per step for
+    the batch (``generate(..., attention_mask=)``), fixed points and Jacobi trajectories alike;
+    each record is that prompt's own (batch-1) answer and trajectory, and the batch's records
+    are written when it finishes.
     Returns a summary (prompts done now / before, tokens, seconds).
     """
     from tqdm.auto import tqdm
@@ -183,11 +184,6 @@ def collect(
         raise ValueError(f"max_new_tokens ({max_new_tokens}) must be a multiple of n ({n})")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if batch_size > 1 and not fixed_points_only:
-        raise ValueError(
-            "batched collection (batch_size > 1) records fixed points only: pass "
-            "fixed_points_only=True (CLI: --fixed-points), or batch_size=1 for Jacobi trajectories"
-        )
     d = Path(out_dir)
     eos = eos_ids_of(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer is not None else None
@@ -214,24 +210,28 @@ def collect(
     bar = tqdm(total=len(todo), desc=f"collect n={n}", unit="prompt", disable=not progress)
     t_start = time.perf_counter()
 
-    def decode(batch: list[tuple[Prompt, torch.Tensor]]) -> list[tuple[list, object, int, float]]:
-        """(blocks, result, answer tokens, seconds) per prompt of the batch."""
-        if not fixed_points_only:
-            ((_, ids),) = batch
-            rec = TrajectoryRecorder()
-            res = generate(model, ids.to(device), method="jacobi", block_size=n,
-                           max_new_tokens=max_new_tokens, trajectory=rec)  # fmt: skip
-            return [(rec.blocks, res, res.tokens[0].tolist(), res.seconds + res.prefill_seconds)]
+    def decode(batch: list[tuple[Prompt, torch.Tensor]]) -> list[tuple[list, int, list, float]]:
+        """(blocks, forwards, answer tokens, seconds) per prompt of the batch: one forward per
+        step for the whole batch, each prompt's record its own (batch-1) greedy answer."""
         x, mask = _left_pad([ids[0] for _, ids in batch], int(pad))
-        res = generate(model, x.to(device), attention_mask=mask.to(device), method="ar",
-                       max_new_tokens=max_new_tokens, lookup=False,
-                       pad_token_id=int(pad))  # fmt: skip
+        kw = dict(attention_mask=mask.to(device), max_new_tokens=max_new_tokens, lookup=False,
+                  pad_token_id=int(pad))  # fmt: skip
+        if fixed_points_only:
+            res = generate(model, x.to(device), method="ar", **kw)
+        else:
+            recs = [TrajectoryRecorder() for _ in batch]
+            res = generate(model, x.to(device), method="jacobi", block_size=n, trajectory=recs,
+                           **kw)  # fmt: skip
         lengths = res.lengths or [int(res.tokens.shape[-1])]
         secs = (res.seconds + res.prefill_seconds) / len(batch)  # the batch's time, shared
         out = []
         for j, length in enumerate(lengths):
             toks = res.tokens[j, :length].tolist()
-            out.append(([[toks[i : i + n]] for i in range(0, len(toks), n)], res, toks, secs))
+            if fixed_points_only:
+                blocks = [[toks[i : i + n]] for i in range(0, len(toks), n)]
+                out.append((blocks, res.forwards, toks, secs))
+            else:
+                out.append((recs[j].blocks, recs[j].forwards, toks, secs))
         return out
 
     with open(path, "ab") as f:
@@ -247,7 +247,7 @@ def collect(
                 continue
             if not pending:
                 continue
-            for (pr, ids), (blocks, res, toks, secs) in zip(pending, decode(pending), strict=True):
+            for (pr, ids), (blocks, fwd, toks, secs) in zip(pending, decode(pending), strict=True):
                 record = make_record(
                     pr.id,
                     ids[0].tolist(),
@@ -256,7 +256,7 @@ def collect(
                     eos,
                     int(pad),
                     new_tokens=len(toks),
-                    forwards=res.forwards,
+                    forwards=fwd,
                     seconds=round(secs, 4),
                     finished=bool(toks and toks[-1] in eos),
                 )
@@ -269,9 +269,7 @@ def collect(
             bar.update(len(pending))
             pending = []
             el = time.perf_counter() - t_start
-            bar.set_postfix(
-                tok_s=f"{summary['tokens'] / el:.1f}", tpf=f"{res.tokens_per_forward:.2f}"
-            )
+            bar.set_postfix(tok_s=f"{summary['tokens'] / el:.1f}")
     bar.close()
     summary["seconds"] = time.perf_counter() - t_start
     return summary

@@ -133,7 +133,7 @@ def test_batched_fixed_points_equal_batch1_greedy(tmp_path, family):
     assert 0 < finished < 11, "the test needs answers both with and without EOS"
 
 
-def test_batched_collection_resumes_and_refuses_trajectories(tmp_path):
+def test_batched_collection_resumes(tmp_path):
     model = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=5, dtype=torch.float64)
     kw = dict(block_size=4, max_new_tokens=16, progress=False, encode=encode,
               fixed_points_only=True, batch_size=3)  # fmt: skip
@@ -141,8 +141,27 @@ def test_batched_collection_resumes_and_refuses_trajectories(tmp_path):
     s = tr.collect(model, None, prompts(9), tmp_path, **kw)
     assert (s["before"], s["collected"]) == (5, 4)
     assert len(tr.read_trajectories(tmp_path)) == 9
-    with pytest.raises(ValueError, match="fixed_points_only"):
-        tr.collect(model, None, prompts(2), tmp_path / "j", block_size=4, max_new_tokens=16,
-                   progress=False, encode=encode, batch_size=2)  # fmt: skip
     with pytest.raises(ValueError, match="batch_size"):
         tr.collect(model, None, prompts(2), tmp_path, **{**kw, "batch_size": 0})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_jacobi_trajectories_equal_batch1(tmp_path, family):
+    """Real Jacobi trajectories collected 4 prompts a batch (ragged, left-padded, fp64): every
+    record, every iteration's state and its forward count, equals that prompt's batch-1 record."""
+    model = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=5, dtype=torch.float64, family=family)
+    ps = prompts(7)
+    kw = dict(block_size=4, max_new_tokens=16, progress=False, encode=encode)
+    tr.collect(model, None, ps, tmp_path / "b1", **kw)
+    s = tr.collect(model, None, ps, tmp_path / "b4", batch_size=4, **kw)
+    assert s["collected"] == 7
+    one = {r["id"]: r for r in tr.read_trajectories(tmp_path / "b1")}
+    four = {r["id"]: r for r in tr.read_trajectories(tmp_path / "b4")}
+    assert one.keys() == four.keys()
+    iterations = 0
+    for k, r in one.items():
+        for f in ("blocks", "forwards", "new_tokens", "finished", "prompt_ids"):
+            assert four[k][f] == r[f], (k, f)
+        iterations += sum(len(b) for b in r["blocks"]) - len(r["blocks"])
+    assert iterations > 0, "the test needs blocks that took more than one Jacobi iteration"
+    assert any(r["finished"] for r in one.values())

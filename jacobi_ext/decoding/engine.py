@@ -144,7 +144,7 @@ def generate(
     streamer=None,
     seed: int = 0,
     pad_token_id: int | None = None,
-    trajectory: TrajectoryRecorder | None = None,
+    trajectory: TrajectoryRecorder | list[TrajectoryRecorder] | None = None,
     lookup: bool | None = None,
     attention_mask: torch.Tensor | None = None,
     cuda_graphs: bool | str | None = None,
@@ -161,8 +161,9 @@ def generate(
     to `num_blocks` blocks in flight (a new one starts when the newest has converged
     `activation_ratio` of its tokens) and verifies up to `pool_size` recycled candidates per
     step. Generation stops at EOS (`eos_token_id`, default: the model's generation config) or
-    after `max_new_tokens`. `trajectory` (method "jacobi" with a fixed block_size, batch 1)
-    records every iteration's block states for distillation (python_training).
+    after `max_new_tokens`. `trajectory` (method "jacobi" with a fixed block_size, lookup off)
+    records every iteration's block states for distillation (python_training): one recorder,
+    or a list of one per sequence of the batch.
 
     `lookup` verifies context-lookup drafts too (lossless, like prompt-lookup decoding): in the
     parallel methods one more candidate row per step, in AR the drafts after the next token;
@@ -190,13 +191,19 @@ def generate(
         activation_ratio,
     )
     prompts = _prompts(input_ids, attention_mask)
-    if trajectory is not None and (
-        method != "jacobi" or block_size is None or input_ids.shape[0] != 1 or lookup
-    ):
-        raise ValueError(
-            "recording a trajectory needs method='jacobi', a fixed block_size, "
-            "a batch of one prompt and lookup off (a lookup win is not a Jacobi iteration)"
-        )
+    recorders = None
+    if trajectory is not None:
+        recorders = list(trajectory) if isinstance(trajectory, (list, tuple)) else [trajectory]
+        if method != "jacobi" or block_size is None or lookup:
+            raise ValueError(
+                "recording a trajectory needs method='jacobi', a fixed block_size and lookup "
+                "off (a lookup win is not a Jacobi iteration)"
+            )
+        if len(recorders) != len(prompts):
+            raise ValueError(
+                f"trajectory: {len(recorders)} recorder(s) for a batch of {len(prompts)} "
+                "prompts: pass one TrajectoryRecorder per sequence"
+            )
     if lookup is None:
         lookup = method == "multiblock" or (method == "jacobi" and block_size is None)
     eos = _eos_ids(model, eos_token_id)
@@ -244,7 +251,7 @@ def generate(
         cuda_graphs=cuda_graphs,
     )
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    results, stats = decode(model, prompts, cfg, gen, streamer, trajectory)
+    results, stats = decode(model, prompts, cfg, gen, streamer, recorders)
     if streamer is not None:
         streamer.end()
     if cost_ratio is not None and n > 1:

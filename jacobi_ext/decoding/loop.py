@@ -54,6 +54,14 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _own_copy(gen: torch.Generator) -> torch.Generator:
+    """Each sequence draws its initial drafts from its own copy of the generator, so what it
+    does (its drafts, its trajectory) is what it would do alone, whatever its batch."""
+    g = torch.Generator(device=gen.device)
+    g.set_state(gen.get_state())
+    return g
+
+
 @torch.inference_mode()
 def decode(
     model,
@@ -61,7 +69,7 @@ def decode(
     cfg: DecodeConfig,
     gen: torch.Generator,
     streamer=None,
-    recorder: TrajectoryRecorder | None = None,
+    recorders: list[TrajectoryRecorder] | None = None,
 ) -> tuple[list[SeqResult], DecodeStats]:
     """Decode every prompt greedily; one forward per step for the whole batch."""
     dev = next(model.parameters()).device
@@ -82,11 +90,11 @@ def decode(
         bs = rt.batch_steps[key] = BatchStep(rt, n, K, p, cfg.activation_ratio, cfg.eos)
     bs.reset(prompts)
     seqs = [
-        _Seq(b, pr, cfg, gen, streamer if B == 1 else None, bs.cand0, bs.host0)
+        _Seq(b, pr, cfg, _own_copy(gen), streamer if B == 1 else None, bs.cand0, bs.host0)
         for b, pr in enumerate(prompts)
     ]
-    if recorder is not None:
-        seqs[0].recorder = recorder
+    for s, rec in zip(seqs, recorders or [], strict=False):
+        s.recorder = rec
     if streamer is not None and B == 1:
         streamer.put(torch.tensor(prompts[0], dtype=torch.long))
     stats = DecodeStats()

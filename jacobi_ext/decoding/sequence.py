@@ -164,8 +164,7 @@ class _Seq:
             if self.accepted:
                 self.accepted[-1] += 1
             if self.recorder is not None:
-                self.recorder.before_forward([self.seed])
-                self.recorder.after_commit([self.seed], 1, True)
+                self.recorder.finish_with_seed(self.seed)
             self.done = True
 
     def _put(self, toks: list[int]) -> None:

@@ -177,7 +177,9 @@ class BatchStep:
         rt.seg[:, :Q] = self._field("seg")[:, :Q]
         rt.off[:, :Q] = self._field("off")[:, :Q]
         self.src[:, self.host0 :] = self._field("host")
-        rt.ids[:, :Q] = self.src.gather(1, self._field("idx")[:, :Q])
+        # A sequence without a plan (finished) reads stale slots, -1 where its last verify left
+        # no next row: its inputs are masked out, but the embedding still looks them up.
+        rt.ids[:, :Q] = self.src.gather(1, self._field("idx")[:, :Q]).clamp_(min=0)
         tgt = rt.forward(Q, attend)
         toks = rt.ids[:, :Q]
         ar_len = self._field("ar_len")[:, 0]
