@@ -1,8 +1,10 @@
-"""Fixed-point collection for distillation: prompts per second against the batch size B
-(python_training.trajectories.collect with fixed_points_only, batch_size=B: B left-padded
-prompts, one forward per step for the batch). Target (issue 19, CPU): B = 8 at >= 4x the
-prompts/s of B = 1. Every answer equals its prompt's batch-1 greedy answer (asserted in
-tests/test_training_collect.py; counted here as extra_info["identical_to_b1"]).
+"""Collection for distillation: prompts per second against the batch size B
+(python_training.trajectories.collect with batch_size=B: B left-padded prompts, one forward per
+step for the batch), of fixed points (KV-cached greedy AR; JACOBI_BENCH_STATES=fixed_point, the
+default) or of real Jacobi trajectories (JACOBI_BENCH_STATES=jacobi). Targets (issue 19, CPU):
+B = 8 at >= 4x the prompts/s of B = 1 for fixed points, >= 3x for trajectories. Every record
+equals its prompt's batch-1 record (asserted in fp64 by tests/test_training_collect.py; counted
+here as extra_info["identical_to_b1"]).
 
     JACOBI_BENCH_DTYPE=bfloat16 pytest bench/bench_collect.py --benchmark-json=out/collect.json
 
@@ -22,6 +24,9 @@ from python_training.trajectories import collect, read_trajectories
 _ANSWERS: dict[int, dict[str, list]] = {}
 QUICK = os.environ.get("JACOBI_BENCH_QUICK", "") not in ("", "0")  # as in conftest.py
 DEVICE = os.environ.get("JACOBI_BENCH_DEVICE", "cpu")
+STATES = os.environ.get("JACOBI_BENCH_STATES", "fixed_point")
+if STATES not in ("fixed_point", "jacobi"):
+    raise ValueError(f"JACOBI_BENCH_STATES must be fixed_point or jacobi, got {STATES!r}")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,7 @@ def test_collect_prompts_per_second(benchmark, collect_setup, tmp_path_factory, 
     def run():
         d = tmp_path_factory.mktemp(f"collect-b{batch}")
         collect(model, tok, prompts, d, block_size=16, max_new_tokens=max_new, progress=False,
-                encode=encode, fixed_points_only=True, batch_size=batch)  # fmt: skip
+                encode=encode, fixed_points_only=STATES == "fixed_point", batch_size=batch)  # fmt: skip
         return d
 
     d = benchmark.pedantic(run, rounds=1, iterations=1)
@@ -64,6 +69,8 @@ def test_collect_prompts_per_second(benchmark, collect_setup, tmp_path_factory, 
     secs = benchmark.stats.stats.median
     benchmark.extra_info.update(
         batch=batch,
+        states=STATES,
+        forwards=sum(r["forwards"] for r in read_trajectories(d)),
         prompts=len(prompts),
         prompts_per_s=len(prompts) / secs,
         tokens=sum(r["new_tokens"] for r in read_trajectories(d)),
