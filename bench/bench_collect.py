@@ -59,8 +59,9 @@ def test_collect_prompts_per_second(benchmark, collect_setup, tmp_path_factory, 
 
     def run():
         d = tmp_path_factory.mktemp(f"collect-b{batch}")
+        fixed = STATES == "fixed_point"
         collect(model, tok, prompts, d, block_size=16, max_new_tokens=max_new, progress=False,
-                encode=encode, fixed_points_only=STATES == "fixed_point", batch_size=batch)  # fmt: skip
+                encode=encode, fixed_points_only=fixed, batch_size=batch)  # fmt: skip
         return d
 
     d = benchmark.pedantic(run, rounds=1, iterations=1)
