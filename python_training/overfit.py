@@ -249,13 +249,16 @@ def real_model_run(
     model_name: str | None = None,
     progress: bool = False,
     base_prompts: int | None = None,
+    heldout: int = 0,
 ) -> dict:
     """The same proof on a real model (default SmolLM2-135M-Instruct): the first
     ``num_prompts`` stdlib prompts, their greedy answers (fixed points, KV-cached AR), JF
     training with fresh synthetic noise, plain Jacobi TPF on those prompts before and after
     (and on the snapshots at ``eval_steps``). Resumable through ``workdir`` (collection by
     prompt, training from its checkpoints). ``base_prompts``: measure the base model on only
-    that many of the prompts (its plain-Jacobi TPF is ≈ 1: slow to confirm on a CPU)."""
+    that many of the prompts (its plain-Jacobi TPF is ≈ 1: slow to confirm on a CPU).
+    ``heldout``: also plain Jacobi TPF on that many HumanEval problems, before and after (what
+    training on 32 prompts does to prompts it never saw)."""
     from jacobi_ext.decoding import generate
     from jacobi_ext.models import load_model
 
@@ -274,12 +277,16 @@ def real_model_run(
             batch_size=8)  # fmt: skip
     t1 = time.perf_counter()
     ids = [p.input_ids(tok) for p in prompts]
+    if heldout:
+        from jacobi_ext.data import humaneval_input_ids, load_humaneval
 
-    def tpf(m, k=None) -> tuple[float, bool]:
+        held = [humaneval_input_ids(tok, p) for p in load_humaneval(heldout)]
+
+    def tpf(m, k=None, inputs=None) -> tuple[float, bool]:
         m.eval()
         new = fwd = 0
         same = True
-        for x in ids[:k]:
+        for x in (ids if inputs is None else inputs)[:k]:
             ar = generate(m, x, method="ar", max_new_tokens=max_new_tokens)
             jr = generate(m, x, method="jacobi", block_size=n, lookup=False,
                           max_new_tokens=max_new_tokens)  # fmt: skip
@@ -288,6 +295,7 @@ def real_model_run(
         return new / max(fwd, 1), same
 
     base = tpf(model, base_prompts)
+    held_before = tpf(model, inputs=held) if heldout else (None, None)
     t2 = time.perf_counter()
     cfg = setting.train_config(str(wd / "fixed_points"), str(wd / "train"))
     cfg.save_every = 50
@@ -295,6 +303,7 @@ def real_model_run(
     last = train(cfg, model=model, tokenizer=tok, progress=progress)
     t3 = time.perf_counter()
     after = tpf(model)
+    held_after = tpf(model, inputs=held) if heldout else (None, None)
     t4 = time.perf_counter()
     curve = []
     for st in eval_steps:
@@ -304,10 +313,22 @@ def real_model_run(
     return {
         "tpf_before": base[0], "identical_before": base[1],
         "tpf_after": after[0], "identical_after": after[1], "curve": curve,
+        "heldout_problems": heldout, "heldout_tpf_before": held_before[0],
+        "heldout_tpf_after": held_after[0],
+        "heldout_identical": bool(held_before[1] and held_after[1]) if heldout else None,
+        "artifact_bytes": _artifact_bytes(wd / "train"),
         "ar": last.get("ar"), "consistency": last.get("consistency"),
         "seconds_collect": round(t1 - t0, 1), "seconds_eval_before": round(t2 - t1, 1),
         "seconds_train": round(t3 - t2, 1), "seconds_eval_after": round(t4 - t3, 1),
     }  # fmt: skip
+
+
+def _artifact_bytes(train_dir: Path) -> int | None:
+    """What a run ships: the LoRA adapter's safetensors, else the full model's."""
+    for f in ("adapter/adapter_model.safetensors", "final/model.safetensors"):
+        if (train_dir / f).is_file():
+            return (train_dir / f).stat().st_size
+    return None
 
 
 GRID = {  # name -> overrides of the default Setting (the README table)
@@ -351,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64, help="--real only")
     ap.add_argument("--eval-steps", type=int, nargs="*", default=[], help="--real only")
     ap.add_argument("--base-prompts", type=int, default=None, help="--real only")
+    ap.add_argument("--heldout", type=int, default=0, help="--real only: HumanEval problems")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.real:
@@ -364,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         kw["steps"] = a.steps
         r = real_model_run(a.real, a.prompts, a.block_size, a.max_new_tokens, Setting(**kw),
                            tuple(a.eval_steps), progress=True,
-                           base_prompts=a.base_prompts)  # fmt: skip
+                           base_prompts=a.base_prompts, heldout=a.heldout)  # fmt: skip
         print(json.dumps({**kw, **r}), flush=True)
         if a.out:
             with open(a.out, "a") as f:

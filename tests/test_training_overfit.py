@@ -57,8 +57,10 @@ def test_jacobi_forcing_overfits_smollm2(tmp_path):
     """32 stdlib prompts, n=16, 64 new tokens: plain Jacobi TPF >= 3 on those prompts after
     training with fresh noise (tens of minutes on 2 CPU cores)."""
     # The base model's TPF (~1.05) is confirmed on 8 of the prompts: on 32 it costs ~15 min.
-    r = of.real_model_run(tmp_path, num_prompts=32, n=16, max_new_tokens=64, base_prompts=8)
+    r = of.real_model_run(tmp_path, num_prompts=32, n=16, max_new_tokens=64, base_prompts=8,
+                          heldout=4)  # fmt: skip
     print(r)
     assert r["identical_before"] and r["identical_after"]
     assert r["tpf_before"] < 1.5
     assert r["tpf_after"] >= 3.0, r
+    assert r["heldout_identical"]
