@@ -257,6 +257,13 @@ def test_raw_op_kernel_argument_and_environment(monkeypatch):
         ops.block_attention_fwd(q, q, q, *t, 0.25)
 
 
+def test_attention_kernel_op_names_the_family_that_runs():
+    q = torch.randn(1, 2, 8, 16)
+    assert ops.attention_kernel(q) == ops.attention_kernel(q, "auto") == "cpu"
+    with pytest.raises(ValueError, match=r"kernel='sm90' is a CUDA kernel"):
+        ops.attention_kernel(q, "sm90")
+
+
 def test_opcheck_with_a_kernel_argument():
     layout = JacobiLayout(3, 2, 2)
     t = layout.block_table().tensors()
@@ -268,6 +275,22 @@ def test_opcheck_with_a_kernel_argument():
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_default_stays_sm80_until_the_sm90_kernel_has_run(monkeypatch):
+    """Issue 21 part 5: `auto` runs the sm_80 kernel on every GPU, sm_90 included, until a GPU
+    run has passed the attention tests with the sm_90a kernel (then kSm90IsDefault flips)."""
+    q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
+    assert ops.attention_kernel(q) == "sm80"
+    assert ops.attention_kernel(q, "sm80") == "sm80"
+    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "sm90")
+    # No sm_90a kernel exists yet (stage 0): sm90 falls back to sm80 everywhere (with a warning,
+    # once per process, so not asserted here).
+    assert ops.attention_kernel(q) == "sm80"
+    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "bogus")
+    with pytest.raises(ValueError, match=r"JACOBI_ATTN_KERNEL='bogus'"):
+        ops.attention_kernel(q)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["streams", "sm80", "sm90", "auto"])
 @pytest.mark.parametrize("D", [64, 128])

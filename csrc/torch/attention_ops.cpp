@@ -333,6 +333,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_ordered_bwd_cpu(
   return attention_bwd(grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, &block_row, scale);
 }
 
+std::string attention_kernel_cpu(const at::Tensor& q, std::optional<std::string_view> kernel) {
+  check_cpu_kernel(kernel, "attention_kernel");
+  return "cpu";
+}
+
 // The Jacobi Forcing block table, from JfLayout (block_table.h): the one statement of SPEC §4.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> jf_block_table(int64_t prompt_len,
                                                               int64_t block_size, int64_t num_pairs,
@@ -376,6 +381,7 @@ TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("block_attention_bwd", &block_attention_bwd_cpu);
   m.impl("block_attention_ordered_fwd", &block_attention_ordered_fwd_cpu);
   m.impl("block_attention_ordered_bwd", &block_attention_ordered_bwd_cpu);
+  m.impl("attention_kernel", &attention_kernel_cpu);
 }
 
 // No tensor arguments: a composite kernel is what the dispatcher runs for every backend.

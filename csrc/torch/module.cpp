@@ -24,6 +24,9 @@ TORCH_LIBRARY(jacobi_ext, m) {
       "block_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor block_start, Tensor kv_ptr, Tensor kv_idx, float scale, "
       "bool deterministic, str? kernel=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // The kernel family block_attention_fwd/bwd run for q with this `kernel` argument: "cpu",
+  // "sm80" or "sm90" (the family that actually runs, after the fallbacks; for benchmarks).
+  m.def("attention_kernel(Tensor q, str? kernel=None) -> str");
   // The same with the table in a processing order that differs from the memory order: block b
   // (of the table) lives at memory rows [block_row[b], block_row[b] + its length). The tokens
   // are reordered inside the kernel's own copy passes, at no extra cost, so a layout can be
