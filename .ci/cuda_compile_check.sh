@@ -7,6 +7,9 @@
 # dim once, for bfloat16 only (CMake JACOBI_EXT_CUDA_KERNELS=ci: registers and spills do not
 # depend on the 16-bit type), which halves the CuTe translation units on a 2-core CI box;
 # JACOBI_CI_CUDA_KERNELS=full compiles what a GPU machine's build compiles.
+#
+# Then the SASS gate (.ci/sass_gate.py) reads the sm_90a object library's machine code: HGMMA in
+# the Hopper kernels, no HMMA, no local memory (LDL/STL), no "wgmma serialized" from ptxas.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t_start=$(date +%s)
@@ -22,6 +25,7 @@ fi
 pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 pip install -q -r requirements/cuda-build.txt 2>&1 | grep -v "^WARNING: Location" || true
 pip install -q --no-deps nvidia-cutlass==4.2.0.0 2>&1 | grep -v "^WARNING: Location" || true
+pip install -q -r requirements/sass-gate.txt 2>&1 | grep -v "^WARNING: Location" || true
 export CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
 export JACOBI_EXT_CUDA=ON
 rm -rf build/ci-cuda /tmp/jacobi-cuda-wheel
@@ -34,6 +38,10 @@ echo "== CUDA build: $((t_built - t_start)) s"
 grep -E "ptxas|bytes stack frame" "$report_dir/cuda-build.log" > "$report_dir/ptxas-report.txt" || true
 echo "== ptxas report: $(wc -l < "$report_dir/ptxas-report.txt") lines, $(wc -c < "$report_dir/ptxas-report.txt") bytes ($report_dir/ptxas-report.txt)"
 python .ci/check_ptxas.py "$report_dir/ptxas-report.txt" --require-arch sm_80 --require-arch sm_90a --table
+t_gate=$(date +%s)
+python .ci/sass_gate.py build/ci-cuda/CMakeFiles/jacobi_cuda_sm90.dir \
+  --build-log "$report_dir/cuda-build.log"
+echo "== SASS gate: $(($(date +%s) - t_gate)) s"
 pip install -q --no-deps --force-reinstall /tmp/jacobi-cuda-wheel/jacobi_ext-*.whl
 (cd /tmp && python - <<'PY'
 import jacobi_ext, torch

@@ -7,6 +7,10 @@ block mask, and >= 0.9x FlashAttention-2 (SDPA flash backend) run on the permute
 plain causal attention; two streams as a batch of 2, the shared prompt computed twice), which does
 the same useful FLOPs as an ideal block-sparse kernel.
 
+Side by side (issue 21): the kernel families (kernel="sm80" / "sm90"; extra_info["kernel"] names
+the one that ran, after fallbacks) and jacobi_attention(backend="streams") on the packed
+sequence, its gather/scatter included (the anchor the sm_90a kernel must beat).
+
 Shapes: B=1, P=256, n=32, bf16, S in {2048, 4096, 8192, 16384};
 SmolLM2-like Hq=9/Hkv=3/D=64 and 7B-like Hq=28/Hkv=4/D=128.
 Run: pytest bench/bench_attention_cuda.py --benchmark-only (gpu-marked: skips without CUDA).
@@ -17,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import jacobi_ext  # noqa: F401
+import jacobi_ext
 
 # bench/ has no conftest: skip here too when no CUDA device is visible.
 pytestmark = [
@@ -58,19 +62,41 @@ def inputs(S, Hq, Hkv, D):
     return mk(Hq), mk(Hkv), mk(Hkv)
 
 
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("S", SEQ)
-def test_jacobi_ext(benchmark, S, shape):
+def test_jacobi_ext(benchmark, S, shape, kernel):
     Hq, Hkv, D = SHAPES[shape]
     S, _, table, _ = jf_noisy_context(S)
     q, k, v = inputs(S, Hq, Hkv, D)
     scale = D**-0.5
+    ops = torch.ops.jacobi_ext
+    benchmark.extra_info["kernel"] = ops.attention_kernel(q, kernel)
 
     def step():
-        out, lse = torch.ops.jacobi_ext.block_attention_fwd(q, k, v, *table, scale)
-        torch.ops.jacobi_ext.block_attention_bwd(out, q, k, v, out, lse, *table, scale, False)
+        out, lse = ops.block_attention_fwd(q, k, v, *table, scale, kernel)
+        ops.block_attention_bwd(out, q, k, v, out, lse, *table, scale, False, kernel)
         torch.cuda.synchronize()
 
+    benchmark(step)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("S", SEQ)
+def test_streams_backend(benchmark, S, shape):
+    """jacobi_attention(backend="streams"): gather the two streams, two causal SDPA calls (cuDNN
+    or flash, as SDPA picks), scatter back; forward + backward, copies included."""
+    Hq, Hkv, D = SHAPES[shape]
+    S, T, _, _ = jf_noisy_context(S)
+    layout = jacobi_ext.JacobiLayout(P, N, T)
+    q, k, v = inputs(S, Hq, Hkv, D)
+
+    def step():
+        out = jacobi_ext.jacobi_attention(q, k, v, layout, backend="streams")
+        out.backward(out.detach())
+        torch.cuda.synchronize()
+
+    step()
     benchmark(step)
 
 

@@ -7,10 +7,30 @@ every tile the kernel visits is fully visible, so it does the useful work and li
 ``JacobiLayout.stream_order``). The CPU kernel applies the order inside its own copy passes
 (``block_attention_ordered_*`` ops); elsewhere the tokens are gathered and scattered around the
 plain op.
+
+Backends (``jacobi_attention(..., backend=...)``; the same names in the environment variable
+``JACOBI_ATTN_KERNEL``, read at every call, so that a GPU run can compare them without code
+changes; an explicit ``backend`` argument wins over the variable):
+
+- ``auto`` (default): the compiled kernel of q's device (``cpu`` on CPU, ``sm80`` on CUDA), or
+  FlexAttention for a CUDA head dim without a kernel; on CUDA, a backend that a GPU run measured
+  fastest for the variant and head dim (``MEASURED_FASTEST``, empty until one has run);
+- ``cpu``: the CPU kernel;
+- ``sm80``: the sm_80 CUDA kernel (A100, and the fallback everywhere);
+- ``sm90``: the sm_90a CUDA kernel on compute capability 9.x; elsewhere, or where no sm_90a
+  kernel exists for the dtype and head dim yet, the op runs the sm_80 one and warns once;
+- ``flex``: torch's FlexAttention with the layout's block mask;
+- ``streams``: two causal SDPA calls in stream order (``noisy_context`` only: see
+  ``jacobi_ext/_attn_streams.py``).
+
+From the environment, ``sm80``/``sm90`` apply to CUDA tensors only (CPU tensors keep the CPU
+kernel); as an argument, a backend that does not fit the inputs is a ValueError that names the
+ones that do.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from collections import OrderedDict
@@ -19,8 +39,17 @@ from collections.abc import Sequence
 import torch
 
 from . import ops as _ops
+from ._attn_streams import is_two_stream, streams_attention
 from ._native import ops
 from .layout import BlockTable, JacobiLayout, StreamPlan, table_mask_mod
+
+#: The backends of ``jacobi_attention`` (module docstring), also the values of KERNEL_ENV.
+BACKENDS = ("auto", "cpu", "sm80", "sm90", "flex", "streams")
+KERNEL_ENV = "JACOBI_ATTN_KERNEL"
+#: (CUDA compute capability major, variant, head dim) -> the backend a GPU run measured fastest
+#: (bf16, fwd+bwd). ``auto`` takes it on CUDA where it fits; empty until a GPU run fills it in
+#: (issue 21), so ``auto`` keeps today's choice.
+MEASURED_FASTEST: dict[tuple[int, str, int], str] = {}
 
 
 class _PermuteTokens(torch.autograd.Function):
@@ -85,19 +114,33 @@ def _prepare(q, k, v):
     return tuple(_unit_last_stride(x) if isinstance(x, torch.Tensor) else x for x in (q, k, v))
 
 
-def _run(q, k, v, table: BlockTable, block_row: torch.Tensor | None, scale: float | None):
+def _run(
+    q,
+    k,
+    v,
+    table: BlockTable,
+    block_row: torch.Tensor | None,
+    scale: float | None,
+    kernel: str | None = None,
+):
     if scale is None:
         scale = q.shape[-1] ** -0.5
     _ops.check_block_table_tensors(q, *table.tensors())
     if block_row is None:
-        out, _ = ops.block_attention_fwd(q, k, v, *table.tensors(), float(scale))
+        out, _ = ops.block_attention_fwd(q, k, v, *table.tensors(), float(scale), kernel)
     else:
         out, _ = ops.block_attention_ordered_fwd(q, k, v, *table.tensors(), block_row, float(scale))
     return out
 
 
 def _run_plan(
-    q, k, v, plan: StreamPlan, scale: float | None, original: BlockTable | None = None
+    q,
+    k,
+    v,
+    plan: StreamPlan,
+    scale: float | None,
+    original: BlockTable | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     device = q.device
     table, block_row = plan.table.to(device), plan.block_row.to(device)
@@ -108,11 +151,11 @@ def _run_plan(
         # The CUDA kernels compute their own stream-order permutation from the table and read
         # rows through it (csrc/include/jacobi/attention_plan.h): gathering here would only add
         # six copies of q/k/v/out and their gradients.
-        return _run(q, k, v, original.to(device), None, scale)
+        return _run(q, k, v, original.to(device), None, scale, kernel)
     # Devices without the ordered kernel: gather into processing order and back.
     perm, inv = plan.perm.to(device), plan.inv.to(device)
     qs, ks, vs = (_PermuteTokens.apply(x, perm, inv) for x in (q, k, v))
-    return _PermuteTokens.apply(_run(qs, ks, vs, table, None, scale), inv, perm)
+    return _PermuteTokens.apply(_run(qs, ks, vs, table, None, scale, kernel), inv, perm)
 
 
 @torch.compiler.disable
@@ -133,24 +176,100 @@ def jacobi_attention(
     v: torch.Tensor,
     layout: JacobiLayout,
     scale: float | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention over a packed Jacobi Forcing sequence with the layout's mask (SPEC §4).
 
     q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]; Hq % Hkv == 0; S == layout.seq_len.
     Returns [B, Hq, S, D] in the packed order; differentiable in q, k, v.
+    ``backend``: one of ``BACKENDS`` (see the module docstring); "auto" reads
+    ``JACOBI_ATTN_KERNEL`` first.
     """
     q, k, v = _prepare(q, k, v)
-    native = _ops.check_attention_inputs(q, k, v, allow_fallback=True)
+    name, explicit = _resolve_backend(backend, q, k, v, layout)
     if q.shape[2] != layout.seq_len:
         raise ValueError(
             f"q, k, v have seq_len {q.shape[2]} but {layout} describes "
             f"P + 2*T*n = {layout.seq_len} tokens; pass the layout of this packed sequence"
         )
-    if not native:
-        return _flex_attention(q, k, v, _block_table(layout, q.device), scale, key=layout)
-    return _run_plan(
-        q, k, v, _stream_plan(layout, q.device), scale, original=_block_table(layout, q.device)
-    )
+    if name == "streams":
+        return streams_attention(q, k, v, layout, scale)
+    if name == "flex":
+        table = _block_table(layout, q.device)
+        return _flex_attention(q, k, v, table, scale, key=layout, warn=not explicit)
+    plan, table = _stream_plan(layout, q.device), _block_table(layout, q.device)
+    return _run_plan(q, k, v, plan, scale, original=table, kernel=name)
+
+
+def _fitting_backends(q, k, v, layout: JacobiLayout) -> list[str]:
+    """The backends that take these inputs (for error messages)."""
+    fits = []
+    if q.device.type == "cpu":
+        fits.append("cpu")
+    elif q.device.type == "cuda":
+        try:
+            if _ops.check_attention_inputs(q, k, v):
+                fits += ["sm80", "sm90"]
+        except ValueError:
+            pass
+    fits.append("flex")
+    if is_two_stream(layout):
+        fits.append("streams")
+    return fits
+
+
+def _resolve_backend(backend, q, k, v, layout: JacobiLayout) -> tuple[str, bool]:
+    """(backend to run, whether it was asked for explicitly); validates the inputs for it.
+    Runs: "auto" (the device's kernel, which picks its own family), "cpu", "sm80", "sm90",
+    "flex" or "streams"."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    explicit = backend != "auto"
+    if not explicit:
+        env = os.environ.get(KERNEL_ENV, "").strip()
+        if env not in ("", "auto"):
+            if env not in BACKENDS:
+                raise ValueError(
+                    f"{KERNEL_ENV}={env!r} is not an attention backend; set it to one of "
+                    f"{', '.join(BACKENDS)} (or unset it)"
+                )
+            backend = env
+    # What every backend needs (shapes, dtypes, devices); the kernels' own rules come below.
+    _ops.check_attention_inputs(q, k, v, kernel_rules=False)
+    if backend in ("sm80", "sm90") and q.device.type != "cuda" and not explicit:
+        backend = "auto"  # the variable names CUDA kernels: CPU tensors keep their kernel
+    if backend == "auto":
+        if not _ops.check_attention_inputs(q, k, v, allow_fallback=True):
+            return "flex", False
+        if MEASURED_FASTEST and q.device.type == "cuda":
+            measured = MEASURED_FASTEST.get(
+                (torch.cuda.get_device_capability(q.device)[0], layout.variant, q.shape[-1])
+            )
+            if measured is not None and (measured != "streams" or is_two_stream(layout)):
+                return measured, False
+        return "auto", False
+    fits = ", ".join(_fitting_backends(q, k, v, layout))
+    if backend == "streams" and not is_two_stream(layout):
+        raise ValueError(
+            f"backend='streams' needs a layout that is two causal streams sharing the prompt "
+            f"(variant noisy_context, or a layout with the same mask); {layout} is not. "
+            f"Backends that fit: {fits}"
+        )
+    if backend == "cpu" and q.device.type != "cpu":
+        raise ValueError(
+            f"backend='cpu' is the CPU kernel but q is on {q.device}; backends that fit: {fits}"
+        )
+    if backend in ("sm80", "sm90"):
+        if q.device.type != "cuda":
+            raise ValueError(
+                f"backend={backend!r} is a CUDA kernel but q is on {q.device}; backends that "
+                f"fit: {fits}"
+            )
+        try:
+            _ops.check_attention_inputs(q, k, v)
+        except ValueError as e:
+            raise ValueError(f"backend={backend!r}: {e}. Backends that fit: {fits}") from None
+    return backend, explicit
 
 
 # ---- FlexAttention: CUDA head dims without a compiled kernel ----------------------------------
@@ -214,10 +333,14 @@ def _flex_fn(device: torch.device):
     return _compiled_flex
 
 
-def _flex_attention(q, k, v, table: BlockTable, scale: float | None, key) -> torch.Tensor:
+def _flex_attention(
+    q, k, v, table: BlockTable, scale: float | None, key, warn: bool = True
+) -> torch.Tensor:
     """The layout's attention through torch.nn.attention.flex_attention (same semantics as the
-    kernels: GQA without repeating k/v, rows that see nothing give 0)."""
-    _warn_flex(q.shape[-1])
+    kernels: GQA without repeating k/v, rows that see nothing give 0). ``warn``: say once per
+    head dim that this is the slow fallback (not when the caller asked for it)."""
+    if warn:
+        _warn_flex(q.shape[-1])
     if scale is None:
         scale = q.shape[-1] ** -0.5
     block_mask = _flex_block_mask(table, key, q.device)

@@ -23,7 +23,12 @@ _CUDA_MAX_GRID_Y = 65535  # batch * heads is the kernels' gridDim.y
 
 
 def check_attention_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, allow_fallback: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    allow_fallback: bool = False,
+    kernel_rules: bool = True,
 ) -> bool:
     """The shape/dtype/device/stride rules of block attention, checked on metadata only (works on
     meta and fake tensors, never touches data or the device). The C++ ops check the same again.
@@ -31,7 +36,10 @@ def check_attention_inputs(
     Returns True when the compiled kernel of q's device takes the inputs. With
     ``allow_fallback`` (the Python front end), a CUDA head dim without a compiled kernel but
     inside ``CUDA_FLEX_HEAD_DIMS`` returns False (run FlexAttention) instead of raising.
-    Raises ValueError, saying what is expected, for everything else.
+    Raises ValueError, saying what is expected, for everything else. ``kernel_rules=False``
+    checks only what every backend needs (shapes, dtypes, devices), not the rules of a compiled
+    kernel (CUDA dtypes, head dims, strides): the backends that run through torch's own attention
+    (``streams``, ``flex``) take those inputs as they are.
     """
     for name, t, heads in (("q", q, "q_heads"), ("k", k, "kv_heads"), ("v", v, "kv_heads")):
         if not isinstance(t, torch.Tensor):
@@ -51,7 +59,7 @@ def check_attention_inputs(
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name} must have dtype {q.dtype} (like q), got {t.dtype}")
-    cuda = q.device.type == "cuda"
+    cuda = q.device.type == "cuda" and kernel_rules
     if cuda and q.dtype not in _CUDA_DTYPES:
         raise ValueError(
             f"the CUDA attention takes bfloat16 or float16 q/k/v, got {q.dtype}; cast them "
@@ -78,6 +86,8 @@ def check_attention_inputs(
         raise ValueError(f"head_dim must be in [1, 256], got {D}")
     if S >= 1 << 30:
         raise ValueError(f"seq_len must be < 2**30, got {S}")
+    if not kernel_rules:
+        return True
     if not cuda:
         # The CPU kernel reads every row as a GEMM operand: unit stride along head_dim.
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -150,7 +160,7 @@ def check_attention_bwd_inputs(grad_out, q, k, v, out, lse) -> None:
 
 
 @torch.library.register_fake("jacobi_ext::block_attention_fwd")
-def _block_attention_fwd_fake(q, k, v, block_start, kv_ptr, kv_idx, scale):
+def _block_attention_fwd_fake(q, k, v, block_start, kv_ptr, kv_idx, scale, kernel=None):
     check_attention_inputs(q, k, v)
     check_block_table_tensors(q, block_start, kv_ptr, kv_idx)
     out = q.new_empty(q.shape)
@@ -160,7 +170,7 @@ def _block_attention_fwd_fake(q, k, v, block_start, kv_ptr, kv_idx, scale):
 
 @torch.library.register_fake("jacobi_ext::block_attention_bwd")
 def _block_attention_bwd_fake(
-    grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, scale, deterministic
+    grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, scale, deterministic, kernel=None
 ):
     check_attention_bwd_inputs(grad_out, q, k, v, out, lse)
     check_block_table_tensors(q, block_start, kv_ptr, kv_idx)
@@ -216,10 +226,12 @@ def _verify_step_fake(
 
 
 def _attn_setup_context(ctx, inputs, output):
-    q, k, v, block_start, kv_ptr, kv_idx, scale = inputs
+    q, k, v, block_start, kv_ptr, kv_idx, scale, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, block_start, kv_ptr, kv_idx)
     ctx.scale = scale
+    ctx.kernel = rest[0] if rest else None  # the backward runs the kernel family of the forward
+    ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
 
 
@@ -228,9 +240,9 @@ def _attn_backward(ctx, grad_out, grad_lse):
     if grad_out.dim() == 4 and grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dq, dk, dv = ops.block_attention_bwd(
-        grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, ctx.scale, True
+        grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, ctx.scale, True, ctx.kernel
     )
-    return dq, dk, dv, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 torch.library.register_autograd(

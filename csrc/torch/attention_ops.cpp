@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "attention_kernel.h"
 #include "checks.h"
 #include "cpu/attention_cpu.h"
 #include "jacobi/block_table.h"
@@ -139,6 +140,15 @@ cpu::Strides4 strides(const at::Tensor& t, const char* name) {
   return {t.stride(0), t.stride(1), t.stride(2)};
 }
 
+// The CPU has one kernel: a CUDA kernel asked for by argument is a mistake worth a clear error
+// (from JACOBI_ATTN_KERNEL, set for a GPU run, it is not: CPU calls run the CPU kernel).
+void check_cpu_kernel(const std::optional<std::string_view>& kernel, const char* op) {
+  const AttnKernel k = parse_kernel(kernel, op);
+  TORCH_CHECK_VALUE(!kernel.has_value() || k == AttnKernel::automatic || k == AttnKernel::cpu, op,
+                    ": kernel='", kernel_name(k), "' is a CUDA kernel but q is on the CPU; pass "
+                    "kernel=None, 'auto' or 'cpu'");
+}
+
 // Tile sizes: 64 queries x 128 keys by default. JACOBI_EXT_ATTN_TILES="bq,bk" overrides them
 // (for tuning and for tests that want many tile boundaries).
 std::pair<int, int> tile_sizes() {
@@ -224,7 +234,9 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, 
                                                            const at::Tensor& v,
                                                            const at::Tensor& block_start,
                                                            const at::Tensor& kv_ptr,
-                                                           const at::Tensor& kv_idx, double scale) {
+                                                           const at::Tensor& kv_idx, double scale,
+                                                           std::optional<std::string_view> kernel) {
+  check_cpu_kernel(kernel, "block_attention_fwd");
   return attention_fwd(q, k, v, block_start, kv_ptr, kv_idx, nullptr, scale);
 }
 
@@ -307,7 +319,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_start,
-    const at::Tensor& kv_ptr, const at::Tensor& kv_idx, double scale, bool /*deterministic*/) {
+    const at::Tensor& kv_ptr, const at::Tensor& kv_idx, double scale, bool /*deterministic*/,
+    std::optional<std::string_view> kernel) {
+  check_cpu_kernel(kernel, "block_attention_bwd");
   return attention_bwd(grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, nullptr, scale);
 }
 
@@ -317,6 +331,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_ordered_bwd_cpu(
     const at::Tensor& kv_ptr, const at::Tensor& kv_idx, const at::Tensor& block_row, double scale,
     bool /*deterministic*/) {
   return attention_bwd(grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, &block_row, scale);
+}
+
+std::string attention_kernel_cpu(const at::Tensor& q, std::optional<std::string_view> kernel) {
+  check_cpu_kernel(kernel, "attention_kernel");
+  return "cpu";
 }
 
 // The Jacobi Forcing block table, from JfLayout (block_table.h): the one statement of SPEC §4.
@@ -362,6 +381,7 @@ TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("block_attention_bwd", &block_attention_bwd_cpu);
   m.impl("block_attention_ordered_fwd", &block_attention_ordered_fwd_cpu);
   m.impl("block_attention_ordered_bwd", &block_attention_ordered_bwd_cpu);
+  m.impl("attention_kernel", &attention_kernel_cpu);
 }
 
 // No tensor arguments: a composite kernel is what the dispatcher runs for every backend.

@@ -7,10 +7,18 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
 #include <tuple>
 
+#include "attention_kernel.h"
 #include "checks.h"
 #include "cuda/attention/attention_cuda.h"
+#ifdef JACOBI_WITH_SM90
+#include "cuda/attention/sm90/attention_sm90.h"
+#include "tile_lists_view.h"
+#endif
 
 namespace jacobi::ops {
 namespace {
@@ -98,6 +106,31 @@ void check_launch(const char* op, cudaError_t err) {
               cudaGetErrorString(err));
 }
 
+// Compute capability major of q's device (cudaDeviceGetAttribute: cheap, no context switch; not
+// ATen/cuda/CUDAContext.h, which needs the cuSPARSE headers of a full toolkit).
+int cc_major(const char* op, const at::Tensor& t) {
+  int major = 0;
+  check_launch(op, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                          t.device().index()));
+  return major;
+}
+
+// The kernel family of this call (attention_kernel.h names, attention_cuda.h choose_kernel): the
+// device's compute capability decides where sm90 can run; asking for it elsewhere warns once.
+ca::Kernel pick_kernel(const char* op, const std::optional<std::string_view>& kernel,
+                       const at::Tensor& q, ca::DType dtype, int64_t head_dim) {
+  const AttnKernel k = parse_kernel(kernel, op);
+  TORCH_CHECK_VALUE(k != AttnKernel::cpu, op, ": kernel='cpu' is the CPU kernel but q is on ",
+                    q.device(), "; pass kernel=None, 'auto', 'sm80' or 'sm90'");
+  const ca::KernelChoice c = ca::choose_kernel(k == AttnKernel::sm90, k == AttnKernel::automatic,
+                                               cc_major(op, q), dtype, head_dim);
+  if (c.fallback_reason != nullptr) {
+    TORCH_WARN_ONCE("jacobi_ext attention: kernel 'sm90' was asked for, running 'sm80': ",
+                    c.fallback_reason);
+  }
+  return c.kernel;
+}
+
 ca::Plan make_plan(const char* op, const BlockTable& table, int32_t seq_len, const at::Tensor& q,
                    at::Tensor& workspace, cudaStream_t stream) {
   workspace = at::empty({int64_t(ca::plan_workspace_bytes(seq_len, table.num_blocks)) + 16},
@@ -110,10 +143,11 @@ ca::Plan make_plan(const char* op, const BlockTable& table, int32_t seq_len, con
 std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& block_start, const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
-    double scale) {
+    double scale, std::optional<std::string_view> kernel) {
   const char* op = "block_attention_fwd";
   const AttnShape s = check_qkv(op, q_in, k_in, v_in);
   const BlockTable table = check_table(op, q_in, block_start, kv_ptr, kv_idx);
+  const ca::Kernel family = pick_kernel(op, kernel, q_in, s.dtype, s.head_dim);
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = rows_ready(q_in), k = rows_ready(k_in), v = rows_ready(v_in);
   at::Tensor out = at::empty(q.sizes(), q.options());  // every row is written
@@ -138,6 +172,7 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cuda(
   p.head_dim = s.head_dim;
   p.scale = float(scale);
   p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
+  p.kernel = family;
   check_launch(op, ca::block_attention_fwd(p, s.dtype, stream));
   return {out, lse};
 }
@@ -146,10 +181,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     const at::Tensor& block_start, const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
-    double scale, bool deterministic) {
+    double scale, bool deterministic, std::optional<std::string_view> kernel) {
   const char* op = "block_attention_bwd";
   const AttnShape s = check_qkv(op, q_in, k_in, v_in);
   const BlockTable table = check_table(op, q_in, block_start, kv_ptr, kv_idx);
+  const ca::Kernel family = pick_kernel(op, kernel, q_in, s.dtype, s.head_dim);
   for (auto [t, name] : {std::pair{&dout_in, "grad_out"}, {&out_in, "out"}}) {
     ck::same_device(*t, name, q_in, "q");
     ck::dtype(*t, name, q_in.scalar_type());
@@ -203,15 +239,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   p.scale = float(scale);
   p.deterministic = deterministic;
   p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
+  p.kernel = family;
   check_launch(op, ca::block_attention_bwd(p, s.dtype, stream));
   return {dq, dk, dv};
 }
+
+// Which family block_attention_fwd/bwd would run for q with this `kernel` ("sm80" or "sm90"):
+// for benchmarks and tests, so that a figure always names the kernel that produced it.
+std::string attention_kernel_cuda(const at::Tensor& q, std::optional<std::string_view> kernel) {
+  const char* op = "attention_kernel";
+  ck::rank(q, "q", 4, "[B, Hq, S, D]");
+  const ca::DType dtype = q.scalar_type() == at::kHalf ? ca::DType::fp16 : ca::DType::bf16;
+  const ca::Kernel k = pick_kernel(op, kernel, q, dtype, q.size(3));
+  return k == ca::Kernel::sm90 ? "sm90" : "sm80";
+}
+
+#ifdef JACOBI_WITH_SM90
+// The sm_90a tile-list consumer (attention_sm90.cu), for the GPU test of the host-built lists.
+at::Tensor debug_expand_tile_lists_cuda(const at::Tensor& fwd_ptr, const at::Tensor& fwd_tile,
+                                        const at::Tensor& fwd_mask, const at::Tensor& masks,
+                                        int64_t seq_len, int64_t tile_m, int64_t tile_n) {
+  TORCH_CHECK_VALUE(cc_major("debug_expand_tile_lists", fwd_ptr) == 9,
+                    "debug_expand_tile_lists: the CUDA tile-list consumer is sm_90a code and "
+                    "needs a compute capability 9.x device; run it on the CPU elsewhere");
+  c10::cuda::CUDAGuard guard(fwd_ptr.device());
+  const jacobi::attn::TileLists l =
+      tile_lists_view(fwd_ptr, fwd_tile, fwd_mask, masks, seq_len, tile_m, tile_n);
+  at::Tensor vis = at::empty({seq_len, seq_len}, fwd_ptr.options().dtype(at::kByte));
+  check_launch("debug_expand_tile_lists",
+               ca::sm90::expand_tile_lists(l, int32_t(seq_len), vis.data_ptr<uint8_t>(),
+                                           c10::cuda::getCurrentCUDAStream().stream()));
+  return vis;
+}
+#endif
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CUDA, m) {
   m.impl("block_attention_fwd", &block_attention_fwd_cuda);
   m.impl("block_attention_bwd", &block_attention_bwd_cuda);
+  m.impl("attention_kernel", &attention_kernel_cuda);
+#ifdef JACOBI_WITH_SM90
+  m.impl("debug_expand_tile_lists", &debug_expand_tile_lists_cuda);
+#endif
 }
 
 }  // namespace jacobi::ops

@@ -15,13 +15,18 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // Training attention over a block-causal layout (visibility: csrc/include/jacobi/block_table.h).
   // q [B, Hq, S, D]; k, v [B, Hkv, S, D] (Hq % Hkv == 0); block table tensors int32 on q's device.
   // Returns out [B, Hq, S, D] (q's dtype) and the log-sum-exp lse [B, Hq, S] (float32).
+  // kernel: the kernel family (auto, cpu, sm80, sm90); None reads JACOBI_ATTN_KERNEL at call
+  // time (csrc/torch/attention_kernel.h).
   m.def(
       "block_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor block_start, Tensor kv_ptr, "
-      "Tensor kv_idx, float scale) -> (Tensor out, Tensor lse)");
+      "Tensor kv_idx, float scale, str? kernel=None) -> (Tensor out, Tensor lse)");
   m.def(
       "block_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor block_start, Tensor kv_ptr, Tensor kv_idx, float scale, "
-      "bool deterministic) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "bool deterministic, str? kernel=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // The kernel family block_attention_fwd/bwd run for q with this `kernel` argument: "cpu",
+  // "sm80" or "sm90" (the family that actually runs, after the fallbacks; for benchmarks).
+  m.def("attention_kernel(Tensor q, str? kernel=None) -> str");
   // The same with the table in a processing order that differs from the memory order: block b
   // (of the table) lives at memory rows [block_row[b], block_row[b] + its length). The tokens
   // are reordered inside the kernel's own copy passes, at no extra cost, so a layout can be

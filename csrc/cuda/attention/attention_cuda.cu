@@ -8,6 +8,9 @@
 #include "cuda/attention/launch.h"
 #include "cuda/attention/static_switch.h"
 #include "jacobi/attention_plan.h"
+#ifdef JACOBI_WITH_SM90
+#include "cuda/attention/sm90/attention_sm90.h"
+#endif
 
 namespace jacobi::cuda::attn {
 namespace {
@@ -96,6 +99,23 @@ __global__ void bwd_dq_convert_kernel(const BwdParams p) {
 
 }  // namespace
 
+KernelChoice choose_kernel(bool want_sm90, bool is_auto, int cc_major, DType dtype,
+                           int64_t head_dim) {
+  if (is_auto) want_sm90 = kSm90IsDefault && cc_major == 9;
+  if (!want_sm90) return {Kernel::sm80, nullptr};
+  if (cc_major != 9) return {Kernel::sm80, "the device is not compute capability 9.x"};
+#ifdef JACOBI_WITH_SM90
+  if (!sm90::has_kernel(dtype, head_dim)) {
+    return {Kernel::sm80, "no sm_90a kernel for this dtype and head dim yet (issue 21 stage 1)"};
+  }
+  return {Kernel::sm90, nullptr};
+#else
+  (void)dtype;
+  (void)head_dim;
+  return {Kernel::sm80, "this build has no sm_90a objects (CMake JACOBI_EXT_CUDA_ARCHS lacks 90a)"};
+#endif
+}
+
 size_t plan_workspace_bytes(int32_t seq_len, int32_t num_blocks) {
   return WorkspaceLayout(seq_len, num_blocks).total;
 }
@@ -130,6 +150,9 @@ cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream
     return cudaErrorInvalidValue;
   }
   if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
+#ifdef JACOBI_WITH_SM90
+  if (params.kernel == Kernel::sm90) return sm90::block_attention_fwd(params, dtype, stream);
+#endif
   return JACOBI_DTYPE_SWITCH(dtype, [&] {
     return JACOBI_HEADDIM_SWITCH(params.head_dim,
                                  [&] { return run_fwd<Element, kHeadDim>(params, stream); });
@@ -141,6 +164,9 @@ cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream
     return cudaErrorInvalidValue;
   }
   if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
+#ifdef JACOBI_WITH_SM90
+  if (params.kernel == Kernel::sm90) return sm90::block_attention_bwd(params, dtype, stream);
+#endif
   return JACOBI_DTYPE_SWITCH(dtype, [&] {
     const int64_t rows = int64_t(params.batch) * params.heads_q * params.seq_len;
     bwd_dsum_kernel<Element><<<unsigned((rows * 16 + 255) / 256), 256, 0, stream>>>(params);

@@ -18,6 +18,9 @@ namespace jacobi::cuda::attn {
 
 enum class DType : int { bf16 = 0, fp16 = 1 };
 
+// Kernel families: sm_80 (everywhere; the fallback) and sm_90a (Hopper, issue 21).
+enum class Kernel : int { sm80 = 80, sm90 = 90 };
+
 // The kernels put batch * heads on gridDim.y.
 constexpr int64_t kMaxGridY = 65535;
 
@@ -44,6 +47,7 @@ struct FwdParams {
   int32_t batch, heads_q, heads_kv, seq_len, head_dim;
   float scale;
   Plan plan;
+  Kernel kernel = Kernel::sm80;  // from choose_kernel
 };
 
 struct BwdParams {
@@ -63,6 +67,7 @@ struct BwdParams {
   float scale;
   bool deterministic;
   Plan plan;
+  Kernel kernel = Kernel::sm80;  // from choose_kernel
 };
 
 // Bytes of device workspace that build_plan needs (16-byte aligned base).
@@ -74,6 +79,23 @@ cudaError_t build_plan(const BlockTable& table, int32_t seq_len, void* workspace
 
 cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream_t stream);
 cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream);
+
+// ---- choosing the kernel family ------------------------------------------------------------------
+// Until a GPU run has passed every attention test with the sm_90a kernel, `auto` runs the sm_80
+// kernel on sm_90 too (issue 21 part 5). Flip this in the commit that records those figures.
+constexpr bool kSm90IsDefault = false;
+
+struct KernelChoice {
+  Kernel kernel;
+  // Non-null when sm90 was asked for and the sm_80 kernel runs instead: why (for a warning).
+  const char* fallback_reason;
+};
+
+// The family that runs on a device of compute capability major `cc_major`: sm90 only on 9.x,
+// in a build with the sm_90a objects, where one exists for (dtype, head dim); sm80 otherwise.
+// want_sm90: the caller asked for sm90; is_auto: the caller left it to the default.
+KernelChoice choose_kernel(bool want_sm90, bool is_auto, int cc_major, DType dtype,
+                           int64_t head_dim);
 
 // Head dims with compiled kernels (one fwd_/bwd_<dtype>_hdim<D>.cu file each; static_switch.h
 // dispatches them; jacobi_ext/ops.py CUDA_HEAD_DIMS lists the same).

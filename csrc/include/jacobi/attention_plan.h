@@ -148,17 +148,17 @@ JACOBI_HD bool visible_permuted(const BlockTable& t, int32_t q_tok, int32_t qb, 
   return kb < qb && block_visible_bsearch(t, qb, kb);
 }
 
-// Class of the (query tile i, key tile j) pair at kPlanTile granularity, over permuted positions.
-// Rows at or past seq_len do not exist (never stored) and are ignored; columns past seq_len are
-// invisible, so a tile that overhangs the end is partial unless it is empty.
-// Work: (blocks in the row tile) x (blocks in the column tile) pair tests, each O(log row length).
-JACOBI_HD uint8_t plan_classify_tile(const BlockTable& t, const int32_t* order,
-                                     const int32_t* pstart, int32_t seq_len, int32_t i,
-                                     int32_t j) {
+// Class of the rectangle of permuted rows [r0, r0 + rows) x columns [c0, c0 + cols). Rows at or
+// past seq_len do not exist (never stored) and are ignored; columns past seq_len are invisible, so
+// a rectangle that overhangs the end is partial unless it is empty.
+// Work: (blocks in the rows) x (blocks in the columns) pair tests, each O(log row length).
+JACOBI_HD uint8_t plan_classify_rect(const BlockTable& t, const int32_t* order,
+                                     const int32_t* pstart, int32_t seq_len, int32_t r0,
+                                     int32_t rows, int32_t c0, int32_t cols) {
   const int32_t nb = t.num_blocks;
   const int32_t covered = pstart[nb];
-  const int32_t r0 = i * kPlanTile, r1 = r0 + kPlanTile < seq_len ? r0 + kPlanTile : seq_len;
-  const int32_t c0 = j * kPlanTile, c1e = c0 + kPlanTile;
+  const int32_t r1 = r0 + rows < seq_len ? r0 + rows : seq_len;
+  const int32_t c1e = c0 + cols;
   const int32_t c1 = c1e < seq_len ? c1e : seq_len;
   bool any_vis = false, any_hidden = c1e > seq_len;
   // Segments [a, e) of the row and column ranges that lie in one permuted block each.
@@ -200,6 +200,14 @@ JACOBI_HD uint8_t plan_classify_tile(const BlockTable& t, const int32_t* order,
   }
   if (!any_vis) return kTileEmpty;
   return any_hidden ? uint8_t(kTilePartial) : uint8_t(kTileFull);
+}
+
+// Class of the (query tile i, key tile j) pair at kPlanTile granularity (the sm_80 kernels).
+JACOBI_HD uint8_t plan_classify_tile(const BlockTable& t, const int32_t* order,
+                                     const int32_t* pstart, int32_t seq_len, int32_t i,
+                                     int32_t j) {
+  return plan_classify_rect(t, order, pstart, seq_len, i * kPlanTile, kPlanTile, j * kPlanTile,
+                            kPlanTile);
 }
 
 }  // namespace jacobi::attn
