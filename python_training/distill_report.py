@@ -7,10 +7,12 @@ Works on the directory layout of ``distill.py``::
     <run>/stage-<k>-<name>/train/snapshots/step-N/   HF snapshots (``snapshot_every``)
     <run>/stage-<k>-<name>/train/final/              the stage's model
 
-The scaling curve decodes the first ``limit`` HumanEval problems (held out: training prompts
-come from the stdlib) with plain Jacobi at a fixed block size and records tokens per forward;
-TPF does not depend on machine load, so it can be measured while other jobs run. Results are
-appended to ``scaling.jsonl`` one model at a time, so an interrupted report resumes.
+The scaling curve decodes the first ``limit`` prompts of each held-out set (HumanEval, and the
+installed-code prompts of packages training never saw) with plain Jacobi and ``multiblock``
+(no lookup) at a fixed block size, and the first training prompts with plain Jacobi, and records
+tokens per forward; TPF does not depend on machine load, so it can be measured while other jobs
+run. Results are appended to ``scaling.jsonl`` one model at a time, so an interrupted report
+resumes.
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ def scaling_points(run: str | Path) -> list[dict]:
 # The held-out sets of the curve: HumanEval (the paper's benchmark) and the installed-code
 # prompts of packages training never saw (prompt_corpus.HELDOUT_PACKAGES).
 HELDOUT_SETS = ("humaneval", "code-heldout")
+# The first prompts of the training split ("code"), which the run trained on: held-out TPF that
+# flattens while this one rises is a generalisation gap (more prompts help); both flat is the
+# model or the optimisation (more data would not). Plain Jacobi only, to keep the report short.
+TRAIN_SET = "code"
+REPORT_SETS = HELDOUT_SETS + (TRAIN_SET,)
+SET_METHODS = {TRAIN_SET: ("jacobi",)}
 # Plain Jacobi and multiblock WITHOUT context lookup: lookup drafts copy text and would make a
 # base model look distilled, so they never stand as evidence of distillation.
 CURVE_METHODS = {
@@ -119,6 +127,8 @@ def heldout_tpf(
     for which in sets:
         inputs = heldout_inputs(tokenizer, which, limit)
         for name, kw in CURVE_METHODS.items():
+            if name not in SET_METHODS.get(which, CURVE_METHODS):
+                continue
             tok = fw = 0
             for ids in inputs:
                 with torch.inference_mode():
@@ -131,28 +141,59 @@ def heldout_tpf(
     return out
 
 
+def _missing_sets(row: dict, sets) -> tuple:
+    """The sets a row of ``scaling.jsonl`` has no figure for (rows of older reports lack the
+    newer sets)."""
+    return tuple(w for w in sets if not any(k.startswith(f"{w}/") for k in row))
+
+
 def measure_scaling(
     run, results, limit=12, max_new_tokens=128, block_size=16, base=None, progress=True,
-    sets=HELDOUT_SETS,
+    sets=REPORT_SETS,
 ):  # fmt: skip
-    """Append held-out TPF for every scaling point not yet in ``results`` (JSONL); ``base`` is
-    the run's base model (default: SmolLM2-135M-Instruct, as in the recipes)."""
+    """Measure TPF on ``sets`` for every scaling point: a point not yet in ``results`` (JSONL)
+    is appended; a row measured before a set was added gets that set only (the file is
+    rewritten atomically). ``base`` is the run's base model (default: SmolLM2-135M-Instruct,
+    as in the recipes)."""
     from tqdm.auto import tqdm
 
     from jacobi_ext.models import load_model
 
     results = Path(results)
-    done = {r["label"] for r in _rows(results)}
-    todo = [p for p in scaling_points(run) if p["label"] not in done]
-    for p in tqdm(todo, desc="held-out TPF", unit="model", disable=not progress):
+    rows = {r["label"]: r for r in _rows(results)}
+    todo = []
+    for p in scaling_points(run):
+        old = rows.get(p["label"])
+        if old is None:
+            todo.append((p, tuple(sets)))
+        elif (old.get("prompts"), old.get("max_new_tokens")) == (limit, max_new_tokens) and (
+            miss := _missing_sets(old, sets)
+        ):
+            todo.append((old, miss))
+    for p, which in tqdm(todo, desc="held-out TPF", unit="model", disable=not progress):
         model, tok = load_model(p["model"] or base)
-        row = dict(p, **heldout_tpf(model, tok, limit, max_new_tokens, block_size, sets),
-                   prompts=limit, max_new_tokens=max_new_tokens, block_size=block_size)  # fmt: skip
+        got = heldout_tpf(model, tok, limit, max_new_tokens, block_size, which)
+        if p["label"] in rows:  # complete an older row in place
+            rows[p["label"]] = {**p, **{k: v for k, v in got.items() if k != "tpf"}}
+            _rewrite(results, list(rows.values()))
+            continue
+        row = dict(p, **got, prompts=limit, max_new_tokens=max_new_tokens, block_size=block_size)
+        rows[p["label"]] = row
         with open(results, "a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
     return _rows(results)
+
+
+def _rewrite(path: Path, rows: list[dict]) -> None:
+    """Replace a JSONL file by ``rows`` without a moment where it is partly written."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -225,16 +266,20 @@ def plot_scaling(rows: list[dict], path) -> Path:
     rows = sorted(rows, key=lambda r: (r.get("tokens", r["examples"]), r["stage"]))
     if not rows or any(not math.isfinite(r["tpf"]) for r in rows):
         raise ValueError("scaling rows missing or not finite")
-    keys = [f"{w}/{m}" for w in HELDOUT_SETS for m in CURVE_METHODS if f"{w}/{m}" in rows[0]]
+    keys = [f"{w}/{m}" for w in REPORT_SETS for m in CURVE_METHODS if f"{w}/{m}" in rows[0]]
     x_key = "tokens" if all("tokens" in r for r in rows) else "examples"
     xs = [r[x_key] / (1e6 if x_key == "tokens" else 1) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for key in keys or ["tpf"]:
-        ys = [r[key]["tpf"] if key != "tpf" else r["tpf"] for r in rows]
-        ax.plot(xs, ys, "o-", label=key if key != "tpf" else "humaneval/jacobi")
+        pts = [(x, r[key]["tpf"] if key != "tpf" else r["tpf"])
+               for x, r in zip(xs, rows, strict=True) if key == "tpf" or key in r]  # fmt: skip
+        seen = key.startswith(f"{TRAIN_SET}/")  # the training prompts: dashed
+        label = "humaneval/jacobi" if key == "tpf" else ("training prompts/" + key.split("/")[1]
+                                                          if seen else key)  # fmt: skip
+        ax.plot(*zip(*pts, strict=True), "o--" if seen else "o-", label=label)
     r0 = rows[0]
     ax.set_xlabel("packed training tokens seen (M)" if x_key == "tokens" else "trajectories")
-    ax.set_ylabel(f"held-out tokens per forward (n={r0['block_size']})")
+    ax.set_ylabel(f"tokens per forward (n={r0['block_size']})")
     ax.set_title(f"first {r0['prompts']} prompts of each set, {r0['max_new_tokens']} new tokens, "
                  "no lookup")  # fmt: skip
     ax.grid(alpha=0.3)

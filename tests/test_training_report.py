@@ -77,7 +77,7 @@ def test_measure_scaling_resumes(tmp_path, monkeypatch):
         calls.append(model)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return {"tokens": 10, "forwards": 8, "tpf": 1.25}
+        return {f"{w}/jacobi": {"tokens": 10, "forwards": 8, "tpf": 1.25} for w in sets}
 
     monkeypatch.setattr(dr, "heldout_tpf", fake_tpf)
     out = tmp_path / "scaling.jsonl"
@@ -124,3 +124,32 @@ def test_eval_summary_speedup_and_identity(tmp_path):
     table = format_summary(s)
     assert "| prompt-lookup | 2 | - | 3.1 | 1.25x | 50.0% | yes |" in table
     assert "no (50% of tasks)" in table and "| greedy | 2 | 1.00 |" in table
+
+
+def test_measure_scaling_completes_older_rows(tmp_path, monkeypatch):
+    """A row measured before a set was added gets that set alone; its other figures stay."""
+    run = fake_run(tmp_path / "run")
+    monkeypatch.setattr("jacobi_ext.models.load_model", lambda m: (m, None))
+    calls = []
+
+    def fake_tpf(model, tok, limit, max_new_tokens, block_size, sets):
+        calls.append(tuple(sets))
+        return {f"{w}/jacobi": {"tokens": 10, "forwards": 5, "tpf": 2.0} for w in sets}
+
+    monkeypatch.setattr(dr, "heldout_tpf", fake_tpf)
+    out = tmp_path / "scaling.jsonl"
+    dr.measure_scaling(run, out, limit=2, progress=False, sets=("humaneval",))
+    before = dr._rows(out)
+    calls.clear()
+    rows = dr.measure_scaling(run, out, limit=2, progress=False, sets=("humaneval", "code"))
+    assert calls == [("code",)] * len(before)
+    assert [r["label"] for r in rows] == [r["label"] for r in before]
+    for old, new in zip(before, rows, strict=True):
+        assert new["humaneval/jacobi"] == old["humaneval/jacobi"]
+        assert new["code/jacobi"]["tpf"] == 2.0
+    calls.clear()
+    dr.measure_scaling(run, out, limit=2, progress=False, sets=("humaneval", "code"))
+    assert calls == []  # nothing left to measure
+    # rows of another prompt count or length are never mixed with new figures
+    dr.measure_scaling(run, out, limit=3, progress=False, sets=("humaneval", "code", "x"))
+    assert calls == []
