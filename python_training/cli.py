@@ -127,7 +127,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
               "grad_accum", "mixed_precision", "save_every", "seed", "threads",
               "consistency_reduction", "synthetic_fraction", "lookback",
               "max_noise_tokens", "lora_rank", "lora_alpha", "adapter_out", "init_adapter",
-              "snapshot_every"):  # fmt: skip
+              "snapshot_every", "warmup_ratio", "stop_after_minutes"):  # fmt: skip
         v = getattr(args, k)
         if v is not None:
             d[k] = v
@@ -184,6 +184,12 @@ def _add_train(sub) -> None:
     p.add_argument("--lr", type=float, default=None, help="default 1e-5")
     p.add_argument("--epochs", type=float, default=None)
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--warmup-ratio", type=float, default=None, help="default 0.03")
+    p.add_argument(
+        "--stop-after-minutes", type=float, default=None,
+        help="end this call after so many minutes, at a step, with a checkpoint (and the "
+        "adapter) saved: a long run goes in chunks; the same command goes on",
+    )  # fmt: skip
     p.add_argument("--grad-accum", type=int, default=None)
     p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"])
     p.add_argument("--gradient-checkpointing", action="store_true")

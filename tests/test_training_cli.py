@@ -34,3 +34,22 @@ def test_recipes_parse(path):
 def test_unknown_train_key_is_an_error():
     with pytest.raises(ValueError, match="unknown"):
         TrainConfig.from_dict({"learning_rate": 1e-5})
+
+
+def test_train_flags_reach_the_config(monkeypatch, tmp_path, capsys):
+    """The chunked run's flags (--warmup-ratio, --stop-after-minutes, LoRA, adapter_out) land
+    in TrainConfig, and a flag overrides the same key of --config."""
+    import json
+
+    import python_training.trainer as trainer
+
+    got = {}
+    monkeypatch.setattr(trainer, "train", lambda cfg: got.setdefault("cfg", cfg) and {})
+    conf = tmp_path / "c.json"
+    conf.write_text(json.dumps({"warmup_ratio": 0.5, "window": 8}))
+    main(["train", "--data", "d", "--config", str(conf), "--warmup-ratio", "0.02",
+          "--stop-after-minutes", "45", "--lora-rank", "16", "--adapter-out", "a",
+          "--random-phase"])  # fmt: skip
+    cfg = got["cfg"]
+    assert (cfg.warmup_ratio, cfg.stop_after_minutes, cfg.window) == (0.02, 45.0, 8)
+    assert (cfg.lora_rank, cfg.adapter_out, cfg.random_phase, cfg.data) == (16, "a", True, ["d"])
