@@ -247,26 +247,36 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         model, tok, args.results, methods=args.methods, limit=args.limit, offset=args.offset,
         max_new_tokens=args.max_new_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, pool_size=args.pool_size, timeout=args.timeout,
-        label=args.label or str(args.model or "base"),
+        label=args.label or str(args.model or "base"), prompts=args.prompts,
     )  # fmt: skip
     print(format_summary(s))
     return 0
 
 
+_EVAL_DEFAULT = ["greedy", "jacobi", "multiblock"]
+
+
 def _add_eval(sub) -> None:
+    from .evaluate import METHODS, PROMPT_SETS
+
     p = sub.add_parser(
         "eval",
-        help="HumanEval: TPF, tokens/s, speedup over transformers greedy, pass@1 (resumable)",
+        help="HumanEval (or the held-out prompt split): TPF, tokens/s, speedup over transformers "
+        "greedy, pass@1 (resumable)",
     )
     p.add_argument("--results", required=True, help="JSONL results file (appended / resumed)")
     p.add_argument("--model", default=None, help="checkpoint (default SmolLM2-135M-Instruct)")
     p.add_argument(
-        "--methods", nargs="+", default=["greedy", "jacobi", "multiblock"],
-        choices=["greedy", "prompt-lookup", "ar", "jacobi", "multiblock", "jacobi-tuned",
-                 "multiblock-tuned"],
-        help="default: greedy jacobi multiblock (-tuned: block size chosen by the tuner)",
+        "--methods", nargs="+", default=_EVAL_DEFAULT, choices=METHODS,
+        help="default: greedy jacobi multiblock (-tuned: block size chosen by the tuner; "
+        "multiblock-nolookup: without the context-lookup row)",
     )  # fmt: skip
-    p.add_argument("--limit", type=int, default=None, help="problems (default all 164)")
+    p.add_argument(
+        "--prompts", default="humaneval", choices=PROMPT_SETS,
+        help="humaneval (default) or code-heldout: the held-out package split of the shipped "
+        "prompt corpus (no tests: no pass@1)",
+    )  # fmt: skip
+    p.add_argument("--limit", type=int, default=None, help="problems (default all)")
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)

@@ -4,8 +4,14 @@
 Methods: ``greedy`` (transformers), ``prompt-lookup`` (transformers' prompt-lookup decoding,
 10 draft tokens), ``ar``, ``jacobi`` and ``multiblock`` at the given block size (``multiblock``
 with its default context-lookup candidate row; each row's ``settings`` names what ran), and
-``jacobi-tuned`` / ``multiblock-tuned`` with ``block_size=None`` (the engine's roofline tuner
-picks settings from this machine's measured forward curve and the acceptance it observes).
+``multiblock-nolookup`` (the paper's multi-block decoding alone: no context-lookup row, so its
+TPF is evidence of distillation, which lookup rows are not), and ``jacobi-tuned`` /
+``multiblock-tuned`` with ``block_size=None`` (the engine's roofline tuner picks settings from
+this machine's measured forward curve and the acceptance it observes).
+
+``prompts``: ``"humaneval"`` (default; pass@1 by running each problem's tests) or
+``"code-heldout"``, the held-out package split of the shipped prompt corpus (whole packages the
+distillation never saw; no tests, so pass@1 is not measured there).
 Every row keeps its token ids, so the summary can say whether each method's output equals
 greedy's token for token (it must: the methods are lossless).
 """
@@ -23,6 +29,10 @@ from jacobi_ext.decoding import generate
 from jacobi_ext.decoding.baselines import hf_greedy
 
 from .execution import check_completion
+
+METHODS = ("greedy", "prompt-lookup", "ar", "jacobi", "multiblock", "multiblock-nolookup",
+           "jacobi-tuned", "multiblock-tuned")  # fmt: skip
+PROMPT_SETS = ("humaneval", "code-heldout")
 
 
 def _done(path: Path) -> set[tuple[str, str]]:
@@ -52,13 +62,17 @@ def evaluate(
     timeout: float = 10.0,
     label: str = "",
     progress: bool = True,
+    prompts: str = "humaneval",
 ) -> dict:
     from tqdm.auto import tqdm
 
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"unknown eval method(s) {bad}: choose from {list(METHODS)}")
     path = Path(results)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = _done(path)
-    probs = load_humaneval()[offset:]
+    probs = _problems(prompts, tokenizer)[offset:]
     probs = probs[:limit] if limit is not None else probs
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
@@ -66,7 +80,7 @@ def evaluate(
     bar = tqdm(todo, desc=f"eval {label}".strip(), unit="run", disable=not progress)
     with open(path, "a") as f:
         for p, m in bar:
-            ids = humaneval_input_ids(tokenizer, p).to(device)
+            ids = p["input_ids"].to(device)
             with torch.inference_mode():
                 used = m
                 if m in ("greedy", "prompt-lookup"):
@@ -76,17 +90,20 @@ def evaluate(
                     # greedy: one forward per token; prompt lookup does not report its count
                     forwards = int(toks.numel()) if m == "greedy" else None
                 else:
-                    base_m, tuned = m.removesuffix("-tuned"), m.endswith("-tuned")
+                    tuned = m.endswith("-tuned")
+                    base_m = m.removesuffix("-tuned").removesuffix("-nolookup")
+                    lookup = False if m.endswith("-nolookup") else None  # None: the default
                     r = generate(
                         model, ids, method=base_m, block_size=None if tuned else block_size,
-                        num_blocks=num_blocks,
-                        pool_size=pool_size, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                        num_blocks=num_blocks, pool_size=pool_size, lookup=lookup,
+                        max_new_tokens=max_new_tokens, eos_token_id=eos,
                     )  # fmt: skip
                     toks = r.tokens[0, : r.new_tokens]
                     secs, forwards = r.seconds + r.prefill_seconds, r.forwards
                     used = f"{r.method} n={r.block_size} K={r.num_blocks} p={r.pool_size}"
             text = tokenizer.decode(toks, skip_special_tokens=True)
-            ok, why = check_completion(p, text, timeout)
+            # Held-out corpus prompts have no tests: pass@1 is HumanEval's alone.
+            ok, why = check_completion(p, text, timeout) if "test" in p else (None, "no tests")
             row = {
                 "task_id": p["task_id"], "method": m, "label": label, "tokens": int(toks.numel()),
                 "forwards": forwards, "seconds": round(secs, 4), "passed": ok, "result": why,
@@ -97,6 +114,19 @@ def evaluate(
             f.flush()
             os.fsync(f.fileno())
     return summarize(path)
+
+
+def _problems(prompts: str, tokenizer) -> list[dict]:
+    """The problems of a prompt set as dicts with ``task_id`` and ``input_ids`` (and HumanEval's
+    fields, ``test`` among them, where the set is HumanEval)."""
+    if prompts == "humaneval":
+        return [{**p, "input_ids": humaneval_input_ids(tokenizer, p)} for p in load_humaneval()]
+    if prompts == "code-heldout":
+        from .prompts import load_prompts
+
+        return [{"task_id": p.id, "input_ids": p.input_ids(tokenizer)}
+                for p in load_prompts("code-heldout")]  # fmt: skip
+    raise ValueError(f"unknown prompt set {prompts!r}: choose from {list(PROMPT_SETS)}")
 
 
 def summarize(results: str | Path) -> dict:
@@ -128,10 +158,15 @@ def summarize(results: str | Path) -> dict:
             "tpf": tok / fw if fw else None,
             "tokens_per_s": tok / sec if sec else float("nan"),
             "speedup": 1.0 if m == "greedy" else sp,
-            "pass@1": sum(r["passed"] for r in rs.values()) / len(rs),
+            "pass@1": _pass_at_1(rs.values()),
             "identical": 1.0 if m == "greedy" else ident,
         }
     return out
+
+
+def _pass_at_1(rows) -> float | None:
+    tested = [r["passed"] for r in rows if r["passed"] is not None]
+    return sum(tested) / len(tested) if tested else None
 
 
 def format_summary(s: dict) -> str:
@@ -143,13 +178,17 @@ def format_summary(s: dict) -> str:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         lines.append(
             f"| {m} | {r['tasks']} | {_num(r['tpf'])} | {r['tokens_per_s']:.1f} | {sp} "
-            f"| {100 * r['pass@1']:.1f}% | {_ident(r.get('identical'))} |"
+            f"| {_pct(r['pass@1'])} | {_ident(r.get('identical'))} |"
         )
     return "\n".join(lines)
 
 
 def _num(x) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def _ident(x) -> str:

@@ -11,6 +11,7 @@ import pytest
 
 from python_training import distill_report as dr
 from python_training.evaluate import format_summary, summarize
+from python_training.prompts import load_prompts
 
 
 def fake_run(root: Path) -> Path:
@@ -153,3 +154,37 @@ def test_measure_scaling_completes_older_rows(tmp_path, monkeypatch):
     # rows of another prompt count or length are never mixed with new figures
     dr.measure_scaling(run, out, limit=3, progress=False, sets=("humaneval", "code", "x"))
     assert calls == []
+
+
+def test_eval_methods_and_heldout_prompts_end_to_end(tmp_path):
+    """`evaluate` on a tiny random Llama with SmolLM2's tokenizer: HumanEval rows run the tests
+    (pass@1), held-out corpus rows have none (pass@1 '-'), `multiblock-nolookup` decodes without
+    the lookup row, every method equals greedy, and a rerun resumes instead of repeating."""
+    from transformers import AutoTokenizer
+
+    from jacobi_ext.models import default_model_file, tiny_llama
+    from python_training.evaluate import evaluate
+
+    path = default_model_file()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = tiny_llama(vocab_size=len(tok), eos_token_id=tok.eos_token_id, seed=1).eval()
+    methods = ("greedy", "jacobi", "multiblock-nolookup", "multiblock")
+    kw = dict(methods=methods, limit=2, max_new_tokens=12, block_size=4, progress=False)
+    he = evaluate(model, tok, tmp_path / "he.jsonl", **kw)
+    held = evaluate(model, tok, tmp_path / "held.jsonl", prompts="code-heldout", **kw)
+    for s in (he, held):
+        assert set(s) == set(methods)
+        assert all(r["tasks"] == 2 and r["identical"] == 1.0 for r in s.values())
+    assert he["greedy"]["pass@1"] == 0.0  # random weights: code that fails its tests
+    assert held["greedy"]["pass@1"] is None and "| - |" in format_summary(held)
+    rows = [json.loads(x) for x in (tmp_path / "held.jsonl").read_text().splitlines()]
+    assert {r["task_id"] for r in rows} <= {p.id for p in load_prompts("code-heldout")}
+    settings = {r["method"]: r["settings"] for r in rows}
+    assert "lookup" not in settings["multiblock-nolookup"], settings
+    n = len(rows)
+    evaluate(model, tok, tmp_path / "held.jsonl", prompts="code-heldout", **kw)
+    assert len((tmp_path / "held.jsonl").read_text().splitlines()) == n
+    with pytest.raises(ValueError, match="choose from"):
+        evaluate(model, tok, tmp_path / "x.jsonl", methods=("beam",), limit=1)
+    with pytest.raises(ValueError, match="prompt set"):
+        evaluate(model, tok, tmp_path / "x.jsonl", prompts="mbpp", limit=1)
