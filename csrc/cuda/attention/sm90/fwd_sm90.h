@@ -35,6 +35,7 @@
 
 #include "cuda/attention/attention_cuda.h"
 #include "cuda/attention/sm90/attention_sm90.h"
+#include "cuda/attention/sm90/fragment_layouts.h"
 #include "jacobi/online_softmax.h"
 #include "jacobi/tile_list.h"
 
@@ -115,26 +116,6 @@ struct FwdTraits {
 };
 
 namespace detail {
-
-// The accumulator of a 64xN wgmma, ((2 cols, 2 row halves, N/8), M, N) per thread, seen as
-// (rows, cols): ((2, M), (2, N/8, N)).
-template <class L>
-__device__ __forceinline__ auto rowcol(L l) {
-  using namespace cute;
-  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
-                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
-}
-
-// The same registers as the A operand of the next wgmma (K = the accumulator's N): an A fragment
-// of a 64x16 atom holds (2 cols, 2 row halves, 2 col halves of the 16) per thread, which is two
-// consecutive n8 groups of the accumulator. ((2, 2, N/8), M, N) -> ((2, 2, 2), M, N/16 * N).
-template <class L>
-__device__ __forceinline__ auto acc_as_operand_a(L l) {
-  using namespace cute;
-  auto n8 = logical_divide(get<0, 2>(l), Tile<_2>{});  // ((2, N/16))
-  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(n8)), get<1>(l),
-                     coalesce(make_layout(get<0, 1>(n8), get<2>(l))));
-}
 
 // One warpgroup GEMM over the K blocks of the operands, committed but not waited for.
 template <bool kZeroInit, bool kRegA, class Mma, class TA, class TB, class TC>
@@ -240,9 +221,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_sm90_kernel(const __grid_c
   // Tile coordinates (row, col) of this thread's S and O elements.
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}));
-  Tensor cS = make_tensor(tScS.data(), detail::rowcol(tScS.layout()));
-  Tensor O = make_tensor(tOrO.data(), detail::rowcol(tOrO.layout()));
-  Tensor cO = make_tensor(tOcO.data(), detail::rowcol(tOcO.layout()));
+  Tensor cS = make_tensor(tScS.data(), rowcol(tScS.layout()));
+  Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+  Tensor cO = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
   constexpr int kRows = decltype(size<0>(O))::value;  // 2: this thread's rows (of a quad's 8)
   jacobi::attn::SoftmaxRow row[kRows];
   CUTE_UNROLL
@@ -256,7 +237,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_sm90_kernel(const __grid_c
     detail::wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
     warpgroup_wait<0>();
     pipe_k.consumer_release(st);
-    Tensor S = make_tensor(tSrS.data(), detail::rowcol(tSrS.layout()));
+    Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
 
     // Partial pair: the precomputed bit mask (4 words = 128 columns per row, one 16-byte load).
     const int mask = p.lists.fwd_mask[e];
@@ -294,7 +275,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_sm90_kernel(const __grid_c
     Tensor rP = make_tensor_like<Element>(tSrS);
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) rP(i) = Element(tSrS(i));
-    Tensor tOrP = make_tensor(rP.data(), detail::acc_as_operand_a(tSrS.layout()));
+    Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(tSrS.layout()));
     pipe_v.consumer_wait(st);
     detail::wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO);
     warpgroup_wait<0>();
