@@ -137,11 +137,11 @@ def _run(
     return out
 
 
-def _sm90_tile_lists(q, table: BlockTable, kernel: str | None) -> list[torch.Tensor]:
+def _sm90_tile_lists(q, table: BlockTable, kernel: str | None) -> list[torch.Tensor] | None:
     """The host-built tile lists of the sm_90a forward when it is the kernel that will run (else
-    []): built once per table and device (a host copy of the table) and kept on the table."""
+    None): built once per table and device (a host copy of the table) and kept on the table."""
     if q.device.type != "cuda" or ops.attention_kernel(q, kernel) != "sm90":
-        return []
+        return None
     cache = table.__dict__.setdefault("_sm90_tile_lists", {})
     key = (q.device, q.shape[2])
     if key not in cache:

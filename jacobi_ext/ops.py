@@ -161,7 +161,7 @@ def check_attention_bwd_inputs(grad_out, q, k, v, out, lse) -> None:
 
 @torch.library.register_fake("jacobi_ext::block_attention_fwd")
 def _block_attention_fwd_fake(
-    q, k, v, block_start, kv_ptr, kv_idx, scale, kernel=None, tile_lists=()
+    q, k, v, block_start, kv_ptr, kv_idx, scale, kernel=None, tile_lists=None
 ):
     check_attention_inputs(q, k, v)
     check_block_table_tensors(q, block_start, kv_ptr, kv_idx)

@@ -236,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, 
                                                            const at::Tensor& kv_ptr,
                                                            const at::Tensor& kv_idx, double scale,
                                                            std::optional<std::string_view> kernel,
-                                                           at::TensorList /*tile_lists: sm90 only*/) {
+                                                           std::optional<at::TensorList> /*sm90 only*/) {
   check_cpu_kernel(kernel, "block_attention_fwd");
   return attention_fwd(q, k, v, block_start, kv_ptr, kv_idx, nullptr, scale);
 }

@@ -151,9 +151,11 @@ ca::Plan make_plan(const char* op, const BlockTable& table, int32_t seq_len, con
 ca::Sm90FwdInputs sm90_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& v, const at::Tensor& block_start,
                               const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
-                              at::TensorList tile_lists, std::vector<at::Tensor>& keep) {
+                              std::optional<at::TensorList> tile_lists,
+                              std::vector<at::Tensor>& keep) {
   const int64_t S = q.size(2);
-  std::vector<at::Tensor> lists(tile_lists.begin(), tile_lists.end());
+  std::vector<at::Tensor> lists;
+  if (tile_lists.has_value()) lists.assign(tile_lists->begin(), tile_lists->end());
   if (lists.empty()) {
     static auto build = c10::Dispatcher::singleton()
                             .findSchemaOrThrow("jacobi_ext::attention_tile_lists", "")
@@ -197,7 +199,8 @@ ca::Sm90FwdInputs sm90_inputs(const char* op, const at::Tensor& q, const at::Ten
 std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& block_start, const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
-    double scale, std::optional<std::string_view> kernel, at::TensorList tile_lists) {
+    double scale, std::optional<std::string_view> kernel,
+    std::optional<at::TensorList> tile_lists) {
   const char* op = "block_attention_fwd";
   const AttnShape s = check_qkv(op, q_in, k_in, v_in);
   const BlockTable table = check_table(op, q_in, block_start, kv_ptr, kv_idx);
