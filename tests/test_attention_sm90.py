@@ -15,8 +15,6 @@ import warnings
 
 import pytest
 import torch
-
-import jacobi_ext  # noqa: F401  (registers torch.ops.jacobi_ext)
 from test_attention_cuda import (
     dense_mask,
     jf_block_table,
@@ -25,6 +23,8 @@ from test_attention_cuda import (
     reference,
 )
 from test_attention_tile_lists import table_mask
+
+import jacobi_ext  # noqa: F401  (registers torch.ops.jacobi_ext)
 
 ops = torch.ops.jacobi_ext
 pytestmark = pytest.mark.gpu
@@ -119,7 +119,11 @@ def test_backward_behind_the_sm90_forward(D):
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, _ = reference(qr, kr, vr, dense_mask(P, n, T, "noisy_context").cuda(), D**-0.5)
     ref.backward(dout.double())
-    for got, want, name in ((q.grad, qr.grad, "dq"), (k.grad, kr.grad, "dk"), (v.grad, vr.grad, "dv")):
+    for got, want, name in (
+        (q.grad, qr.grad, "dq"),
+        (k.grad, kr.grad, "dk"),
+        (v.grad, vr.grad, "dv"),
+    ):
         torch.testing.assert_close(got.double(), want, atol=8e-2, rtol=8e-2, msg=name)
 
 
@@ -127,7 +131,7 @@ def test_front_end_runs_sm90_and_matches_sm80():
     from jacobi_ext import JacobiLayout, jacobi_attention
 
     require_sm90(torch.bfloat16, 128)
-    layout = JacobiLayout(prompt_len=200, block_size=32, num_pairs=8, variant="clean_context")
+    layout = JacobiLayout(prompt_len=200, block_size=32, num_blocks=8, variant="clean_context")
     S = layout.seq_len
     q, k, v = make_inputs(1, 8, 2, S, 128, torch.bfloat16)
     a = jacobi_attention(q, k, v, layout, backend="sm90")
