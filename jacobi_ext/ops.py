@@ -235,7 +235,6 @@ def _attn_setup_context(ctx, inputs, output):
     # The backward runs the kernel family of the forward (for sm90: the sm_80 backward, whose lse
     # is the same); tile_lists (rest[1]) are forward-only.
     ctx.kernel = rest[0] if rest else None
-    ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
 
 
@@ -246,7 +245,12 @@ def _attn_backward(ctx, grad_out, grad_lse):
     dq, dk, dv = ops.block_attention_bwd(
         grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, ctx.scale, True, ctx.kernel
     )
-    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+    # One entry per argument as the caller passed them (the op has a Tensor[] argument, so torch
+    # checks the structure: a list of tile-list tensors gets a list of Nones).
+    rest = [
+        [None] * len(x) if isinstance(x, list | tuple) else None for x in ctx.needs_input_grad[3:]
+    ]
+    return (dq, dk, dv, *rest)
 
 
 torch.library.register_autograd(
