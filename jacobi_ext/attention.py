@@ -46,6 +46,9 @@ from .layout import BlockTable, JacobiLayout, StreamPlan, table_mask_mod
 #: The backends of ``jacobi_attention`` (module docstring), also the values of KERNEL_ENV.
 BACKENDS = ("auto", "cpu", "sm80", "sm90", "flex", "streams")
 KERNEL_ENV = "JACOBI_ATTN_KERNEL"
+#: Tile size (rows and key columns) of the sm_90a forward (csrc/cuda/attention/sm90/attention_sm90.h
+#: kTileM/kTileN): its tile lists are built at this size.
+SM90_TILE = 128
 #: (CUDA compute capability major, variant, head dim) -> the backend a GPU run measured fastest
 #: (bf16, fwd+bwd). ``auto`` takes it on CUDA where it fits; empty until a GPU run fills it in
 #: (issue 21), so ``auto`` keeps today's choice.
@@ -127,10 +130,25 @@ def _run(
         scale = q.shape[-1] ** -0.5
     _ops.check_block_table_tensors(q, *table.tensors())
     if block_row is None:
-        out, _ = ops.block_attention_fwd(q, k, v, *table.tensors(), float(scale), kernel)
+        lists = _sm90_tile_lists(q, table, kernel)
+        out, _ = ops.block_attention_fwd(q, k, v, *table.tensors(), float(scale), kernel, lists)
     else:
         out, _ = ops.block_attention_ordered_fwd(q, k, v, *table.tensors(), block_row, float(scale))
     return out
+
+
+def _sm90_tile_lists(q, table: BlockTable, kernel: str | None) -> list[torch.Tensor] | None:
+    """The host-built tile lists of the sm_90a forward when it is the kernel that will run (else
+    None): built once per table and device (a host copy of the table) and kept on the table."""
+    if q.device.type != "cuda" or ops.attention_kernel(q, kernel) != "sm90":
+        return None
+    cache = table.__dict__.setdefault("_sm90_tile_lists", {})
+    key = (q.device, q.shape[2])
+    if key not in cache:
+        cpu = [t.cpu() for t in table.tensors()]
+        lists = ops.attention_tile_lists(*cpu, q.shape[2], SM90_TILE, SM90_TILE)
+        cache[key] = [t.to(q.device) for t in lists]
+    return cache[key]
 
 
 def _run_plan(

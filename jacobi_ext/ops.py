@@ -160,7 +160,9 @@ def check_attention_bwd_inputs(grad_out, q, k, v, out, lse) -> None:
 
 
 @torch.library.register_fake("jacobi_ext::block_attention_fwd")
-def _block_attention_fwd_fake(q, k, v, block_start, kv_ptr, kv_idx, scale, kernel=None):
+def _block_attention_fwd_fake(
+    q, k, v, block_start, kv_ptr, kv_idx, scale, kernel=None, tile_lists=None
+):
     check_attention_inputs(q, k, v)
     check_block_table_tensors(q, block_start, kv_ptr, kv_idx)
     out = q.new_empty(q.shape)
@@ -230,8 +232,9 @@ def _attn_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, block_start, kv_ptr, kv_idx)
     ctx.scale = scale
-    ctx.kernel = rest[0] if rest else None  # the backward runs the kernel family of the forward
-    ctx.n_inputs = len(inputs)
+    # The backward runs the kernel family of the forward (for sm90: the sm_80 backward, whose lse
+    # is the same); tile_lists (rest[1]) are forward-only.
+    ctx.kernel = rest[0] if rest else None
     ctx.mark_non_differentiable(lse)
 
 
@@ -242,7 +245,12 @@ def _attn_backward(ctx, grad_out, grad_lse):
     dq, dk, dv = ops.block_attention_bwd(
         grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, ctx.scale, True, ctx.kernel
     )
-    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+    # One entry per argument as the caller passed them (the op has a Tensor[] argument, so torch
+    # checks the structure: a list of tile-list tensors gets a list of Nones).
+    rest = [
+        [None] * len(x) if isinstance(x, list | tuple) else None for x in ctx.needs_input_grad[3:]
+    ]
+    return (dq, dk, dv, *rest)
 
 
 torch.library.register_autograd(

@@ -1,9 +1,18 @@
-"""Shared test configuration: markers `slow` (real model) and `gpu` (needs CUDA)."""
+"""Shared test configuration: markers `slow` (real model) and `gpu` (needs CUDA; each gpu test
+runs in a child process under a timeout, see gpu_isolation.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+# The hooks of gpu_isolation.py (tests/ is on sys.path: rootdir conftest, no __init__.py).
+from gpu_isolation import pytest_configure as _isolation_configure
+from gpu_isolation import pytest_pyfunc_call  # noqa: F401  (a hook: pytest finds it by name)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _isolation_configure(config)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

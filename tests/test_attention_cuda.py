@@ -464,6 +464,7 @@ def test_cpp_cuda_checks_without_a_gpu(name):
 
 # ---- FlexAttention fallback for head dims without a kernel ------------------------------------
 @pytest.mark.gpu
+@pytest.mark.gpu_timeout(300)  # compiles FlexAttention
 @pytest.mark.parametrize("D", [32, 80])
 @pytest.mark.parametrize("front_end", ["jacobi_attention", "block_attention"])
 def test_flex_fallback_matches_reference(D, front_end):

@@ -147,6 +147,7 @@ def test_buckets_and_masks() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_timeout(180)  # captures CUDA graphs
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cuda_graph_runtime_is_lossless(graphs: bool) -> None:
     """On a GPU, graph replay (every bucket captured once, reused across calls) and eager give

@@ -122,6 +122,7 @@ def test_neutral_inputs_change_nothing(models) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_timeout(180)  # captures CUDA graphs
 def test_the_whole_step_is_one_graph_replay() -> None:
     """On a GPU: every step of a ragged batch is one replay of a captured step graph (forward,
     verify, K/V commit, next drafts), and the tokens are greedy's."""
@@ -182,6 +183,7 @@ def test_the_step_traces_as_one_graph(models, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_timeout(300)  # torch.compile
 def test_compiled_step_is_lossless_on_cuda() -> None:
     model = tiny_llama(vocab_size=VOCAB, seed=6, dtype=torch.float32).cuda()
     for kw in (dict(method="ar"), dict(method="multiblock", block_size=6)):

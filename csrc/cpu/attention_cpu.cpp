@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "jacobi/online_softmax.h"
+
 namespace jacobi::cpu::JACOBI_ISA {
 namespace {
 
@@ -226,7 +228,8 @@ void prepare_kv_rows(const AttnDims& d, const T* x, Strides4 sx, const int32_t* 
 // K^T [B, Hkv, D, S], K [B, Hkv, S, D], V [B, Hkv, S, D].
 
 struct FwdBuf {
-  std::vector<float> q, s, acc, m, l;
+  std::vector<float> q, s, acc;
+  std::vector<jacobi::attn::SoftmaxRow> rows;  // online softmax (jacobi/online_softmax.h)
 };
 
 template <typename T>
@@ -261,8 +264,7 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     b.q.resize(gbq * D);
     b.s.resize(gbq * bk);
     b.acc.resize(gbq * D);
-    b.m.resize(gbq);
-    b.l.resize(gbq);
+    b.rows.resize(gbq);
     return b;
   };
   run_items<FwdBuf>(order, make_buf, [&](int64_t item, FwdBuf& buf) {
@@ -280,8 +282,7 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
     float* s = buf.s.data();
     float* acc = buf.acc.data();
     std::fill_n(acc, GM * D, 0.f);
-    std::fill_n(buf.m.begin(), GM, kNegInf);
-    std::fill_n(buf.l.begin(), GM, 0.f);
+    std::fill_n(buf.rows.begin(), GM, jacobi::attn::softmax_init());
 
     for (int e = plan.fwd_ptr[qt]; e < plan.fwd_ptr[qt + 1]; ++e) {
       const int ktile = plan.fwd_kt[e];
@@ -293,17 +294,16 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
           apply_mask(s + g * M * bk, bk, r0, M, c0, N, plan.token_block.data(), table);
       for (int64_t i = 0; i < GM; ++i) {
         float* row = s + i * bk;
-        const float m_old = buf.m[i];
-        const float m_new = std::max(m_old, row_max(row, N));
-        if (m_new == kNegInf) {  // nothing visible to this row yet
+        // Scores are pre-scaled: units are natural logits (to_log2 = log2 e).
+        jacobi::attn::SoftmaxRow& st = buf.rows[i];
+        const float corr = jacobi::attn::softmax_rescale(st, row_max(row, N), jacobi::attn::kLog2e);
+        if (st.max == kNegInf) {  // nothing visible to this row yet
           std::fill(row, row + N, 0.f);
           continue;
         }
-        const float sum = exp_sub_sum(row, N, m_new);
-        const float corr = std::exp(m_old - m_new);  // 0 when m_old = -inf
-        buf.l[i] = buf.l[i] * corr + sum;
+        const float sum = exp_sub_sum(row, N, jacobi::attn::softmax_exp_base(st));
+        jacobi::attn::softmax_add(st, corr, sum);
         if (corr != 1.f) scale_row(acc + i * D, D, corr);
-        buf.m[i] = m_new;
       }
       mm(GM, D, N, s, bk, vrows + c0 * ldv, ldv, acc, D, true);  // O += P V
     }
@@ -311,13 +311,13 @@ void fwd_impl(const AttnFwdArgs& a, const AttnPlan& plan, const BlockTable& tabl
       const int64_t bh = b * d.Hq + hk * G + g;
       for (int64_t i = 0; i < M; ++i) {
         const int64_t row = g * M + i;
-        const float l = buf.l[row];
+        const jacobi::attn::SoftmaxRow& st = buf.rows[row];
         float* arow = acc + row * D;
-        // Every row sees at least itself, so l > 0; the guard keeps a malformed table finite.
-        scale_row(arow, D, l > 0.f ? 1.f / l : 0.f);
+        // Every row sees at least itself, so sum > 0; a malformed table gives 0 and lse -inf.
+        scale_row(arow, D, jacobi::attn::softmax_inv_sum(st));
         const int64_t mem = row_of[r0 + i];
         store_float(arow, out + (bh * S + mem) * D, D);
-        a.lse[bh * S + mem] = l > 0.f ? buf.m[row] + std::log(l) : kNegInf;
+        a.lse[bh * S + mem] = jacobi::attn::softmax_lse(st, 1.f);
       }
     }
   });

@@ -235,7 +235,8 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cpu(const at::Tensor& q, 
                                                            const at::Tensor& block_start,
                                                            const at::Tensor& kv_ptr,
                                                            const at::Tensor& kv_idx, double scale,
-                                                           std::optional<std::string_view> kernel) {
+                                                           std::optional<std::string_view> kernel,
+                                                           std::optional<at::TensorList> /*sm90 only*/) {
   check_cpu_kernel(kernel, "block_attention_fwd");
   return attention_fwd(q, k, v, block_start, kv_ptr, kv_idx, nullptr, scale);
 }

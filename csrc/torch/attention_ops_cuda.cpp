@@ -1,6 +1,8 @@
 // block_attention_fwd / block_attention_bwd: the CUDA implementation (checks, allocation, launch).
 // Kernels: csrc/cuda/attention/ (torch-free). Schemas: module.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 #include "attention_kernel.h"
 #include "checks.h"
@@ -140,10 +143,64 @@ ca::Plan make_plan(const char* op, const BlockTable& table, int32_t seq_len, con
   return plan;
 }
 
+#ifdef JACOBI_WITH_SM90
+// The sm_90a forward's inputs (attention_cuda.h Sm90FwdInputs): the host-built tile lists at
+// 128 x 128 (`tile_lists`, the 8 outputs of jacobi_ext::attention_tile_lists on q's device, or
+// built here from a copy of the table, which synchronises), and q/k/v gathered into stream order.
+// `keep` holds the tensors the kernel reads until the launch is queued.
+ca::Sm90FwdInputs sm90_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& block_start,
+                              const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
+                              std::optional<at::TensorList> tile_lists,
+                              std::vector<at::Tensor>& keep) {
+  const int64_t S = q.size(2);
+  std::vector<at::Tensor> lists;
+  if (tile_lists.has_value()) lists.assign(tile_lists->begin(), tile_lists->end());
+  if (lists.empty()) {
+    static auto build = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("jacobi_ext::attention_tile_lists", "")
+                            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                              at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                int64_t, int64_t)>();
+    auto t = build.call(block_start.cpu(), kv_ptr.cpu(), kv_idx.cpu(), S, ca::sm90::kTileM,
+                        ca::sm90::kTileN);
+    for (const at::Tensor& x : {std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t),
+                                std::get<4>(t), std::get<5>(t), std::get<6>(t), std::get<7>(t)})
+      lists.push_back(x.to(q.device()));
+  }
+  TORCH_CHECK_VALUE(lists.size() == 8, op, ": tile_lists must be the 8 tensors of "
+                    "jacobi_ext::attention_tile_lists(block_start, kv_ptr, kv_idx, S, ",
+                    ca::sm90::kTileM, ", ", ca::sm90::kTileN, "), got ", lists.size());
+  const at::Tensor& perm = lists[0];
+  ck::same_device(perm, "tile_lists[0] (perm)", q, "q");
+  ck::dtype(perm, "tile_lists[0] (perm)", at::kInt);
+  ck::contiguous(perm, "tile_lists[0] (perm)");
+  TORCH_CHECK_VALUE(perm.dim() == 1 && perm.numel() == S, op, ": tile_lists[0] (perm) must have ",
+                    S, " entries, got ", perm.sizes());
+  // masks are read 16 bytes at a time.
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(lists[7].data_ptr()) % 16 == 0, op,
+                    ": tile_lists[7] (masks) must be 16-byte aligned");
+  ca::Sm90FwdInputs in;
+  in.lists = tile_lists_view(lists[1], lists[2], lists[3], lists[7], S, ca::sm90::kTileM,
+                             ca::sm90::kTileN);
+  // Stream order, contiguous: each 128-row tile is then one TMA box.
+  for (const at::Tensor* t : {&q, &k, &v}) keep.push_back(at::index_select(*t, 2, perm).contiguous());
+  keep.push_back(perm);
+  for (auto& x : lists) keep.push_back(x);
+  in.q = keep[0].data_ptr();
+  in.k = keep[1].data_ptr();
+  in.v = keep[2].data_ptr();
+  in.perm = perm.data_ptr<int32_t>();
+  return in;
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& block_start, const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
-    double scale, std::optional<std::string_view> kernel) {
+    double scale, std::optional<std::string_view> kernel,
+    std::optional<at::TensorList> tile_lists) {
   const char* op = "block_attention_fwd";
   const AttnShape s = check_qkv(op, q_in, k_in, v_in);
   const BlockTable table = check_table(op, q_in, block_start, kv_ptr, kv_idx);
@@ -171,8 +228,17 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cuda(
   p.seq_len = s.seq_len;
   p.head_dim = s.head_dim;
   p.scale = float(scale);
-  p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
   p.kernel = family;
+  std::vector<at::Tensor> keep;  // the sm90 inputs, alive until the launch is queued
+#ifdef JACOBI_WITH_SM90
+  if (family == ca::Kernel::sm90) {
+    p.sm90 = sm90_inputs(op, q, k, v, block_start, kv_ptr, kv_idx, tile_lists, keep);
+  } else {
+    p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
+  }
+#else
+  p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
+#endif
   check_launch(op, ca::block_attention_fwd(p, s.dtype, stream));
   return {out, lse};
 }

@@ -16,10 +16,14 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // q [B, Hq, S, D]; k, v [B, Hkv, S, D] (Hq % Hkv == 0); block table tensors int32 on q's device.
   // Returns out [B, Hq, S, D] (q's dtype) and the log-sum-exp lse [B, Hq, S] (float32).
   // kernel: the kernel family (auto, cpu, sm80, sm90); None reads JACOBI_ATTN_KERNEL at call
-  // time (csrc/torch/attention_kernel.h).
+  // time (csrc/torch/attention_kernel.h). tile_lists: where the sm_90a kernel runs, the 8 outputs
+  // of attention_tile_lists(block_start, kv_ptr, kv_idx, S, 128, 128) on q's device, built once per
+  // table (None or empty: the op builds them, copying the table to the host; other kernels
+  // ignore them).
   m.def(
       "block_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor block_start, Tensor kv_ptr, "
-      "Tensor kv_idx, float scale, str? kernel=None) -> (Tensor out, Tensor lse)");
+      "Tensor kv_idx, float scale, str? kernel=None, Tensor[]? tile_lists=None) -> "
+      "(Tensor out, Tensor lse)");
   m.def(
       "block_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor block_start, Tensor kv_ptr, Tensor kv_idx, float scale, "

@@ -106,7 +106,8 @@ KernelChoice choose_kernel(bool want_sm90, bool is_auto, int cc_major, DType dty
   if (cc_major != 9) return {Kernel::sm80, "the device is not compute capability 9.x"};
 #ifdef JACOBI_WITH_SM90
   if (!sm90::has_kernel(dtype, head_dim)) {
-    return {Kernel::sm80, "no sm_90a kernel for this dtype and head dim yet (issue 21 stage 1)"};
+    return {Kernel::sm80, "no sm_90a kernel for this dtype and head dim (it has bf16/fp16 x head "
+                          "dims 64/128)"};
   }
   return {Kernel::sm90, nullptr};
 #else
@@ -164,9 +165,8 @@ cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream
     return cudaErrorInvalidValue;
   }
   if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
-#ifdef JACOBI_WITH_SM90
-  if (params.kernel == Kernel::sm90) return sm90::block_attention_bwd(params, dtype, stream);
-#endif
+  // kernel == sm90 runs this sm_80 backward too: the sm_90a forward writes the same lse (natural
+  // log, token order), and the FA3-class sm_90a backward is issue 21 stage 2.
   return JACOBI_DTYPE_SWITCH(dtype, [&] {
     const int64_t rows = int64_t(params.batch) * params.heads_q * params.seq_len;
     bwd_dsum_kernel<Element><<<unsigned((rows * 16 + 255) / 256), 256, 0, stream>>>(params);

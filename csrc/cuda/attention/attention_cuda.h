@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "jacobi/block_table.h"
+#include "jacobi/tile_list.h"
 
 namespace jacobi::cuda::attn {
 
@@ -37,6 +38,18 @@ struct Strides {
   int64_t batch, head, row;  // in elements
 };
 
+// What the sm_90a forward reads besides FwdParams (the op fills it when that kernel runs): q, k
+// and v gathered once into stream order (contiguous [B, H, S, D], permuted position p holds token
+// perm[p]), so that every tile is one TMA box, and the host-built tile lists at the kernel's tile
+// sizes (jacobi_ext::attention_tile_lists(..., 128, 128), on the device).
+struct Sm90FwdInputs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* perm = nullptr;  // [S]
+  jacobi::attn::TileLists lists{};
+};
+
 struct FwdParams {
   const void* q;
   const void* k;
@@ -48,6 +61,7 @@ struct FwdParams {
   float scale;
   Plan plan;
   Kernel kernel = Kernel::sm80;  // from choose_kernel
+  Sm90FwdInputs sm90;            // kernel == sm90 only
 };
 
 struct BwdParams {
@@ -98,8 +112,15 @@ KernelChoice choose_kernel(bool want_sm90, bool is_auto, int cc_major, DType dty
                            int64_t head_dim);
 
 // Head dims with compiled kernels (one fwd_/bwd_<dtype>_hdim<D>.cu file each; static_switch.h
-// dispatches them; jacobi_ext/ops.py CUDA_HEAD_DIMS lists the same).
-constexpr bool supported_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
+// dispatches them; jacobi_ext/ops.py CUDA_HEAD_DIMS lists the same). The `gate` kernel set
+// (CMake JACOBI_EXT_CUDA_KERNELS=gate, the CI compile check) compiles head dim 128 alone.
+constexpr bool supported_head_dim(int64_t d) {
+#ifdef JACOBI_CUDA_HDIM128_ONLY
+  return d == 128;
+#else
+  return d == 64 || d == 96 || d == 128 || d == 256;
+#endif
+}
 
 // Element types with compiled kernels: both, unless built with the reduced CI kernel set.
 constexpr bool supported_dtype(DType d) {

@@ -30,6 +30,16 @@
 
 // Every head dim of supported_head_dim() (attention_cuda.h) has a case; anything else returns
 // cudaErrorInvalidValue without launching (the torch op has rejected it before).
+#ifdef JACOBI_CUDA_HDIM128_ONLY  // the `gate` kernel set: head dim 128 alone
+#define JACOBI_HEADDIM_SWITCH(HEADDIM, ...)      \
+  [&] {                                          \
+    if ((HEADDIM) == 128) {                      \
+      constexpr static int kHeadDim = 128;       \
+      return __VA_ARGS__();                      \
+    }                                            \
+    return cudaErrorInvalidValue;                \
+  }()
+#else
 #define JACOBI_HEADDIM_SWITCH(HEADDIM, ...)      \
   [&] {                                          \
     if ((HEADDIM) == 64) {                       \
@@ -47,3 +57,4 @@
     }                                            \
     return cudaErrorInvalidValue;                \
   }()
+#endif

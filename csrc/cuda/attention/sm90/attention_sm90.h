@@ -2,11 +2,12 @@
 // sm_90a alone (jacobi_cuda_sm90, only when 90a is among JACOBI_EXT_CUDA_ARCHS; the build then
 // defines JACOBI_WITH_SM90). Torch-free like the rest of csrc/cuda.
 //
-// Stage 0 (issue 21): the dispatch stub and the consumer of the host-built tile lists
-// (jacobi/tile_list.h). The warp-specialised wgmma/TMA kernels (stages 1-2) plug in behind
-// has_kernel() / block_attention_fwd() / block_attention_bwd(); until then has_kernel() is false
-// and choose_kernel() (attention_cuda.cu) runs the sm_80 kernel. Every __global__ here must be
-// listed in .ci/sass_gate.py (HOPPER_KERNELS if it must use HGMMA, OTHER_KERNELS otherwise).
+// Stage 1 (issue 21): the warp-specialised wgmma/TMA forward (fwd_sm90.h) for bf16/fp16 x head
+// dims 64/128, driven by the host-built tile lists (jacobi/tile_list.h); other configurations
+// fall back to the sm_80 kernel (choose_kernel, attention_cuda.cu). The backward behind it is the
+// sm_80 one (same lse); the FA3-class sm_90a backward is stage 2 (docs/sm90_attention.md).
+// Every __global__ here must be listed in .ci/sass_gate.py (HOPPER_KERNELS if it must use
+// HGMMA, OTHER_KERNELS otherwise).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,13 +19,17 @@
 
 namespace jacobi::cuda::attn::sm90 {
 
-// Whether an sm_90a kernel exists for (dtype, head dim). False everywhere in stage 0.
+// Tile sizes of the sm_90a forward: the host builds the lists at these (fwd_sm90.h).
+constexpr int kTileM = 128;
+constexpr int kTileN = 128;
+
+// Whether an sm_90a forward exists for (dtype, head dim) in this build.
 bool has_kernel(DType dtype, int64_t head_dim);
 
-// The Hopper kernels (cudaErrorNotSupported until they exist; choose_kernel never picks them
-// before has_kernel() says so).
+// The Hopper forward; params.sm90 must hold the stream-ordered q/k/v, perm and the tile lists
+// at kTileM x kTileN (cudaErrorInvalidValue otherwise, cudaErrorNotSupported without a kernel).
+// The backward of an sm90 forward is the sm_80 backward (attention_cuda.cu).
 cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream_t stream);
-cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream);
 
 // The tile-list consumer on the device: visible[p * S + c] = listed_visible(lists, p, c), what a
 // kernel walking the lists computes (jacobi_ext::debug_expand_tile_lists on CUDA; tests compare

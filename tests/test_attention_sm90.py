@@ -1,0 +1,139 @@
+"""The sm_90a forward (csrc/cuda/attention/sm90/fwd_sm90.h) against the float64 dense reference.
+
+GPU only (marked `gpu`: each test runs in a child process under a timeout, tests/gpu_isolation.py,
+so a hung mbarrier fails one test); every test also skips on a device that is not compute
+capability 9.x, or in a build without the sm_90a forward for the dtype and head dim. The kernel is
+asked for explicitly (kernel='sm90'), whatever `auto` picks (kSm90IsDefault stays false until these
+pass on a GPU). The CPU-side pieces (stream order, tile lists, online softmax, register views) are
+tested without a GPU in tests/test_sm90_layouts.py.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from test_attention_cuda import (
+    dense_mask,
+    jf_block_table,
+    make_inputs,
+    poison_allocator,
+    reference,
+)
+from test_attention_tile_lists import table_mask
+
+import jacobi_ext  # noqa: F401  (registers torch.ops.jacobi_ext)
+
+ops = torch.ops.jacobi_ext
+pytestmark = pytest.mark.gpu
+
+
+def require_sm90(dtype: torch.dtype, D: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the sm_90a kernel needs a compute capability 9.x device")
+    q = torch.empty(1, 1, 1, D, device="cuda", dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if ops.attention_kernel(q, "sm90") != "sm90":
+            pytest.skip(f"this build has no sm_90a forward for {dtype}, head dim {D}")
+
+
+CASES = [
+    # B, Hq, Hkv, D, dtype, P, n, T, variant, w
+    (1, 4, 4, 64, torch.bfloat16, 256, 32, 3, "noisy_context", 1),
+    (2, 6, 2, 128, torch.float16, 37, 16, 4, "clean_context", 1),
+    (1, 9, 3, 64, torch.float16, 100, 32, 5, "windowed", 2),
+    (1, 8, 1, 128, torch.bfloat16, 0, 64, 2, "noisy_context", 1),
+    (2, 4, 2, 128, torch.bfloat16, 64, 16, 7, "windowed", 3),
+    (1, 28, 4, 128, torch.bfloat16, 512, 64, 12, "clean_context", 1),  # the 7B head shape
+    (1, 2, 1, 64, torch.bfloat16, 5, 3, 1, "noisy_context", 1),  # S = 11: one ragged tile
+]
+
+
+def check(q, k, v, starts, ptr, idx, mask, scale, tile_lists=()):
+    poison_allocator()
+    out, lse = ops.block_attention_fwd(q, k, v, starts, ptr, idx, scale, "sm90", list(tile_lists))
+    assert torch.isfinite(out).all()
+    ref, ref_lse = reference(q, k, v, mask, scale)
+    tol = 2e-2 if q.dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite), "rows that see nothing: lse -inf, others finite"
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=1e-3, rtol=1e-3)
+    return out, lse
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,dtype,P,n,T,variant,w", CASES)
+def test_forward_matches_reference(B, Hq, Hkv, D, dtype, P, n, T, variant, w):
+    require_sm90(dtype, D)
+    S = P + 2 * T * n
+    starts, ptr, idx = (t.cuda() for t in jf_block_table(P, n, T, variant, w))
+    q, k, v = make_inputs(B, Hq, Hkv, S, D, dtype)
+    check(q, k, v, starts, ptr, idx, dense_mask(P, n, T, variant, w).cuda(), D**-0.5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("D,dtype", [(64, torch.bfloat16), (128, torch.float16)])
+def test_random_tables_and_host_built_lists(seed, D, dtype):
+    """Random block tables (empty blocks, an uncovered tail whose rows see nothing), with the
+    lists passed in (as the front end does) and built by the op (tile_lists=[])."""
+    require_sm90(dtype, D)
+    rng = random.Random(seed)
+    nb = rng.randint(1, 9)
+    starts = [0]
+    for _ in range(nb):
+        starts.append(starts[-1] + rng.randint(0, 150))
+    ptr, idx = [0], []
+    for b in range(nb):
+        idx += sorted(rng.sample(range(b), rng.randint(0, b)))
+        ptr.append(len(idx))
+    S = starts[-1] + rng.choice([0, 7])
+    if S == 0:
+        S = 1
+    cpu = [torch.tensor(x, dtype=torch.int32) for x in (starts, ptr, idx)]
+    mask = table_mask(*cpu, S).cuda()
+    dev = [t.cuda() for t in cpu]
+    Hkv = rng.choice([1, 2])
+    q, k, v = make_inputs(rng.choice([1, 2]), Hkv * rng.choice([1, 3]), Hkv, S, D, dtype)
+    lists = [t.cuda() for t in ops.attention_tile_lists(*cpu, S, 128, 128)]
+    a = check(q, k, v, *dev, mask, D**-0.5, lists)
+    b = check(q, k, v, *dev, mask, D**-0.5)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_backward_behind_the_sm90_forward(D):
+    """kernel='sm90' end to end through autograd: the sm_80 backward reads the sm_90a lse."""
+    require_sm90(torch.bfloat16, D)
+    P, n, T = 128, 32, 6
+    S = P + 2 * T * n
+    starts, ptr, idx = (t.cuda() for t in jf_block_table(P, n, T, "noisy_context"))
+    q, k, v = (x.requires_grad_() for x in make_inputs(1, 6, 2, S, D, torch.bfloat16))
+    out, _ = ops.block_attention_fwd(q, k, v, starts, ptr, idx, D**-0.5, "sm90")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference(qr, kr, vr, dense_mask(P, n, T, "noisy_context").cuda(), D**-0.5)
+    ref.backward(dout.double())
+    for got, want, name in (
+        (q.grad, qr.grad, "dq"),
+        (k.grad, kr.grad, "dk"),
+        (v.grad, vr.grad, "dv"),
+    ):
+        torch.testing.assert_close(got.double(), want, atol=8e-2, rtol=8e-2, msg=name)
+
+
+def test_front_end_runs_sm90_and_matches_sm80():
+    from jacobi_ext import JacobiLayout, jacobi_attention
+
+    require_sm90(torch.bfloat16, 128)
+    layout = JacobiLayout(prompt_len=200, block_size=32, num_blocks=8, variant="clean_context")
+    S = layout.seq_len
+    q, k, v = make_inputs(1, 8, 2, S, 128, torch.bfloat16)
+    a = jacobi_attention(q, k, v, layout, backend="sm90")
+    b = jacobi_attention(q, k, v, layout, backend="sm80")
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
