@@ -136,7 +136,11 @@ def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose):
         base = json.loads(state.read_text()).get("config", {}).get("model")
     model, tok = load_model(base, dtype=dtype, device="cpu",
                             attn_implementation=attn_implementation)  # fmt: skip
-    model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+    with warnings.catch_warnings():
+        # peft 0.21 calls transformers' deprecated `is_gradient_checkpointing` (transformers
+        # 5.24 warns, FutureWarning): not our call, and nothing a user of load_model can change.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
     model.to(device).eval()
     if verbose:
         print(f"merged adapter {path} into {base or DEFAULT_MODEL}")

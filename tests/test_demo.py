@@ -46,3 +46,21 @@ def test_demo_runs_and_is_lossless(tmp_path, monkeypatch):
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("tokens_per_s", "tpf", "speedup"))
     assert (out / "forward_latency_vs_tokens.png").stat().st_size > 10_000
     assert res["curve"]["sizes"][0] == 1 and len(res["curve"]["seconds"]) >= 8
+
+
+def test_shipped_adapter_loads_merged_without_warnings():
+    """`load_model("smollm2-jf")` (base + the shipped adapter, merged, offline) gives a plain
+    transformers model and no deprecation warning reaches the user (peft's call of a deprecated
+    transformers method is ours to hide: the user cannot change it)."""
+    import warnings
+
+    from jacobi_ext.models import ADAPTERS, DISTILLED_MODEL, load_model
+
+    if not (ADAPTERS[DISTILLED_MODEL] / "adapter_model.safetensors").is_file():
+        pytest.fail("the distilled adapter is not in the checkout")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        model, _ = load_model(DISTILLED_MODEL)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in n for n, _ in model.named_parameters())
