@@ -231,6 +231,11 @@ def _gumbel_argmax_fake(logits, keys, positions, temperature, top_k, top_p, min_
     return positions.new_empty(tuple(logits.shape[:2]))
 
 
+@torch.library.register_fake("jacobi_ext::debug_gumbel_noise")
+def _debug_gumbel_noise_fake(keys, positions, vocab, uniform):
+    return positions.new_empty(tuple(positions.shape) + (vocab,), dtype=torch.float64)
+
+
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, block_start, kv_ptr, kv_idx, scale, *rest = inputs
     out, lse = output

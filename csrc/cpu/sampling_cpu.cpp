@@ -112,6 +112,18 @@ void gumbel_argmax(const T* logits, int64_t rows, int64_t vocab, int64_t row_per
   });
 }
 
+void debug_noise(int64_t rows, int64_t vocab, int64_t row_per_key, const int64_t* keys,
+                 const int64_t* positions, bool uniform, double* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t* key = keys + 2 * (r / row_per_key);
+    const uint64_t seed = static_cast<uint64_t>(key[0]), stream = static_cast<uint64_t>(key[1]);
+    for (int64_t v = 0; v < vocab; ++v) {
+      out[r * vocab + v] = uniform ? noise_uniform(noise_bits(seed, stream, positions[r], v))
+                                   : gumbel_noise(seed, stream, positions[r], v);
+    }
+  }
+}
+
 template void gumbel_argmax<float>(const float*, int64_t, int64_t, int64_t, const int64_t*,
                                    const int64_t*, const SamplingParams&, int64_t*);
 template void gumbel_argmax<double>(const double*, int64_t, int64_t, int64_t, const int64_t*,

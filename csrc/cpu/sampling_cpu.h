@@ -14,4 +14,8 @@ void gumbel_argmax(const T* logits, int64_t rows, int64_t vocab, int64_t row_per
                    const int64_t* keys, const int64_t* positions, const SamplingParams& p,
                    int64_t* out);
 
+// The noise of every (row, v), [rows, vocab] float64: uniforms or Gumbel noise (tests only).
+void debug_noise(int64_t rows, int64_t vocab, int64_t row_per_key, const int64_t* keys,
+                 const int64_t* positions, bool uniform, double* out);
+
 }  // namespace jacobi::cpu

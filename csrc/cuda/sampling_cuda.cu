@@ -188,6 +188,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+__global__ void debug_noise_kernel(int64_t total, int64_t V, int64_t row_per_key,
+                                   const int64_t* __restrict__ keys,
+                                   const int64_t* __restrict__ positions, bool uniform,
+                                   double* __restrict__ out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / V, v = i % V;
+    const int64_t* key = keys + 2 * (r / row_per_key);
+    const uint64_t seed = static_cast<uint64_t>(key[0]), stream = static_cast<uint64_t>(key[1]);
+    out[i] = uniform ? noise_uniform(noise_bits(seed, stream, positions[r], v))
+                     : gumbel_noise(seed, stream, positions[r], v);
+  }
+}
+
 template <typename T>
 cudaError_t launch(const void* logits, int64_t rows, int64_t V, int64_t row_per_key,
                    const int64_t* keys, const int64_t* positions, const SamplingParams& p,
@@ -198,6 +212,16 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t V, int64_t row_per_
 }
 
 }  // namespace
+
+cudaError_t debug_noise(int64_t rows, int64_t vocab, int64_t row_per_key, const int64_t* keys,
+                        const int64_t* positions, bool uniform, double* out, cudaStream_t stream) {
+  const int64_t total = rows * vocab;
+  if (total <= 0) return cudaSuccess;
+  const int64_t blocks = (total + kThreads - 1) / kThreads;
+  debug_noise_kernel<<<static_cast<unsigned int>(blocks < 65535 ? blocks : 65535), kThreads, 0,
+                       stream>>>(total, vocab, row_per_key, keys, positions, uniform, out);
+  return cudaGetLastError();
+}
 
 cudaError_t gumbel_argmax(const void* logits, LogitType type, int64_t rows, int64_t vocab,
                           int64_t row_per_key, const int64_t* keys, const int64_t* positions,

@@ -17,4 +17,8 @@ cudaError_t gumbel_argmax(const void* logits, LogitType type, int64_t rows, int6
                           int64_t row_per_key, const int64_t* keys, const int64_t* positions,
                           const SamplingParams& p, int64_t* out, cudaStream_t stream);
 
+// The noise of every (row, v), [rows, vocab] float64: uniforms or Gumbel noise (tests only).
+cudaError_t debug_noise(int64_t rows, int64_t vocab, int64_t row_per_key, const int64_t* keys,
+                        const int64_t* positions, bool uniform, double* out, cudaStream_t stream);
+
 }  // namespace jacobi::cuda

@@ -64,6 +64,9 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def(
       "gumbel_argmax(Tensor logits, Tensor keys, Tensor positions, float temperature, int top_k, "
       "float top_p, float min_p) -> Tensor");
+  // The noise itself, materialised [batch, positions, vocab] float64 (tests only: the decoding
+  // never stores it): the uniforms u in (0, 1) (uniform=true) or the Gumbel noise -log(-log u).
+  m.def("debug_gumbel_noise(Tensor keys, Tensor positions, int vocab, bool uniform) -> Tensor");
 }
 
 namespace {

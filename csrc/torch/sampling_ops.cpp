@@ -71,8 +71,23 @@ at::Tensor gumbel_argmax_cpu(const at::Tensor& logits, const at::Tensor& keys,
   return out;
 }
 
+at::Tensor debug_gumbel_noise_cpu(const at::Tensor& keys, const at::Tensor& positions,
+                                  int64_t vocab, bool uniform) {
+  const at::Tensor logits = at::empty({positions.size(0), positions.size(1), vocab},
+                                      positions.options().dtype(at::kDouble));
+  check_gumbel_argmax(logits, keys, positions, 1.0, 0, 1.0, 0.0);
+  const at::Tensor k = keys.contiguous(), pos = positions.contiguous();
+  jacobi::cpu::debug_noise(logits.size(0) * logits.size(1), vocab, logits.size(1),
+                           k.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), uniform,
+                           logits.data_ptr<double>());
+  return logits;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) { m.impl("gumbel_argmax", &gumbel_argmax_cpu); }
+TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
+  m.impl("gumbel_argmax", &gumbel_argmax_cpu);
+  m.impl("debug_gumbel_noise", &debug_gumbel_noise_cpu);
+}
 
 }  // namespace jacobi::ops

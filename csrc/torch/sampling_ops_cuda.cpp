@@ -39,8 +39,27 @@ at::Tensor gumbel_argmax_cuda(const at::Tensor& logits, const at::Tensor& keys,
   return out;
 }
 
+at::Tensor debug_gumbel_noise_cuda(const at::Tensor& keys, const at::Tensor& positions,
+                                   int64_t vocab, bool uniform) {
+  c10::cuda::CUDAGuard guard(positions.device());
+  at::Tensor out = at::empty({positions.size(0), positions.size(1), vocab},
+                             positions.options().dtype(at::kDouble));
+  check_gumbel_argmax(out, keys, positions, 1.0, 0, 1.0, 0.0);
+  const at::Tensor k = keys.contiguous(), pos = positions.contiguous();
+  const cudaError_t err = jacobi::cuda::debug_noise(
+      out.size(0) * out.size(1), vocab, out.size(1), k.data_ptr<int64_t>(),
+      pos.data_ptr<int64_t>(), uniform, out.data_ptr<double>(),
+      c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::debug_gumbel_noise: CUDA launch failed: ",
+              cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(jacobi_ext, CUDA, m) { m.impl("gumbel_argmax", &gumbel_argmax_cuda); }
+TORCH_LIBRARY_IMPL(jacobi_ext, CUDA, m) {
+  m.impl("gumbel_argmax", &gumbel_argmax_cuda);
+  m.impl("debug_gumbel_noise", &debug_gumbel_noise_cuda);
+}
 
 }  // namespace jacobi::ops
