@@ -59,6 +59,29 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """--do-sample and its filters, with transformers' names (jacobi_ext.sampling)."""
+    g = p.add_argument_group("sampling (exact: every method gives the AR sample of the same seed)")
+    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=None, help="> 0 (default: model's, 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help=">= 0, 0 off (default: model's, 50)")
+    g.add_argument("--top-p", type=float, default=None, help="(0, 1] (default: model's, 1.0)")
+    g.add_argument("--min-p", type=float, default=None, help="[0, 1] (default: off)")
+    g.add_argument(
+        "--seed", type=int, default=None,
+        help="the seed of the sampling noise and the initial drafts (default: 0 for greedy, "
+        "random for sampling; the one used is printed)",
+    )  # fmt: skip
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """generate()'s keywords from add_sampling_args' options."""
+    if not args.do_sample:
+        return {"seed": args.seed}
+    return dict(do_sample=True, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, min_p=args.min_p, seed=args.seed)  # fmt: skip
+
+
 def _load(args: argparse.Namespace):
     from jacobi_ext.models import load_from_args
 
@@ -92,8 +115,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         activation_ratio=args.activation_ratio,
         streamer=streamer,
         lookup=args.lookup,
+        **sampling_kwargs(args),
     )
     console.print()
+    if res.sampling is not None:
+        c = res.sampling
+        console.print(
+            f"[dim]sampled: temperature {c.temperature}, top_k {c.top_k}, top_p {c.top_p}, "
+            f"min_p {c.min_p}, seed {res.seed} (the same tokens as --method ar with this seed)[/]"
+        )
     console.print(
         f"[bold]{res.method}[/] n={res.block_size} K={res.num_blocks} pool={res.pool_size}: "
         f"{res.new_tokens} tokens in {res.forwards} forwards "
@@ -123,6 +153,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="verify context-lookup drafts too (default: on for multiblock and tuned settings)",
     )
+    add_sampling_args(p)
     _add_model_args(p)
     p.set_defaults(handler=_cmd_generate)
 
@@ -213,6 +244,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         help="the base model alone, even when a distilled model exists (the shipped "
         "smollm2-jf adapter, else the newest ./runs/*/final, which the demo otherwise shows)",
     )  # fmt: skip
+    add_sampling_args(p)
     _add_model_args(p)
     p.set_defaults(handler=_cmd_demo)
 

@@ -64,9 +64,10 @@ def run_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from jacobi_ext.cli import sampling_kwargs
     from jacobi_ext.data import humaneval_input_ids, load_humaneval
     from jacobi_ext.decoding import generate, tuning
-    from jacobi_ext.decoding.baselines import hf_greedy
+    from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
     from jacobi_ext.models import DTYPE_NAMES, load_model
     from jacobi_ext.plots import plot_step_curve
 
@@ -88,9 +89,18 @@ def run_demo(args) -> int:
     curve = tuning.step_curve(model, progress=True)
     png = plot_step_curve(curve, out_dir / "forward_latency_vs_tokens.png")
     problems = load_humaneval(args.prompts)
-    methods = [("transformers greedy", "base", None)]
+    # Under --do-sample the baseline is transformers' sampling with the same filters, and each
+    # model's reference is our own AR sample (the same noise: the parallel rows must equal it).
+    samp = sampling_kwargs(args)
+    sampled = bool(samp.get("do_sample"))
+    if sampled and samp["seed"] is None:
+        samp["seed"] = 0
+    hf_name = "transformers sampling" if sampled else "transformers greedy"
+    methods = [(hf_name, "base", None)]
     if distilled is not None:
-        methods.append(("transformers greedy", distilled, None))
+        methods.append((hf_name, distilled, None))
+    if sampled:
+        methods.append(("ar (the reference sample)", shown, dict(method="ar")))
     methods += [
         ("jacobi n=16", shown, dict(method="jacobi", block_size=16)),
         ("multiblock (tuned)", shown, dict(method="multiblock")),
@@ -108,18 +118,27 @@ def run_demo(args) -> int:
         for name, m, kw in methods:
             t = totals[(name, m)]
             if kw is None:
-                refs[m], dt = hf_greedy(models[m][0], ids, args.max_new_tokens)
-                t["tokens"] += len(refs[m])
+                if sampled:
+                    filters = {k: v for k, v in samp.items() if k not in ("do_sample", "seed")}
+                    toks, dt = hf_sample(models[m][0], ids, args.max_new_tokens, samp["seed"],
+                                         **filters)  # fmt: skip
+                else:
+                    toks, dt = hf_greedy(models[m][0], ids, args.max_new_tokens)
+                    refs[m] = toks
+                t["tokens"] += len(toks)
                 t["seconds"] += dt
-                t["forwards"] += max(len(refs[m]) - 1, 0)
+                t["forwards"] += max(len(toks) - 1, 0)
                 continue
             show = not args.quiet and name.startswith("multiblock")
             if show:
                 console.print(f"[dim]{m}, {name}: each colour is one forward pass[/]")
             streamer = ForwardColourStreamer(tok, console, enabled=show)
             res = generate(
-                models[m][0], ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **kw
-            )
+                models[m][0], ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **kw,
+                **samp,
+            )  # fmt: skip
+            if sampled and kw.get("method") == "ar":
+                refs[m] = res.tokens[0].tolist()
             t["tokens"] += res.new_tokens
             t["seconds"] += res.seconds
             t["forwards"] += res.forwards
@@ -129,11 +148,12 @@ def run_demo(args) -> int:
         title=f"{len(problems)} HumanEval prompts, {args.max_new_tokens} new tokens max, "
         f"{args.dtype}, {curve.hardware}"
     )
-    cols = ("model", "method", "settings", "tokens/s", "TPF", "speedup vs base greedy",
-            "identical to its greedy")  # fmt: skip
+    ref_name = "its AR sample" if sampled else "its greedy"
+    cols = ("model", "method", "settings", "tokens/s", "TPF", f"speedup vs base {hf_name[13:]}",
+            f"identical to {ref_name}")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col in cols[:3] else "right")
-    base = totals[("transformers greedy", "base")]
+    base = totals[(hf_name, "base")]
     base_tps = base["tokens"] / base["seconds"]
     rows = []
     for (name, m), t in totals.items():
@@ -160,10 +180,16 @@ def run_demo(args) -> int:
             "yes" if t["same"] else "NO",
         )
     console.print(table)
+    if sampled:
+        console.print(
+            f"[dim]sampled with seed {samp['seed']}: transformers draws from its own generator, "
+            "so its rows are other samples of the same law (speed baseline only)[/]"
+        )
     (out_dir / "demo_results.json").write_text(
         json.dumps(
             {
                 "rows": rows,
+                "sampling": {k: v for k, v in samp.items()} if sampled else None,
                 "curve": {
                     "sizes": curve.sizes,
                     "seconds": curve.seconds,

@@ -227,6 +227,17 @@ def _verify_step_fake(
     )
 
 
+@torch.library.register_fake("jacobi_ext::gumbel_argmax")
+def _gumbel_argmax_fake(logits, keys, positions, temperature, top_k, top_p, min_p):
+    # One token per row of logits [batch, positions, vocab] (csrc/include/jacobi/sampling.h).
+    return positions.new_empty(tuple(logits.shape[:2]))
+
+
+@torch.library.register_fake("jacobi_ext::debug_gumbel_noise")
+def _debug_gumbel_noise_fake(keys, positions, vocab, uniform):
+    return positions.new_empty(tuple(positions.shape) + (vocab,), dtype=torch.float64)
+
+
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, block_start, kv_ptr, kv_idx, scale, *rest = inputs
     out, lse = output

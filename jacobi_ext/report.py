@@ -426,7 +426,7 @@ def cmd_bench(args) -> int:
             raise FileNotFoundError(f"no benchmark JSON in {out_dir} to render")
     else:
         suites = args.suites or list(SUITES)
-        unknown = set(suites) - set(SUITES) - {"attention_cuda"}
+        unknown = set(suites) - set(SUITES) - {"attention_cuda", "sampling"}
         if unknown:
             raise ValueError(f"unknown suite(s) {sorted(unknown)}; choose from {SUITES}")
         paths = run_suites(

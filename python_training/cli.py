@@ -236,6 +236,17 @@ def _add_distill(sub) -> None:
     p.set_defaults(handler=_cmd_distill)
 
 
+def _sampling(args: argparse.Namespace) -> dict | None:
+    """eval's sampling options (a fixed seed, 0 unless given: rows must be reproducible)."""
+    from jacobi_ext.cli import sampling_kwargs
+
+    if not args.do_sample:
+        return None
+    kw = sampling_kwargs(args)
+    kw["seed"] = kw["seed"] if kw["seed"] is not None else 0
+    return kw
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from jacobi_ext.models import load_model
 
@@ -248,6 +259,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, pool_size=args.pool_size, timeout=args.timeout,
         label=args.label or str(args.model or "base"), prompts=args.prompts,
+        sampling=_sampling(args),
     )  # fmt: skip
     print(format_summary(s))
     return 0
@@ -287,6 +299,9 @@ def _add_eval(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=_DTYPES)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
+    from jacobi_ext.cli import add_sampling_args
+
+    add_sampling_args(p)
     p.set_defaults(handler=_cmd_eval)
 
 

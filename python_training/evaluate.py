@@ -14,6 +14,11 @@ this machine's measured forward curve and the acceptance it observes).
 distillation never saw; no tests, so pass@1 is not measured there).
 Every row keeps its token ids, so the summary can say whether each method's output equals
 greedy's token for token (it must: the methods are lossless).
+
+With ``sampling`` (do_sample, temperature, top_k, top_p, min_p, seed: jacobi_ext.sampling) every
+row samples: ``greedy`` / ``prompt-lookup`` then run transformers' sampling with the same filters
+(the speed baseline; another draw of the same law), our methods sample with the seed, and
+``identical`` compares each method with our ``ar`` sample (the same noise), which must be equal.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 
 from jacobi_ext.data import humaneval_input_ids, load_humaneval
 from jacobi_ext.decoding import generate
-from jacobi_ext.decoding.baselines import hf_greedy
+from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
 
 from .execution import check_completion
 
@@ -63,6 +68,7 @@ def evaluate(
     label: str = "",
     progress: bool = True,
     prompts: str = "humaneval",
+    sampling: dict | None = None,
 ) -> dict:
     from tqdm.auto import tqdm
 
@@ -85,7 +91,12 @@ def evaluate(
                 used = m
                 if m in ("greedy", "prompt-lookup"):
                     kw = {"prompt_lookup_num_tokens": 10} if m == "prompt-lookup" else {}
-                    toks, secs = hf_greedy(model, ids, max_new_tokens, **kw)
+                    if sampling:
+                        f = {k: v for k, v in sampling.items() if k not in ("do_sample", "seed")}
+                        toks, secs = hf_sample(model, ids, max_new_tokens,
+                                               sampling.get("seed") or 0, **f, **kw)  # fmt: skip
+                    else:
+                        toks, secs = hf_greedy(model, ids, max_new_tokens, **kw)
                     toks = torch.tensor(toks, dtype=torch.long)
                     # greedy: one forward per token; prompt lookup does not report its count
                     forwards = int(toks.numel()) if m == "greedy" else None
@@ -96,7 +107,7 @@ def evaluate(
                     r = generate(
                         model, ids, method=base_m, block_size=None if tuned else block_size,
                         num_blocks=num_blocks, pool_size=pool_size, lookup=lookup,
-                        max_new_tokens=max_new_tokens, eos_token_id=eos,
+                        max_new_tokens=max_new_tokens, eos_token_id=eos, **(sampling or {}),
                     )  # fmt: skip
                     toks = r.tokens[0, : r.new_tokens]
                     secs, forwards = r.seconds + r.prefill_seconds, r.forwards
@@ -109,6 +120,7 @@ def evaluate(
                 "forwards": forwards, "seconds": round(secs, 4), "passed": ok, "result": why,
                 "block_size": block_size if m not in ("greedy", "prompt-lookup") else 1,
                 "completion": text, "token_ids": toks.tolist(), "settings": used,
+                "sampling": sampling or None,
             }  # fmt: skip
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -131,14 +143,18 @@ def _problems(prompts: str, tokenizer) -> list[dict]:
 
 def summarize(results: str | Path) -> dict:
     """Per method: tasks, TPF (tokens / forwards), tokens/s (tokens / seconds), speedup over
-    greedy's tokens/s on the same tasks, pass@1, and ``identical``: the fraction of tasks (run by
-    both) whose token ids equal greedy's (None where rows carry no ids)."""
+    greedy's tokens/s on the same tasks (transformers' sampling for sampled rows), pass@1, and
+    ``identical``: the fraction of tasks (run by both) whose token ids equal the reference's:
+    greedy's, or for sampled rows our ``ar`` sample's (None where rows carry no ids)."""
     rows = [json.loads(x) for x in Path(results).read_text().splitlines() if x.strip()]
     by: dict[str, dict[str, dict]] = {}
     for r in rows:
         by.setdefault(r["method"], {})[r["task_id"]] = r
     out = {}
     greedy = by.get("greedy", {})
+    sampled = any(r.get("sampling") for r in rows)
+    ref_m = "ar" if sampled else "greedy"
+    ref = by.get(ref_m, {})
     for m, rs in by.items():
         tok = sum(r["tokens"] for r in rs.values())
         fw = sum(r["forwards"] or 0 for r in rs.values())
@@ -149,17 +165,20 @@ def summarize(results: str | Path) -> dict:
             a = sum(rs[t]["tokens"] for t in common) / sum(rs[t]["seconds"] for t in common)
             g = sum(greedy[t]["tokens"] for t in common) / sum(greedy[t]["seconds"] for t in common)
             sp = a / g
-        same = [t for t in common if "token_ids" in rs[t] and "token_ids" in greedy[t]]
+        both = [t for t in rs if t in ref]
+        same = [t for t in both if "token_ids" in rs[t] and "token_ids" in ref[t]]
         ident = None
         if same:
-            ident = sum(rs[t]["token_ids"] == greedy[t]["token_ids"] for t in same) / len(same)
+            ident = sum(rs[t]["token_ids"] == ref[t]["token_ids"] for t in same) / len(same)
+        if sampled and m in ("greedy", "prompt-lookup"):
+            ident = None  # transformers' own generator: another sample, not ours
         out[m] = {
             "tasks": len(rs),
             "tpf": tok / fw if fw else None,
             "tokens_per_s": tok / sec if sec else float("nan"),
             "speedup": 1.0 if m == "greedy" else sp,
             "pass@1": _pass_at_1(rs.values()),
-            "identical": 1.0 if m == "greedy" else ident,
+            "identical": 1.0 if m == ref_m else ident,
         }
     return out
 

@@ -60,6 +60,17 @@ TORCH_LIBRARY(jacobi_ext, m) {
       "int spawn_threshold, int eos_token_id) -> "
       "(Tensor accept, Tensor summary, Tensor commit, Tensor next_tokens, "
       "Tensor next_block_ends, Tensor candidates, Tensor candidate_len)");
+  // Decoding under sampling: the token each row of logits [batch, positions, vocab] predicts,
+  // argmax of the filtered (temperature, top_k, top_p, min_p, in transformers' order),
+  // temperature-scaled logits plus Gumbel noise keyed by (keys[b] = (seed, stream), positions[b][i]
+  // = the absolute position of the predicted token, vocab index) (semantics:
+  // csrc/include/jacobi/sampling.h). top_k 0, top_p 1, min_p 0: off. Returns int64 [batch, positions].
+  m.def(
+      "gumbel_argmax(Tensor logits, Tensor keys, Tensor positions, float temperature, int top_k, "
+      "float top_p, float min_p) -> Tensor");
+  // The noise itself, materialised [batch, positions, vocab] float64 (tests only: the decoding
+  // never stores it): the uniforms u in (0, 1) (uniform=true) or the Gumbel noise -log(-log u).
+  m.def("debug_gumbel_noise(Tensor keys, Tensor positions, int vocab, bool uniform) -> Tensor");
 }
 
 namespace {

@@ -2,6 +2,9 @@
 
 Every method produces exactly the tokens greedy autoregressive decoding produces (SPEC §1, §6):
 a token is committed only when it equals the model's own argmax given the committed prefix.
+Under sampling (do_sample=True) the argmax is the filtered perturbed argmax of
+jacobi_ext.sampling, a deterministic function of the prefix too: every method produces exactly
+the tokens of autoregressive sampling with the same seed.
 
 The pieces, one job each: loop.py (prefill and the batched step loop), sequence.py (one
 sequence's state and step work: AR and parallel modes, the verify op), runtime.py (the static
@@ -12,6 +15,7 @@ device), lookup.py (context-lookup drafts), controller.py (fallback to AR), traj
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +47,8 @@ class GenerateResult:
     lookup_wins: int = 0  # of those, steps won by the context-lookup candidate
     warmup_seconds: float = 0.0  # this call's CUDA graph capture / compile (once per width bucket)
     graph_replays: int = 0  # this call's steps replayed from a captured (or compiled) CUDA graph
+    seed: int = 0  # the seed of the initial drafts and (do_sample) of the sampling noise
+    sampling: object = None  # the SamplingConfig the call sampled with; None: greedy
 
     @property
     def new_tokens(self) -> int:
@@ -142,15 +148,22 @@ def generate(
     activation_ratio: float = 0.85,
     eos_token_id: int | list[int] | None = None,
     streamer=None,
-    seed: int = 0,
+    seed: int | None = None,
     pad_token_id: int | None = None,
     trajectory: TrajectoryRecorder | list[TrajectoryRecorder] | None = None,
     lookup: bool | None = None,
     attention_mask: torch.Tensor | None = None,
     cuda_graphs: bool | str | None = None,
+    do_sample: bool = False,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    **generation_kwargs,
 ) -> GenerateResult:
-    """Generate greedily with `method` ("ar" | "jacobi" | "multiblock"); the tokens equal
-    greedy autoregressive decoding's for every method, every sequence of a batch.
+    """Generate with `method` ("ar" | "jacobi" | "multiblock"), greedily or (do_sample=True)
+    by sampling; the tokens equal those of autoregressive decoding (`method="ar"`) under the same
+    rule and seed, for every method, every sequence of a batch.
 
     input_ids [B, P]; with `attention_mask` (1 = token, 0 = padding), prompts of different
     lengths are left-padded, as transformers' generate takes them. The batch is decoded
@@ -176,10 +189,47 @@ def generate(
     step width (the whole step of the batch) from a captured graph (runtime.py, step.py).
     "compile" (or JACOBI_EXT_CUDA_GRAPHS=compile) runs the same step through
     torch.compile(mode="reduce-overhead") instead of direct capture; True = "capture".
+
+    Sampling (`do_sample=True`; jacobi_ext.sampling): `temperature`, `top_k`, `top_p`, `min_p`
+    with the names, defaults and checks of transformers' GenerationConfig (a value left None
+    comes from the model's generation_config, else temperature 1.0, top_k 50, top_p 1.0, min_p
+    off), applied in transformers' order. Each position's token is the argmax of the filtered
+    logits / temperature plus Gumbel noise keyed by (seed, the sequence's prompt and its
+    occurrence among identical prompts of the batch, absolute position, token): an exact sample
+    of transformers' law, and a deterministic function of the prefix, so every method returns
+    the `ar` sample token for token and a sequence's sample does not depend on its batch.
+    Options that read the prefix or change the search (repetition_penalty, no_repeat_ngram_size,
+    num_beams, ...) raise ValueError unless left at their neutral value. `do_sample=False` is
+    greedy decoding, bit for bit.
+
+    `seed`: one seed for both random choices of a call: the initial draft tokens (which change
+    only the speed, never the tokens) and, with do_sample, the sampling noise (which picks the
+    sample). None: 0 for greedy; for sampling, drawn from torch's default generator, so
+    `torch.manual_seed` makes it reproducible as in transformers. `res.seed` is the one used.
     """
+    from ..sampling import check_unsupported, sampling_config, stream_keys
     from .runtime import _graphs_wanted
 
+    check_unsupported(generation_kwargs)
     _graphs_wanted(torch.device("cpu"), cuda_graphs)  # a bad value fails here, on any device
+    sampling = None
+    if do_sample:
+        sampling = sampling_config(model, temperature, top_k, top_p, min_p)
+        if seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, ()))
+    else:
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+        given = {k: v for k, v in given.items() if v is not None}
+        if given:
+            warnings.warn(
+                f"do_sample=False: {', '.join(given)} only apply to sampling and are ignored "
+                "(greedy decoding); pass do_sample=True to sample",
+                UserWarning,
+                stacklevel=2,
+            )
+        seed = 0 if seed is None else seed
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
     _check_args(
         model,
         input_ids,
@@ -249,12 +299,16 @@ def generate(
         cost_ratio=cost_ratio,
         lookup_cost=lookup_cost if lookup else None,
         cuda_graphs=cuda_graphs,
+        sampling=sampling,
     )
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    results, stats = decode(model, prompts, cfg, gen, streamer, recorders)
+    keys = stream_keys(prompts, seed) if sampling is not None else None
+    results, stats = decode(model, prompts, cfg, gen, streamer, recorders, keys)
     if streamer is not None:
         streamer.end()
-    if cost_ratio is not None and n > 1:
+    if cost_ratio is not None and n > 1 and sampling is None:
+        # (Only greedy acceptance is remembered: a sampled call converges later, and its own
+        # controller falls back to AR when its acceptance does not pay.)
         from .tuning import estimate_rho, remember_acceptance
 
         window = n + (K - 1) * n // 2  # as tuning.predict credits K blocks
@@ -286,4 +340,6 @@ def generate(
         lookup_wins=sum(r.lookup_wins for r in results),
         warmup_seconds=stats.warmup_seconds,
         graph_replays=stats.graph_replays,
+        seed=seed,
+        sampling=sampling,
     )

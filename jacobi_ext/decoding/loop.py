@@ -70,8 +70,10 @@ def decode(
     gen: torch.Generator,
     streamer=None,
     recorders: list[TrajectoryRecorder] | None = None,
+    keys: torch.Tensor | None = None,
 ) -> tuple[list[SeqResult], DecodeStats]:
-    """Decode every prompt greedily; one forward per step for the whole batch."""
+    """Decode every prompt, greedily or (cfg.sampling) with the sampled argmax under the noise
+    keys [B, 2] (jacobi_ext.sampling.stream_keys); one forward per step for the whole batch."""
     dev = next(model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
     n, K, p = cfg.block_size, cfg.num_blocks, cfg.pool_size
@@ -84,11 +86,13 @@ def decode(
     )
     width = rt.scratch  # commit width: a row never exceeds the scratch
     warm0, replays0 = rt.warmup_seconds, rt.graph_replays  # the runtime outlives this call
-    key = BatchStep.key(n, K, p, cfg.activation_ratio, cfg.eos)
+    key = BatchStep.key(n, K, p, cfg.activation_ratio, cfg.eos, cfg.sampling)
     bs = rt.batch_steps.get(key)
     if bs is None:  # kept with the runtime: its graphs are reused by the next calls
-        bs = rt.batch_steps[key] = BatchStep(rt, n, K, p, cfg.activation_ratio, cfg.eos)
-    bs.reset(prompts)
+        bs = rt.batch_steps[key] = BatchStep(
+            rt, n, K, p, cfg.activation_ratio, cfg.eos, cfg.sampling
+        )
+    bs.reset(prompts, keys)
     seqs = [
         _Seq(b, pr, cfg, _own_copy(gen), streamer if B == 1 else None, bs.cand0, bs.host0)
         for b, pr in enumerate(prompts)
@@ -109,7 +113,7 @@ def decode(
     _sync(dev)
     t0 = time.perf_counter()
     drafts = bs.drafts([s.sample_positions() for s in seqs]) if n > 1 else None
-    greedy = rt.prefill(ids, pad, drafts)
+    greedy = rt.prefill(ids, pad, drafts, bs.rule)
     first = greedy[:, P - 1 : P - 1 + max(n, 1)]
     bs.start(first)
     first_host = first.tolist()

@@ -42,8 +42,8 @@ from .masks import for_backend, prefill_mask, step_mask, step_positions
 
 def targets(logits: torch.Tensor) -> torch.Tensor:
     """The tokens the model predicts after each position: the greedy argmax. The one place the
-    decoding turns logits into tokens (prefill and every step), so that another rule (sampling
-    with a perturbed argmax) replaces exactly this."""
+    decoding turns logits into tokens (prefill and every step); under sampling the step's rule
+    (jacobi_ext.sampling.Sampler: the filtered perturbed argmax) replaces exactly this."""
     return logits.argmax(-1)
 
 
@@ -169,10 +169,12 @@ class StaticRuntime:
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, pad: torch.Tensor, drafts: torch.Tensor | None):
+    def prefill(self, ids: torch.Tensor, pad: torch.Tensor, drafts: torch.Tensor | None,
+                rule=None):  # fmt: skip
         """Forward the left-padded prompts ids [B, P] (pad[b] padding tokens first) and, for the
         parallel methods, draft tokens [B, n] after them (their K/V go to scratch, i.e. are not
-        kept). Returns the argmax [B, P + n]."""
+        kept). Returns the targets [B, P + n]: the argmax, or rule(logits, positions) (sampling:
+        jacobi_ext.sampling.Sampler)."""
         B, P = ids.shape
         n = 0 if drafts is None else drafts.shape[1]
         if P > self.committed or n > self.scratch:
@@ -195,28 +197,30 @@ class StaticRuntime:
         ).logits
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
-        return targets(logits)
+        return targets(logits) if rule is None else rule(logits, pos)
 
     # ---- one step ------------------------------------------------------------------------------
-    def _forward(self, Q: int, attend: int) -> torch.Tensor:
+    def _forward(self, Q: int, attend: int, rule=None) -> torch.Tensor:
         self.write_slots = self._slots[:Q]
         self.attend = attend
         seg, off = self.seg[:, :Q], self.off[:, :Q]
         mask = for_backend(self.model, step_mask(seg, off, self.lo, self.hi, attend), self.dtype)
+        pos = step_positions(off, self.lo, self.hi)
         logits = self.model(
-            input_ids=self.ids[:, :Q], position_ids=step_positions(off, self.lo, self.hi),
+            input_ids=self.ids[:, :Q], position_ids=pos,
             attention_mask=mask, use_cache=True, **self._cache_arg,
         ).logits  # fmt: skip
-        return targets(logits)
+        return targets(logits) if rule is None else rule(logits, pos)
 
     def width(self, q: int) -> int:
         """The width a step feeding at most q tokens per sequence runs at."""
         return min(bucket(q), self.scratch) if self.use_graphs else q
 
-    def forward(self, Q: int, attend: int) -> torch.Tensor:
-        """The forward over self.ids/seg/off[:, :Q] (filled by the caller): targets [B, Q].
-        `attend` is the number of slots an eager step needs to see (graphs see them all)."""
-        return self._forward(Q, self.capacity if self.use_graphs else attend)
+    def forward(self, Q: int, attend: int, rule=None) -> torch.Tensor:
+        """The forward over self.ids/seg/off[:, :Q] (filled by the caller): targets [B, Q], the
+        argmax or rule(logits, positions). `attend` is the number of slots an eager step needs
+        to see (graphs see them all)."""
+        return self._forward(Q, self.capacity if self.use_graphs else attend, rule)
 
     @torch.inference_mode()
     def step(self, Q: int, attend: int) -> torch.Tensor:

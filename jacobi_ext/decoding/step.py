@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
+from ..sampling import Sampler
 from .lookup import LookupPolicy
 
 SUMMARY = 8  # the verify op's summary (csrc/include/jacobi/verify.h, VerifySummary)
@@ -60,7 +61,7 @@ class BatchStep:
     """Static buffers and the device work of a batch's steps; see the module docstring."""
 
     def __init__(self, rt, block_size: int, num_blocks: int, pool_size: int,
-                 activation_ratio: float, eos: set[int]) -> None:  # fmt: skip
+                 activation_ratio: float, eos: set[int], sampling=None) -> None:  # fmt: skip
         self.rt, dev, B = rt, rt.device, rt.B
         n, K, p = block_size, num_blocks, pool_size
         self.n, self.K, self.p = n, K, p
@@ -82,6 +83,10 @@ class BatchStep:
         self.ctx_cap = rt.committed  # prompt + generated + a step's overshoot fit
         self.ctx = torch.zeros(B, self.ctx_cap + 1, dtype=torch.long, device=dev)  # +1: dump
         self.ctx_len = torch.zeros(B, dtype=torch.long, device=dev)
+        # Sampling: each sequence's noise key (seed, stream), static for the graphs; the rule
+        # that replaces the argmax (None: greedy).
+        self.keys = torch.zeros(B, 2, dtype=torch.long, device=dev)
+        self.rule = Sampler(sampling, self.keys) if sampling is not None else None
         sizes = dict(seg=self.S, off=self.S, idx=self.S, row_start=self.R, row_len=self.R,
                      ar_len=1, host=self.H, init=n)  # fmt: skip
         self.at, o = {}, 0
@@ -92,13 +97,17 @@ class BatchStep:
         self.tail = K + p + self.R + n + p * n  # packed row after the commit
 
     @staticmethod
-    def key(block_size, num_blocks, pool_size, activation_ratio, eos) -> tuple:
-        return (block_size, num_blocks, pool_size, activation_ratio, tuple(sorted(eos)))
+    def key(block_size, num_blocks, pool_size, activation_ratio, eos, sampling=None) -> tuple:
+        # The sampling filters are scalars of the captured graphs: one BatchStep per setting
+        # (the seeds are not: they live in `keys`).
+        return (block_size, num_blocks, pool_size, activation_ratio, tuple(sorted(eos)), sampling)
 
     # ---- a new batch ---------------------------------------------------------------------------
-    def reset(self, prompts: list[list[int]]) -> None:
-        """Start a batch: the contexts hold the prompts, the pools are empty (in place: captured
-        graphs keep reading these buffers)."""
+    def reset(self, prompts: list[list[int]], keys: torch.Tensor | None = None) -> None:
+        """Start a batch: the contexts hold the prompts, the pools are empty, the noise keys are
+        `keys` [B, 2] under sampling (in place: captured graphs keep reading these buffers)."""
+        if keys is not None:
+            self.keys.copy_(keys)
         ctx = torch.zeros(self.ctx.shape, dtype=torch.long)
         for b, pr in enumerate(prompts):
             ctx[b, : len(pr)] = torch.tensor(pr, dtype=torch.long)
@@ -180,7 +189,7 @@ class BatchStep:
         # A sequence without a plan (finished) reads stale slots, -1 where its last verify left
         # no next row: its inputs are masked out, but the embedding still looks them up.
         rt.ids[:, :Q] = self.src.gather(1, self._field("idx")[:, :Q]).clamp_(min=0)
-        tgt = rt.forward(Q, attend)
+        tgt = rt.forward(Q, attend, self.rule)
         toks = rt.ids[:, :Q]
         ar_len = self._field("ar_len")[:, 0]
         summary, count = self._ar(toks, tgt, ar_len, Q)
