@@ -55,10 +55,16 @@ def test_jacobi_forcing_overfits_tiny_model(tmp_path):
 @pytest.mark.long
 def test_jacobi_forcing_overfits_smollm2(tmp_path):
     """32 stdlib prompts, n=16, 64 new tokens: plain Jacobi TPF >= 3 on those prompts after
-    training with fresh noise (tens of minutes on 2 CPU cores)."""
+    training with fresh noise. The setting is the one that reached it (LoRA r16, bf16 autocast,
+    lr 2e-3, 1500 steps: TPF 1.07 -> 6.12, 37 min on 1 thread of an Intel Xeon with AMX;
+    docs/results/distill-cpu-2026-11-24/overfit_smollm2.jsonl); full fine-tuning at lr 1e-4
+    and LoRA at 300-600 steps stopped at 1.23-1.77. bf16 autocast is slow on a CPU without
+    AVX512-BF16: expect several times longer there."""
     # The base model's TPF (~1.05) is confirmed on 8 of the prompts: on 32 it costs ~15 min.
-    r = of.real_model_run(tmp_path, num_prompts=32, n=16, max_new_tokens=64, base_prompts=8,
-                          heldout=4)  # fmt: skip
+    setting = of.Setting(lr=2e-3, window=16, steps=1500,
+                         extra={"lora_rank": 16, "mixed_precision": "bf16"})  # fmt: skip
+    r = of.real_model_run(tmp_path, num_prompts=32, n=16, max_new_tokens=64, setting=setting,
+                          base_prompts=8, heldout=4)  # fmt: skip
     print(r)
     assert r["identical_before"] and r["identical_after"]
     assert r["tpf_before"] < 1.5
