@@ -47,7 +47,13 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
         assert b["stats"]["median"] > 0
     # The JSON says which model it measured, and the report shows it.
     assert data["machine_info"]["jacobi_bench_model"] == "tiny random Llama (quick mode)"
-    assert data["machine_info"]["torch_threads"] == torch.get_num_threads()
+    # The threads a fresh process gets in this environment (OMP_NUM_THREADS, else the cores):
+    # this process's own count may have been changed by an earlier test.
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert data["machine_info"]["torch_threads"] == int(fresh.stdout)
     from jacobi_ext import report
 
     text = report.markdown(report.load([out]), {}, {})
