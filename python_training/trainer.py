@@ -20,6 +20,7 @@ import math
 import random
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -235,8 +236,12 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
         # data position and scheduler step; by default the run's own adapter_out.
         state = load_adapter_state(acc.unwrap_model(model), cfg.init_adapter or _adapter_dir(cfg))
         data_state.load_state_dict(state)
-        for _ in range(data_state.step):
-            sched.step()
+        with warnings.catch_warnings():
+            # Fast-forwarding the schedule to the committed step, on purpose with no optimizer
+            # step between (torch warns that the first LR value would be skipped).
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer")
+            for _ in range(data_state.step):
+                sched.step()
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -397,7 +402,11 @@ def _with_lora(model, cfg: TrainConfig):
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lcfg)
+    with warnings.catch_warnings():
+        # peft 0.21 calls transformers' deprecated `is_gradient_checkpointing` (transformers
+        # 5.24 warns, FutureWarning): not our call, and nothing a user of `train` can change.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return get_peft_model(model, lcfg)
 
 
 def _adapter_dir(cfg: TrainConfig) -> Path:
