@@ -422,7 +422,11 @@ def save_adapter_state(acc, model, path: Path, data_state, total: int, cfg: Trai
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    acc.unwrap_model(model).save_pretrained(str(tmp), safe_serialization=True)
+    # Our LoRA targets are projections only, never the embeddings: saying so spares peft its
+    # check of the base's vocabulary, which warns when the base is the GGUF-backed default.
+    acc.unwrap_model(model).save_pretrained(
+        str(tmp), safe_serialization=True, save_embedding_layers=False
+    )
     state = {
         "step": data_state.step,
         "tokens": data_state.tokens,
