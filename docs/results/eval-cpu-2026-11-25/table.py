@@ -5,11 +5,13 @@
 Per model, prompt set and method: TPF (tokens / forwards, summed over problems), tokens/s
 (tokens / seconds, summed), speed against the *base* model's transformers greedy on the same
 problems (the issue's reference, not the distilled model's own greedy), and whether every
-answer is token for token the model's own greedy answer.
+answer is token for token the model's own greedy answer. The figures per file come from
+`jacobi-forcing eval`'s own summary (`python_training.evaluate.summarize`).
 """
 
-import json
 from pathlib import Path
+
+from python_training.evaluate import summarize
 
 HERE = Path(__file__).parent
 MODELS = {"base": "base", "smollm2-jf": "distilled (`smollm2-jf`)"}
@@ -22,34 +24,22 @@ METHODS = {
 }
 
 
-def load(model: str, prompts: str) -> dict[str, list[dict]]:
-    rows: dict[str, list[dict]] = {}
-    for line in (HERE / f"{model}-{prompts}.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        rows.setdefault(r["method"], []).append(r)
-    return rows
-
-
 def main() -> None:
     print(
         "| prompts | model | method | TPF | tokens/s | vs base greedy | identical to own greedy |"
     )
     print("|---|---|---|---|---|---|---|")
     for prompts, set_name in SETS.items():
-        base = load("base", prompts)["greedy"]
-        base_tps = sum(r["tokens"] for r in base) / sum(r["seconds"] for r in base)
+        base_tps = summarize(HERE / f"base-{prompts}.jsonl")["greedy"]["tokens_per_s"]
         for model, model_name in MODELS.items():
-            rows = load(model, prompts)
-            own = {r["task_id"]: r["token_ids"] for r in rows["greedy"]}
+            summary = summarize(HERE / f"{model}-{prompts}.jsonl")
             for method, method_name in METHODS.items():
-                rs = rows[method]
-                tok = sum(r["tokens"] for r in rs)
-                tpf = tok / sum(r["forwards"] for r in rs)
-                tps = tok / sum(r["seconds"] for r in rs)
-                same = all(own[r["task_id"]] == r["token_ids"] for r in rs)
+                s = summary[method]
+                same = "yes" if s["identical"] == 1.0 else f"NO ({s['identical']:.0%})"
                 print(
-                    f"| {set_name} | {model_name} | {method_name} | {tpf:.2f} | {tps:.1f} | "
-                    f"{tps / base_tps:.2f}x | {'yes' if same else 'NO'} ({len(rs)}) |"
+                    f"| {set_name} | {model_name} | {method_name} | {s['tpf']:.2f} | "
+                    f"{s['tokens_per_s']:.1f} | {s['tokens_per_s'] / base_tps:.2f}x | "
+                    f"{same} ({s['tasks']}) |"
                 )
 
 
