@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
@@ -136,15 +137,22 @@ def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose):
         base = json.loads(state.read_text()).get("config", {}).get("model")
     model, tok = load_model(base, dtype=dtype, device="cpu",
                             attn_implementation=attn_implementation)  # fmt: skip
-    with warnings.catch_warnings():
-        # peft 0.21 calls transformers' deprecated `is_gradient_checkpointing` (transformers
-        # 5.24 warns, FutureWarning): not our call, and nothing a user of load_model can change.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    with peft_without_deprecation_warning():
         model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
     model.to(device).eval()
     if verbose:
         print(f"merged adapter {path} into {base or DEFAULT_MODEL}")
     return model, tok
+
+
+@contextlib.contextmanager
+def peft_without_deprecation_warning():
+    """Around peft calls that wrap a transformers model (loading or creating an adapter): peft
+    0.21 calls transformers' deprecated `is_gradient_checkpointing` (transformers 5.24 warns,
+    FutureWarning). Not our call, and nothing a user of load_model or train can change."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
 
 
 def cpu_has_bf16(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:

@@ -394,6 +394,8 @@ class FrozenLinearsBF16:
 def _with_lora(model, cfg: TrainConfig):
     from peft import LoraConfig, get_peft_model
 
+    from jacobi_ext.models import peft_without_deprecation_warning
+
     lcfg = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_rank,
@@ -402,10 +404,7 @@ def _with_lora(model, cfg: TrainConfig):
         bias="none",
         task_type="CAUSAL_LM",
     )
-    with warnings.catch_warnings():
-        # peft 0.21 calls transformers' deprecated `is_gradient_checkpointing` (transformers
-        # 5.24 warns, FutureWarning): not our call, and nothing a user of `train` can change.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    with peft_without_deprecation_warning():
         return get_peft_model(model, lcfg)
 
 
