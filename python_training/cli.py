@@ -137,6 +137,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         d["gradient_checkpointing"] = True
     if args.random_phase:
         d["random_phase"] = True
+    if args.restart_schedule:
+        d["restart_schedule"] = True
     last = train(TrainConfig.from_dict(d))
     print(json.dumps(last))
     return 0
@@ -210,6 +212,11 @@ def _add_train(sub) -> None:
         "--init-adapter", default=None,
         help="go on from this adapter and its train_state.json (e.g. the one committed by an "
         "earlier run on another machine) when --out has no checkpoint",
+    )  # fmt: skip
+    p.add_argument(
+        "--restart-schedule", action="store_true",
+        help="with --init-adapter: keep its weights and token count but start the data position "
+        "and the LR schedule (warm-up, cosine to 0) afresh, e.g. a new chunk on new prompts",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)

@@ -86,6 +86,10 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = LORA_TARGETS
     adapter_out: str | None = None
     init_adapter: str | None = None
+    # With ``init_adapter``: keep its weights and token count, but start the data position and
+    # the LR schedule (warm-up, cosine to 0) afresh: a new chunk on new data after an annealed
+    # one (a warm restart), instead of going on along the old schedule.
+    restart_schedule: bool = False
     # End this call after so many minutes (at a step boundary, with a checkpoint and, for LoRA,
     # the adapter saved): a long run goes in chunks; the same command resumes it. None: no limit.
     stop_after_minutes: float | None = None
@@ -235,6 +239,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
         # Another machine's run goes on (no local checkpoint): the adapter it committed, with its
         # data position and scheduler step; by default the run's own adapter_out.
         state = load_adapter_state(acc.unwrap_model(model), cfg.init_adapter or _adapter_dir(cfg))
+        if cfg.init_adapter and cfg.restart_schedule:
+            state = {"step": 0, "tokens": state.get("tokens", 0)}
         data_state.load_state_dict(state)
         with warnings.catch_warnings():
             # Fast-forwarding the schedule to the committed step, on purpose with no optimizer

@@ -248,6 +248,55 @@ def test_lora_run_continues_from_its_committed_adapter(data_dir, tmp_path, monke
         tr.load_adapter_state(m, tmp_path)
 
 
+def test_restart_schedule_keeps_weights_and_tokens_but_starts_data_and_lr_afresh(
+    data_dir, tmp_path, monkeypatch
+):
+    """--restart-schedule: a new chunk from an annealed adapter (new prompts, a new cosine)
+    starts at data position 0 and at the warm-up's first LR, from the adapter's weights, and its
+    token count goes on from the adapter's."""
+    from safetensors.torch import load_file
+
+    kw = dict(max_steps=4, save_every=2, lora_rank=4, lr=1e-2)
+    m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+    tr.train(cfg(data_dir, tmp_path / "a", **kw), model=m, progress=False)
+    first = tmp_path / "a" / "adapter"
+    st0 = json.loads((first / tr.TRAIN_STATE).read_text())
+    w0 = load_file(str(first / "adapter_model.safetensors"))
+
+    real = tr.example_at
+    seen, loaded = [], []
+    monkeypatch.setattr(tr, "example_at", lambda r, c, gi: seen.append(gi) or real(r, c, gi))
+    real_load = tr.load_adapter_state
+
+    def spy_load(model, d):
+        out = real_load(model, d)
+        # the weights the new run starts from are the adapter's, bit for bit
+        from peft import get_peft_model_state_dict
+
+        live = get_peft_model_state_dict(model)
+        loaded.append(w0.keys() == live.keys() and all(torch.equal(w0[k], live[k]) for k in w0))
+        return out
+
+    monkeypatch.setattr(tr, "load_adapter_state", spy_load)
+    m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+    c = cfg(data_dir, tmp_path / "b", init_adapter=str(first), restart_schedule=True,
+            warmup_ratio=0.25, **kw)  # fmt: skip
+    tr.train(c, model=m, progress=False)
+    assert loaded == [True]
+    assert seen == [0, 1, 2, 3]  # data position 0, not the adapter's step 4
+    log = [json.loads(x) for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert log[0]["tokens_seen"] == st0["tokens"] + log[0]["tokens"]
+    # the LR schedule ran again from its start: the same LRs as a run from scratch
+    fresh = tmp_path / "c"
+    m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+    tr.train(cfg(data_dir, fresh, warmup_ratio=0.25, **kw), model=m, progress=False)
+    ref = [json.loads(x) for x in (fresh / "log.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in log] == [r["lr"] for r in ref]
+    st = json.loads((tmp_path / "b" / "adapter" / tr.TRAIN_STATE).read_text())
+    assert st["step"] == 4 and st["tokens"] == log[-1]["tokens_seen"]
+
+
 def test_bf16_lora_frozen_weight_copies_change_no_number(data_dir, tmp_path, monkeypatch):
     """The bf16 copies of the frozen base weights are a pure speed-up: a bf16 LoRA run with and
     without them writes the same adapter bit for bit, and the merged final/ is base (fp32,
