@@ -97,6 +97,13 @@ class TrainConfig:
     threads: int | None = None
     cpu: bool | None = None  # None: CPU when no CUDA device is visible
 
+    def __post_init__(self) -> None:
+        if self.restart_schedule and not self.init_adapter:
+            raise ValueError(
+                "restart_schedule restarts from an adapter: give init_adapter (--init-adapter) "
+                "too, or drop restart_schedule (--restart-schedule)"
+            )
+
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
         names = {f.name for f in fields(cls)}

@@ -295,6 +295,8 @@ def test_restart_schedule_keeps_weights_and_tokens_but_starts_data_and_lr_afresh
     assert [r["lr"] for r in log] == [r["lr"] for r in ref]
     st = json.loads((tmp_path / "b" / "adapter" / tr.TRAIN_STATE).read_text())
     assert st["step"] == 4 and st["tokens"] == log[-1]["tokens_seen"]
+    with pytest.raises(ValueError, match="init_adapter"):
+        cfg(data_dir, tmp_path / "d", restart_schedule=True, **kw)
 
 
 def test_bf16_lora_frozen_weight_copies_change_no_number(data_dir, tmp_path, monkeypatch):
