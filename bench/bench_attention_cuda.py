@@ -81,6 +81,24 @@ def test_jacobi_ext(benchmark, S, shape, kernel):
     benchmark(step)
 
 
+@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("S", SEQ)
+def test_jacobi_ext_forward(benchmark, S, kernel):
+    """The forward alone, 7B shape (the sm_90a kernel's target: >= 550 useful TF/s at 16k)."""
+    Hq, Hkv, D = SHAPES["7b"]
+    S, _, table, _ = jf_noisy_context(S)
+    q, k, v = (t.detach() for t in inputs(S, Hq, Hkv, D))
+    scale = D**-0.5
+    ops = torch.ops.jacobi_ext
+    benchmark.extra_info.update(kernel=ops.attention_kernel(q, kernel), passes="fwd")
+
+    def step():
+        ops.block_attention_fwd(q, k, v, *table, scale, kernel)
+        torch.cuda.synchronize()
+
+    benchmark(step)
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("S", SEQ)
 def test_streams_backend(benchmark, S, shape):

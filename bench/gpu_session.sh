@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# One short GPU lease (device tool: 15 min in all, <= 10 min a call, 64 MiB carried a call), spent
+# on the GPU issues' checks and figures in three calls that follow each other within 30 s, so the
+# machine stays warm and keeps what the earlier calls installed and built:
+#
+#   call | carry       | command                                   | what it does
+#   1    | .gpu/p1     | bash bench/gpu_session.sh attention       | wheels, build (sm_90a, bf16
+#        |             |                                           | kernels), attention tests (sm90,
+#        |             |                                           | sm80, backends), attention bench
+#   2    | .gpu/p2     | bash bench/gpu_session.sh kernels         | the other gpu tests: verify op,
+#        |             |                                           | sampling, graphs, compiled step
+#   3    | .gpu/p3     | bash bench/gpu_session.sh decoding        | the model; decoding bench (bf16,
+#        |             |                                           | base, batch, 7B shape, distilled);
+#        |             |                                           | fp32 lossless on SmolLM2
+#
+# (.gpu/pN: `python python_training/gpu_carry.py prepare`, which cuts the four wheels the machine
+# lacks, the model among them, to fit beside the repo.) Every step runs under a timeout taken from
+# JF_DEADLINE_S (seconds for the whole call, default 540), so a hung kernel or a slow compile costs
+# its own step, not the call. Logs and benchmark JSON go to $OUT (at most 8 files come back):
+# $OUT/<stage>.log and $OUT/*.json. Render here: jacobi-forcing bench --render-only --out DIR.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+stage="${1:?usage: bash bench/gpu_session.sh attention|kernels|decoding}"
+OUT="${OUT:-$ROOT/runs/gpu-session}"
+mkdir -p "$OUT"
+LOG="$OUT/$stage.log"
+DEADLINE=$((SECONDS + ${JF_DEADLINE_S:-540}))
+PY="${PYTHON:-python3}"
+
+say() { echo "== $(date +%T) [+${SECONDS}s] $*" | tee -a "$LOG"; }
+# step SECONDS NAME CMD...: run CMD under min(SECONDS, time left), its output into the log.
+step() {
+  local want=$1 name=$2
+  shift 2
+  local left=$((DEADLINE - SECONDS - 5))
+  if [ "$left" -lt 20 ]; then
+    say "SKIP $name: ${left}s left before the deadline"
+    return 0
+  fi
+  [ "$want" -gt "$left" ] && want=$left
+  say "$name (timeout ${want}s)"
+  timeout -k 5 "$want" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  say "$name: rc=$rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
+  grep -E "passed|failed|error" "$LOG" | tail -n 1
+}
+
+say "stage $stage on $(hostname)"
+bash python_training/gpu_setup.sh >>"$LOG" 2>&1 || say "gpu_setup: rc=$? (see the log)"
+export PYTHONPATH="$ROOT:$ROOT/runs/gpu-env/site" PYTHONUNBUFFERED=1
+# In-process gpu tests: a child per test (tests/gpu_isolation.py) costs a CUDA start each, more
+# than this lease has; the step's timeout does the isolation's job (a hang ends the step).
+export JACOBI_GPU_ISOLATION=0
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv \
+  >>"$LOG" 2>&1
+"$PY" -c 'import torch, jacobi_ext._native as n; print("torch", torch.__version__, "| CUDA kernels:",
+  n.WITH_CUDA, n.CUDA_ARCHS)' >>"$LOG" 2>&1
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfE -m gpu)
+BENCH=("$PY" -m pytest -p no:cacheprovider -q -o "python_files=bench_*.py"
+  --benchmark-columns=median,rounds)
+
+case "$stage" in
+  attention)
+    step 120 sm90-tests "${PYTEST[@]}" tests/test_attention_sm90.py tests/test_attention_tile_lists.py
+    step 150 cuda-tests "${PYTEST[@]}" tests/test_attention_cuda.py tests/test_attention_backends.py
+    # The sm_90a kernel in its own step: if it hangs, the anchors' figures are already saved.
+    pick="(7b and (4096 or 16384) or forward) and not flex"
+    step 120 attention-bench "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
+      --benchmark-max-time=0.5 -k "$pick and not sm90" --benchmark-json="$OUT/attention_cuda.json"
+    step 90 attention-bench-sm90 "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
+      --benchmark-max-time=0.5 -k "$pick and sm90" --benchmark-json="$OUT/attention_cuda_sm90.json"
+    # Every GPU attention test with sm90 as the kernel: the gate to make it the default on Hopper.
+    step 90 sm90-as-default env JACOBI_ATTN_KERNEL=sm90 "${PYTEST[@]}" tests/test_attention_cuda.py \
+      tests/test_attention.py
+    ;;
+  kernels)
+    step 150 gpu-tests "${PYTEST[@]}" tests --ignore=tests/test_attention_sm90.py \
+      --ignore=tests/test_attention_cuda.py --ignore=tests/test_attention_backends.py \
+      --ignore=tests/test_attention_tile_lists.py --ignore=tests/test_attention.py
+    ;;
+  decoding)
+    # Most wanted first: a step the deadline skips costs the least there.
+    export JACOBI_BENCH_DEVICE=cuda JACOBI_BENCH_PROMPTS="${JF_PROMPTS:-4}"
+    step 180 decoding-base env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_BATCH=1,2,4,8,16 \
+      JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,multiblock "${BENCH[@]}" bench/bench_decoding.py \
+      -k "test_decoding or test_batch or qwen7b" --benchmark-json="$OUT/decoding_base.json"
+    step 90 decoding-distilled env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_MODEL=smollm2-jf \
+      JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,multiblock "${BENCH[@]}" bench/bench_decoding.py \
+      -k test_decoding --benchmark-json="$OUT/decoding_distilled.json"
+    step 200 decoding-compile env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_PROMPTS=2 \
+      JACOBI_BENCH_METHODS=hf-greedy,hf-static-compile,multiblock,ar+compile,multiblock+compile \
+      "${BENCH[@]}" bench/bench_decoding.py -k test_decoding \
+      --benchmark-json="$OUT/decoding_compile.json"
+    step 90 decoding-fp32 env JACOBI_BENCH_DTYPE=float32 JACOBI_BENCH_PROMPTS=2 \
+      JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,multiblock "${BENCH[@]}" bench/bench_decoding.py \
+      -k test_decoding --benchmark-json="$OUT/decoding_fp32.json"
+    ;;
+  *)
+    echo "unknown stage $stage (attention, kernels, decoding)" >&2
+    exit 2
+    ;;
+esac
+say "stage $stage done"
+tail -n 60 "$LOG" | grep -E "^==|passed|failed|FAILED|ERROR|Error" | tail -n 40
