@@ -56,6 +56,27 @@ def stream_indices(layout: JacobiLayout) -> tuple[torch.Tensor, ...]:
     return noisy, clean, inv, order
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient. The gradient of a stream's output
+    arrives as a slice of the packed gradient (``cat``'s backward narrows along the tokens), and
+    SDPA's CUDA backward kernels have read such strided gradients wrongly: on an H200 (torch
+    2.11, 2026-11-26) this backend's dQ was off by 115-144 % against the float64 reference while
+    its forward matched, and strided gradients into fused attention backwards are a known class of
+    bugs (e.g. Dao-AILab/flash-attention#355). One copy of [B, Hq, L, D] per stream removes it."""
+
+    @staticmethod
+    def forward(x):
+        return x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 @functools.lru_cache(maxsize=64)
 def _indices_on(layout: JacobiLayout, device: str) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(device) for t in stream_indices(layout))
@@ -84,9 +105,8 @@ def streams_attention(
     outs = []
     for idx in (noisy, clean):
         qs, ks, vs = (x.index_select(2, idx) for x in (q, k, v))
-        outs.append(
-            F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-        )
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(_ContiguousGrad.apply(o))
     # Stream order [prompt, noisy blocks, clean blocks] back to the packed order.
     # A permutation: its backward is the gather by `order`, not index_select's scatter-add.
     out = torch.cat([outs[0], outs[1][:, :, P:]], dim=2)

@@ -302,8 +302,14 @@ def run_isolated(body: str, timeout: int = 600) -> subprocess.CompletedProcess:
         "from test_attention_cuda import jf_block_table, make_inputs\n"
         "ops = torch.ops.jacobi_ext\n" + textwrap.dedent(body)
     )
+    # -X faulthandler -u: a crash prints where it happened, and what the child printed before it
+    # is not lost in a pipe buffer (on an H200, 2026-11-26, seven of these children died of
+    # SIGSEGV with empty stdout and stderr, though the same checks raise in-process).
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-X", "faulthandler", "-u", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
