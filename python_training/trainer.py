@@ -80,7 +80,8 @@ class TrainConfig:
     # the adapted modules. A LoRA run also writes its adapter (safetensors) + train_state.json
     # at every save, to ``adapter_out`` (default ``out/adapter``): small enough to commit, so a
     # run can go on on another machine: with no checkpoint in ``out``, training continues from
-    # ``init_adapter``, or else from ``adapter_out`` if it holds an earlier state.
+    # ``adapter_out`` if it holds this run's earlier state (same ``init_adapter``), else from
+    # ``init_adapter``.
     lora_rank: int = 0
     lora_alpha: float | None = None
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -242,11 +243,16 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     resume = _latest_checkpoint(out)
     if resume is not None:
         acc.load_state(str(resume))
-    elif cfg.init_adapter or (cfg.lora_rank and (_adapter_dir(cfg) / TRAIN_STATE).is_file()):
+    elif _own_progress(cfg) or cfg.init_adapter:
         # Another machine's run goes on (no local checkpoint): the adapter it committed, with its
-        # data position and scheduler step; by default the run's own adapter_out.
-        state = load_adapter_state(acc.unwrap_model(model), cfg.init_adapter or _adapter_dir(cfg))
-        if cfg.init_adapter and cfg.restart_schedule:
+        # data position and scheduler step. This run's own adapter_out first, when it holds this
+        # run's progress (the same init_adapter): the same command, rerun on a fresh machine,
+        # goes on from there instead of starting over from init_adapter.
+        own = _own_progress(cfg)
+        state = load_adapter_state(
+            acc.unwrap_model(model), _adapter_dir(cfg) if own else cfg.init_adapter
+        )
+        if not own and cfg.restart_schedule:
             state = {"step": 0, "tokens": state.get("tokens", 0)}
         data_state.load_state_dict(state)
         with warnings.catch_warnings():
@@ -423,6 +429,16 @@ def _with_lora(model, cfg: TrainConfig):
 
 def _adapter_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.adapter_out) if cfg.adapter_out else Path(cfg.out) / "adapter"
+
+
+def _own_progress(cfg: TrainConfig) -> bool:
+    """Whether adapter_out holds this run's own committed state: a LoRA run's train_state whose
+    settings start from the same init_adapter (None for a run from the base model)."""
+    path = _adapter_dir(cfg) / TRAIN_STATE
+    if not cfg.lora_rank or not path.is_file():
+        return False
+    saved = json.loads(path.read_text()).get("config", {})
+    return saved.get("init_adapter") == cfg.init_adapter
 
 
 def save_adapter_state(acc, model, path: Path, data_state, total: int, cfg: TrainConfig) -> None:

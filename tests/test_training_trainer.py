@@ -299,6 +299,32 @@ def test_restart_schedule_keeps_weights_and_tokens_but_starts_data_and_lr_afresh
         cfg(data_dir, tmp_path / "d", restart_schedule=True, **kw)
 
 
+def test_rerun_on_a_fresh_machine_goes_on_from_its_own_adapter_not_init_adapter(
+    data_dir, tmp_path
+):
+    """A chunk started from --init-adapter (with --restart-schedule) commits its adapter; the
+    same command on a machine without its checkpoints goes on from that committed adapter, not
+    over again from init_adapter."""
+    import shutil
+
+    kw = dict(save_every=2, lora_rank=4, lr=1e-2)
+    m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+    tr.train(cfg(data_dir, tmp_path / "a", max_steps=4, **kw), model=m, progress=False)
+    first = str(tmp_path / "a" / "adapter")
+    chunk = dict(init_adapter=first, restart_schedule=True, adapter_out=str(tmp_path / "ad"))
+    m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+    tr.train(cfg(data_dir, tmp_path / "b", max_steps=4, **chunk, **kw), model=m, progress=False)
+    st1 = json.loads((tmp_path / "ad" / tr.TRAIN_STATE).read_text())
+    assert st1["step"] == 4
+    shutil.rmtree(tmp_path / "b")  # a fresh machine: only the committed adapter is there
+    m = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+    tr.train(cfg(data_dir, tmp_path / "b", max_steps=4, **chunk, **kw), model=m, progress=False)
+    log = tmp_path / "b" / "log.jsonl"
+    assert not log.exists() or not log.read_text().strip()  # nothing left to do: no step again
+    st2 = json.loads((tmp_path / "ad" / tr.TRAIN_STATE).read_text())
+    assert (st2["step"], st2["tokens"]) == (4, st1["tokens"])  # not init_adapter's count + 4 steps
+
+
 def test_bf16_lora_frozen_weight_copies_change_no_number(data_dir, tmp_path, monkeypatch):
     """The bf16 copies of the frozen base weights are a pure speed-up: a bf16 LoRA run with and
     without them writes the same adapter bit for bit, and the merged final/ is base (fp32,
