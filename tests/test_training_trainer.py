@@ -299,9 +299,7 @@ def test_restart_schedule_keeps_weights_and_tokens_but_starts_data_and_lr_afresh
         cfg(data_dir, tmp_path / "d", restart_schedule=True, **kw)
 
 
-def test_rerun_on_a_fresh_machine_goes_on_from_its_own_adapter_not_init_adapter(
-    data_dir, tmp_path
-):
+def test_rerun_on_a_fresh_machine_goes_on_from_its_own_adapter_not_init_adapter(data_dir, tmp_path):
     """A chunk started from --init-adapter (with --restart-schedule) commits its adapter; the
     same command on a machine without its checkpoints goes on from that committed adapter, not
     over again from init_adapter."""
