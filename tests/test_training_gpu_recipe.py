@@ -98,6 +98,27 @@ def test_gpu_recipe_is_valid_and_sized_for_one_gpu():
     assert hi - lo >= cfg.max_steps  # each training sequence a new prompt
 
 
+def test_lease_recipe_collects_nothing_and_starts_from_the_shipped_adapter():
+    """recipes/smollm2_gpu_lease.toml fits one 15-minute lease by collecting nothing: its prompt
+    range is the shipped fixed points', and it trains on from the shipped adapter."""
+    import gzip
+
+    recipe = gpu_run.check_recipe(load_recipe(GPU_RECIPE.with_name("smollm2_gpu_lease.toml")))
+    st = recipe["stages"][0]
+    tr = TrainConfig.from_dict({**st["train"], "model": None, "data": ["x"], "out": "y",
+                                "cpu": False, "stop_after_minutes": 8.0})  # fmt: skip
+    assert tr.restart_schedule and (ROOT / tr.init_adapter / "train_state.json").is_file()
+    assert tr.max_steps <= 2500 and tr.max_steps % tr.snapshot_every == 0
+    assert recipe["eval"]["dtype"] == "float32"  # comparable with the CPU curve, exact
+    shipped = ROOT / st["shipped_trajectories"]
+    ids = {json.loads(x)["id"] for f in shipped.glob("*.jsonl.gz") for x in gzip.open(f, "rt")}
+    lo, hi = st["prompt_range"]
+    assert len(ids) >= 0.98 * (hi - lo)  # (the rest are prompts too long to collect)
+    base = json.loads((ROOT / tr.init_adapter / "train_state.json").read_text())["config"]
+    for k in ("lora_rank", "variant", "window"):
+        assert getattr(tr, k) == base[k], k  # the same adapter shape and training task
+
+
 def test_gpu_run_command_exists(capsys):
     from jacobi_ext.cli import main
 
