@@ -30,16 +30,23 @@ def _rows(files):
     return rows
 
 
-def main() -> None:
-    base = summarize(HERE / "base-humaneval-164.jsonl")["greedy"]
-    files = sorted(HERE.glob("smollm2-jf-humaneval-164*.jsonl"))
+def _summarize(rows: list[dict]) -> dict:
     merged = HERE / ".merged.jsonl"  # summarize reads one file
-    rows = _rows(files)
     merged.write_text("".join(json.dumps(r) + "\n" for r in rows))
     try:
-        dist = summarize(merged)
+        return summarize(merged)
     finally:
         merged.unlink()
+
+
+def main() -> None:
+    rows = _rows(sorted(HERE.glob("smollm2-jf-humaneval-164*.jsonl")))
+    # The base model on exactly the problems the distilled runs have done (all 164 once they
+    # finish; a resumed run's partial files compare like with like).
+    done = {r["task_id"] for r in rows}
+    base_rows = [r for r in _rows([HERE / "base-humaneval-164.jsonl"]) if r["task_id"] in done]
+    base = _summarize(base_rows)["greedy"]
+    dist = _summarize(rows)
     print("| model | method | problems | TPF | tokens/s | vs base greedy | pass@1 |")
     print("|---|---|---|---|---|---|---|")
     print(
