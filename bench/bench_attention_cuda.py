@@ -57,14 +57,14 @@ def jf_noisy_context(S: int):
     return S, T, table, mask_mod
 
 
-def sm90_lists(table, S, kernel_ran):
-    """The sm_90a forward's tile lists, built once as jacobi_attention does (cached on the table):
-    without them the op builds them on the host at every call (~29 ms at 16k on one CPU core),
-    which the first H200 run (2026-11-26) timed instead of the kernel."""
-    if kernel_ran != "sm90":
-        return None
-    cpu = [t.cpu() for t in table]
-    return [t.cuda() for t in torch.ops.jacobi_ext.attention_tile_lists(*cpu, S, 128, 128)]
+def sm90_lists(q, table, kernel):
+    """The sm_90a forward's tile lists as jacobi_attention gets them (built once, cached on the
+    table; None when another kernel runs): without them the op builds them on the host at every
+    call (~29 ms at 16k on one CPU core), which the first H200 run (2026-11-26) timed instead of
+    the kernel."""
+    from jacobi_ext.attention import _sm90_tile_lists
+
+    return _sm90_tile_lists(q, jacobi_ext.BlockTable(*table), kernel)
 
 
 def inputs(S, Hq, Hkv, D):
@@ -81,8 +81,8 @@ def test_jacobi_ext(benchmark, S, shape, kernel):
     q, k, v = inputs(S, Hq, Hkv, D)
     scale = D**-0.5
     ops = torch.ops.jacobi_ext
-    benchmark.extra_info["kernel"] = ran = ops.attention_kernel(q, kernel)
-    lists = sm90_lists(table, S, ran)
+    benchmark.extra_info["kernel"] = ops.attention_kernel(q, kernel)
+    lists = sm90_lists(q, table, kernel)
 
     def step():
         out, lse = ops.block_attention_fwd(q, k, v, *table, scale, kernel, lists)
@@ -101,9 +101,8 @@ def test_jacobi_ext_forward(benchmark, S, kernel):
     q, k, v = (t.detach() for t in inputs(S, Hq, Hkv, D))
     scale = D**-0.5
     ops = torch.ops.jacobi_ext
-    ran = ops.attention_kernel(q, kernel)
-    benchmark.extra_info.update(kernel=ran, passes="fwd")
-    lists = sm90_lists(table, S, ran)
+    benchmark.extra_info.update(kernel=ops.attention_kernel(q, kernel), passes="fwd")
+    lists = sm90_lists(q, table, kernel)
 
     def step():
         ops.block_attention_fwd(q, k, v, *table, scale, kernel, lists)

@@ -147,6 +147,11 @@ def summarize(results: str | Path) -> dict:
     ``identical``: the fraction of tasks (run by both) whose token ids equal the reference's:
     greedy's, or for sampled rows our ``ar`` sample's (None where rows carry no ids)."""
     rows = [json.loads(x) for x in Path(results).read_text().splitlines() if x.strip()]
+    return summarize_rows(rows)
+
+
+def summarize_rows(rows: list[dict]) -> dict:
+    """``summarize`` of result rows already read (several files' together, or a subset)."""
     by: dict[str, dict[str, dict]] = {}
     for r in rows:
         by.setdefault(r["method"], {})[r["task_id"]] = r

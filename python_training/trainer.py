@@ -241,14 +241,14 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     data_state = _DataState()
     acc.register_for_checkpointing(sched, data_state)
     resume = _latest_checkpoint(out)
+    own = resume is None and _own_progress(cfg)
     if resume is not None:
         acc.load_state(str(resume))
-    elif _own_progress(cfg) or cfg.init_adapter:
+    elif own or cfg.init_adapter:
         # Another machine's run goes on (no local checkpoint): the adapter it committed, with its
         # data position and scheduler step. This run's own adapter_out first, when it holds this
         # run's progress (the same init_adapter): the same command, rerun on a fresh machine,
         # goes on from there instead of starting over from init_adapter.
-        own = _own_progress(cfg)
         state = load_adapter_state(
             acc.unwrap_model(model), _adapter_dir(cfg) if own else cfg.init_adapter
         )

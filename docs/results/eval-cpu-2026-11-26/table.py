@@ -13,7 +13,7 @@ with each other (each claims the distilled model's own greedy answer).
 import json
 from pathlib import Path
 
-from python_training.evaluate import summarize
+from python_training.evaluate import summarize_rows
 
 HERE = Path(__file__).parent
 METHODS = {
@@ -30,23 +30,14 @@ def _rows(files):
     return rows
 
 
-def _summarize(rows: list[dict]) -> dict:
-    merged = HERE / ".merged.jsonl"  # summarize reads one file
-    merged.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    try:
-        return summarize(merged)
-    finally:
-        merged.unlink()
-
-
 def main() -> None:
     rows = _rows(sorted(HERE.glob("smollm2-jf-humaneval-164*.jsonl")))
     # The base model on exactly the problems the distilled runs have done (all 164 once they
     # finish; a resumed run's partial files compare like with like).
     done = {r["task_id"] for r in rows}
     base_rows = [r for r in _rows([HERE / "base-humaneval-164.jsonl"]) if r["task_id"] in done]
-    base = _summarize(base_rows)["greedy"]
-    dist = _summarize(rows)
+    base = summarize_rows(base_rows)["greedy"]
+    dist = summarize_rows(rows)
     print("| model | method | problems | TPF | tokens/s | vs base greedy | pass@1 |")
     print("|---|---|---|---|---|---|---|")
     print(
