@@ -139,6 +139,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         d["random_phase"] = True
     if args.restart_schedule:
         d["restart_schedule"] = True
+    if args.no_ar_prompt:
+        d["ar_prompt"] = False
     last = train(TrainConfig.from_dict(d))
     print(json.dumps(last))
     return 0
@@ -163,6 +165,11 @@ def _add_train(sub) -> None:
     p.add_argument("--max-blocks", type=int, default=None)
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--ar-weight", type=float, default=None, help="λ (default 10)")
+    p.add_argument(
+        "--no-ar-prompt", action="store_true",
+        help="AR loss on the answer only, not on the prompt's own tokens (SPEC §5 includes "
+        "them): anchors the student to the teacher's answers without fine-tuning it on prompts",
+    )  # fmt: skip
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument(
         "--consistency-reduction", default=None, choices=["mean_div_T", "mean"],
@@ -312,6 +319,54 @@ def _add_eval(sub) -> None:
     p.set_defaults(handler=_cmd_eval)
 
 
+def _cmd_fidelity(args: argparse.Namespace) -> int:
+    from jacobi_ext.models import load_model
+
+    from .fidelity import fidelity, reference_rows
+
+    _threads(args)
+    rows = reference_rows(args.reference, args.method)
+    rows = rows[args.offset :][: args.limit] if args.limit is not None else rows[args.offset :]
+    model, tok = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    out = fidelity(model, tok, rows, prompts=args.prompts)
+    out["model"], out["reference"] = str(args.model or "base"), str(args.reference)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    s = out["summary"]
+    print(
+        f"{out['model']}: {s['tasks']} tasks, {s['tokens']} base-answer tokens: top-1 agreement "
+        f"{s['agreement']:.3f}, NLL {s['nll']:.3f}, median shared greedy prefix "
+        f"{s['median_prefix']} tokens, identical answers {100 * s['identical']:.1f} %"
+    )
+    return 0
+
+
+def _add_fidelity(sub) -> None:
+    from .evaluate import PROMPT_SETS
+
+    p = sub.add_parser(
+        "fidelity",
+        help="how close a (distilled) model stays to the base: the base's greedy answers "
+        "teacher-forced, top-1 agreement, NLL, shared greedy prefix (one forward per task)",
+    )
+    p.add_argument(
+        "--reference", required=True,
+        help="eval results JSONL holding the base model's greedy rows (token_ids)",
+    )  # fmt: skip
+    p.add_argument("--method", default="greedy", help="which rows of --reference (default greedy)")
+    p.add_argument("--model", default=None, help="checkpoint or adapter (default the base)")
+    p.add_argument("--prompts", default="humaneval", choices=PROMPT_SETS,
+                   help="the prompt set --reference was decoded on")  # fmt: skip
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON with the summary and every task's scores")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(handler=_cmd_fidelity)
+
+
 def _cmd_distill_report(args: argparse.Namespace) -> int:
     from .distill_report import report
 
@@ -348,5 +403,5 @@ def _add_gpu_run(sub) -> None:
     add_parser(sub)
 
 
-REGISTRARS = [_add_prompts, _add_collect, _add_train, _add_distill, _add_eval, _add_distill_report,
-              _add_gpu_run]  # fmt: skip
+REGISTRARS = [_add_prompts, _add_collect, _add_train, _add_distill, _add_eval, _add_fidelity,
+              _add_distill_report, _add_gpu_run]  # fmt: skip

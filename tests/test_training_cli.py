@@ -14,7 +14,10 @@ from python_training.trainer import TrainConfig
 RECIPES = sorted((Path(__file__).parents[1] / "python_training" / "recipes").glob("*.toml"))
 
 
-@pytest.mark.parametrize("cmd", ["collect", "train", "distill", "eval", "distill-report"])
+COMMANDS = ["collect", "train", "distill", "eval", "fidelity", "distill-report"]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
 def test_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])
@@ -49,7 +52,8 @@ def test_train_flags_reach_the_config(monkeypatch, tmp_path, capsys):
     conf.write_text(json.dumps({"warmup_ratio": 0.5, "window": 8}))
     main(["train", "--data", "d", "--config", str(conf), "--warmup-ratio", "0.02",
           "--stop-after-minutes", "45", "--lora-rank", "16", "--adapter-out", "a",
-          "--random-phase"])  # fmt: skip
+          "--random-phase", "--no-ar-prompt"])  # fmt: skip
     cfg = got["cfg"]
     assert (cfg.warmup_ratio, cfg.stop_after_minutes, cfg.window) == (0.02, 45.0, 8)
     assert (cfg.lora_rank, cfg.adapter_out, cfg.random_phase, cfg.data) == (16, "a", True, ["d"])
+    assert cfg.ar_prompt is False and TrainConfig().ar_prompt is True  # SPEC §5 by default
