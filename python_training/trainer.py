@@ -48,6 +48,9 @@ class TrainConfig:
     max_blocks: int | None = None  # cut long trajectories to this many blocks
     max_seq_len: int | None = None  # skip packed sequences longer than this
     ar_weight: float = 10.0  # λ
+    # Whether the AR term includes the prompt's next-token pairs (SPEC §5) or only the answer's
+    # (the bridge into the answer and its in-block pairs): packing.pack's ``ar_prompt``.
+    ar_prompt: bool = True
     temperature: float = 1.0
     consistency_reduction: str = "mean_div_T"  # SPEC §5 (mean / T) | "mean"
     # Synthetic progressive-masking noise (packing.synthetic_state), redrawn every time a
@@ -175,6 +178,7 @@ def example_at(records: list[dict], cfg: TrainConfig, global_index: int) -> Pack
         lookback=cfg.lookback,
         max_noise_tokens=cfg.max_noise_tokens,
         random_phase=cfg.random_phase,
+        ar_prompt=cfg.ar_prompt,
     )
 
 

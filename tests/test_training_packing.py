@@ -80,6 +80,22 @@ def test_pack_hand_worked():
     assert torch.equal(ex.position_ids, ex.layout.position_ids())
 
 
+def test_pack_without_prompt_ar_pairs():
+    """ar_prompt=False drops exactly the prompt's own next-token pairs (the bridge into the
+    answer stays: it is the answer's first token); everything else is the same example."""
+    prompt = [50, 51, 52]
+    b0 = [[10, 90, 91], [10, 11, 12]]
+    b1 = [[13, 93, 94], [13, 14, 15]]
+    kw = dict(eos_ids=[99], pad_id=0, window=2, seed=3, synthetic_fraction=0.5)
+    full = pack(prompt, [b0, b1], 3, **kw)
+    ans = pack(prompt, [b0, b1], 3, ar_prompt=False, **kw)
+    assert full.ar_labels[:2].tolist() == [51, 52]
+    assert ans.ar_labels[:2].tolist() == [IGNORE, IGNORE]
+    assert torch.equal(ans.ar_labels[2:], full.ar_labels[2:]) and int(ans.ar_labels[2]) == 10
+    for f in ("input_ids", "position_ids", "cons_noisy", "cons_clean", "cons_block"):
+        assert torch.equal(getattr(ans, f), getattr(full, f)), f
+
+
 def test_pack_eos_and_pad():
     # EOS (7) at offset 1 of block 1; PAD = EOS's id, as SmolLM2's tokenizer sets it. The EOS
     # appears in the prompt too (chat turns end with it): prompt targets keep it.
