@@ -17,6 +17,7 @@ ROWS = [  # file, what it is, packed training tokens behind it, AR setting
     ("step-2300-anneal", "step 2000 + 300-step anneal", "0.82 M", "λ = 1, prompt + answer"),
     ("chunk-a", "chunk A", "1.36 M", "λ = 1, prompt + answer"),
     ("chunk-b-shipped", "chunk B (**shipped**)", "2.19 M", "λ = 1, prompt + answer"),
+    ("chunk-c-ar1-control", "chunk C control (from chunk B)", "2.55 M", "λ = 1, prompt + answer"),
     ("chunk-c-ar1-answer", "chunk C arm 1 (from chunk B)", "2.55 M", "λ = 1, answer only"),
     ("chunk-c-ar4-answer", "chunk C arm 4 (from chunk B)", "2.55 M", "λ = 4, answer only"),
 ]
