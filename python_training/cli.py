@@ -26,6 +26,14 @@ def _threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
+def _add_runtime_args(p) -> None:
+    """Where and how a command runs its model: --dtype, --device, --threads (collect, eval,
+    fidelity)."""
+    p.add_argument("--dtype", default="float32", choices=_DTYPES)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+
+
 def _cmd_collect(args: argparse.Namespace) -> int:
     from jacobi_ext.models import load_model
 
@@ -78,9 +86,7 @@ def _add_collect(sub) -> None:
         "cores: docs/results/collect-cpu-2026-11-24)",
     )
     p.add_argument("--model", default=None, help="teacher (default SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=_DTYPES)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
+    _add_runtime_args(p)
     p.set_defaults(handler=_cmd_collect)
 
 
@@ -310,9 +316,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--pool-size", type=int, default=4)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per test run")
     p.add_argument("--label", default=None)
-    p.add_argument("--dtype", default="float32", choices=_DTYPES)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
+    _add_runtime_args(p)
     from jacobi_ext.cli import add_sampling_args
 
     add_sampling_args(p)
@@ -326,7 +330,7 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 
     _threads(args)
     rows = reference_rows(args.reference, args.method)
-    rows = rows[args.offset :][: args.limit] if args.limit is not None else rows[args.offset :]
+    rows = rows[args.offset :][: args.limit]  # limit None: all
     model, tok = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     out = fidelity(model, tok, rows, prompts=args.prompts)
     out["model"], out["reference"] = str(args.model or "base"), str(args.reference)
@@ -361,9 +365,7 @@ def _add_fidelity(sub) -> None:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON with the summary and every task's scores")
-    p.add_argument("--dtype", default="float32", choices=_DTYPES)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
+    _add_runtime_args(p)
     p.set_defaults(handler=_cmd_fidelity)
 
 

@@ -146,8 +146,12 @@ def summarize(results: str | Path) -> dict:
     greedy's tokens/s on the same tasks (transformers' sampling for sampled rows), pass@1, and
     ``identical``: the fraction of tasks (run by both) whose token ids equal the reference's:
     greedy's, or for sampled rows our ``ar`` sample's (None where rows carry no ids)."""
-    rows = [json.loads(x) for x in Path(results).read_text().splitlines() if x.strip()]
-    return summarize_rows(rows)
+    return summarize_rows(read_results(results))
+
+
+def read_results(results: str | Path) -> list[dict]:
+    """The rows of an ``evaluate`` results file (JSONL, one row per task and method)."""
+    return [json.loads(x) for x in Path(results).read_text().splitlines() if x.strip()]
 
 
 def summarize_rows(rows: list[dict]) -> dict:

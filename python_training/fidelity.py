@@ -19,7 +19,6 @@ the run that wrote them and this one (compare a model with the base in the same 
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -30,8 +29,9 @@ import torch.nn.functional as F
 def reference_rows(results: str | Path, method: str = "greedy") -> list[dict]:
     """The rows of ``method`` (default the base's transformers greedy) in an eval results file,
     each with its ``task_id`` and ``token_ids``."""
-    rows = [json.loads(x) for x in Path(results).read_text().splitlines() if x.strip()]
-    out = [r for r in rows if r.get("method") == method and "token_ids" in r]
+    from .evaluate import read_results
+
+    out = [r for r in read_results(results) if r.get("method") == method and "token_ids" in r]
     if not out:
         raise ValueError(
             f"{results} has no {method!r} rows with token_ids: write them first with "
