@@ -129,7 +129,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.config:
         d.update(json.loads(Path(args.config).read_text()))
     for k in ("model", "out", "window", "schedule", "variant", "mask_window", "max_blocks",
-              "max_seq_len", "ar_weight", "temperature", "lr", "epochs", "max_steps",
+              "max_seq_len", "ar_weight", "kl_weight", "temperature", "lr", "epochs", "max_steps",
               "grad_accum", "mixed_precision", "save_every", "seed", "threads",
               "consistency_reduction", "synthetic_fraction", "lookback",
               "max_noise_tokens", "lora_rank", "lora_alpha", "adapter_out", "init_adapter",
@@ -175,6 +175,12 @@ def _add_train(sub) -> None:
         "--no-ar-prompt", action="store_true",
         help="AR loss on the answer only, not on the prompt's own tokens (SPEC §5 includes "
         "them): anchors the student to the teacher's answers without fine-tuning it on prompts",
+    )  # fmt: skip
+    p.add_argument(
+        "--kl-weight", type=float, default=None,
+        help="μ of a KL to the frozen base model (the LoRA adapter switched off) at the AR "
+        "positions, which keeps the base's distribution where the AR term keeps only its greedy "
+        "token (default 0; LoRA only)",
     )  # fmt: skip
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument(

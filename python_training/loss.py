@@ -10,6 +10,7 @@ softmax / log-softmax temporaries exist for one chunk at a time, in the forward 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ class LossParts:
     consistency: float
     ar_tokens: int
     cons_tokens: int
+    kl: float = 0.0  # KL(base || model) per AR position; 0 when kl_weight is 0
 
 
 def _soft_ce_sum(noisy: torch.Tensor, clean: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -55,6 +57,20 @@ def soft_cross_entropy(
     return total
 
 
+@contextlib.contextmanager
+def adapter_disabled(model):
+    """The frozen base model inside a peft LoRA model (its adapter switched off), for the KL
+    term: no second copy of the weights is needed."""
+    peft_model = getattr(model, "module", model)  # under DDP, accelerate wraps it
+    if not hasattr(peft_model, "disable_adapter"):
+        raise ValueError(
+            "the KL-to-base term (kl_weight > 0, --kl-weight) reads the base model as the LoRA "
+            "adapter switched off: train a LoRA adapter (--lora-rank > 0) to use it"
+        )
+    with peft_model.disable_adapter():
+        yield
+
+
 def logit_rows(ex: PackedExample) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The positions whose logits the loss needs (sorted, unique) and, for the AR targets and
     the two sides of each consistency pair, their row in that kept set."""
@@ -71,12 +87,21 @@ def example_loss(
     ar_weight: float = 10.0,
     temperature: float = 1.0,
     consistency_reduction: str = "mean_div_T",
+    kl_weight: float = 0.0,
 ) -> LossParts:
-    """λ·AR + consistency for one packed example (SPEC §5) from one forward.
+    """λ·AR + consistency (+ μ·KL) for one packed example (SPEC §5) from one forward.
 
     ``consistency_reduction``: "mean_div_T" (SPEC §5: mean over the kept positions, divided by
     the number of blocks T) or "mean" (the plain mean; with T blocks per sequence it weighs the
-    consistency term T times more against the AR term)."""
+    consistency term T times more against the AR term).
+
+    ``kl_weight`` μ (not in SPEC; 0 leaves the objective as written): μ · KL(base ‖ model) at
+    the AR positions, the frozen base model's next-token distribution read by a second,
+    gradient-free forward of the same packed sequence with the LoRA adapter off. The AR term's
+    one-hot targets (the base's greedy tokens) teach the base's choice where the base was sure
+    and where it was torn alike, so a pattern common in the training answers (e.g. restating
+    the docstring) becomes a bias that flips the base's close calls on other prompts; the KL
+    keeps the base's whole distribution at every clean position instead."""
     if consistency_reduction not in CONSISTENCY_REDUCTIONS:
         raise ValueError(
             f"consistency_reduction must be one of {CONSISTENCY_REDUCTIONS}, "
@@ -113,4 +138,20 @@ def example_loss(
     else:
         cons = logits.sum() * 0.0
     total = ar_weight * ar + cons
-    return LossParts(total, float(ar.detach()), float(cons.detach()), ar_tokens, cons_tokens)
+    kl = 0.0
+    if kl_weight and ar_tokens:
+        ar_keep = keep[ar_rows].to(device)
+        with torch.no_grad(), adapter_disabled(model), jacobi_layout(ex.layout):
+            base = model(
+                input_ids=ex.input_ids[None].to(device),
+                position_ids=ex.position_ids[None].to(device),
+                logits_to_keep=ar_keep,
+                use_cache=False,
+            ).logits[0]
+            p = F.softmax(base.float(), dim=-1)
+            entropy = -(p * F.log_softmax(base.float(), dim=-1)).sum()
+        # Soft CE minus the base's entropy (a constant): the KL, whose gradient is the CE's.
+        kl_t = (soft_cross_entropy(logits[ar_rows.to(device)], base) - entropy) / ar_tokens
+        total = total + kl_weight * kl_t
+        kl = float(kl_t.detach())
+    return LossParts(total, float(ar.detach()), float(cons.detach()), ar_tokens, cons_tokens, kl)

@@ -51,6 +51,9 @@ class TrainConfig:
     # Whether the AR term includes the prompt's next-token pairs (SPEC §5) or only the answer's
     # (the bridge into the answer and its in-block pairs): packing.pack's ``ar_prompt``.
     ar_prompt: bool = True
+    # μ of the KL to the frozen base model at the AR positions (loss.example_loss; LoRA only):
+    # keeps the base's distribution, not only its greedy tokens. 0: SPEC §5's objective.
+    kl_weight: float = 0.0
     temperature: float = 1.0
     consistency_reduction: str = "mean_div_T"  # SPEC §5 (mean / T) | "mean"
     # Synthetic progressive-masking noise (packing.synthetic_state), redrawn every time a
@@ -106,6 +109,11 @@ class TrainConfig:
             raise ValueError(
                 "restart_schedule restarts from an adapter: give init_adapter (--init-adapter) "
                 "too, or drop restart_schedule (--restart-schedule)"
+            )
+        if self.kl_weight and not self.lora_rank:
+            raise ValueError(
+                "kl_weight (--kl-weight) reads the base model as the LoRA adapter switched off: "
+                "give lora_rank (--lora-rank) > 0 too, or drop kl_weight"
             )
 
     @classmethod
@@ -289,7 +297,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
             bar.close()
             return {**last, "stopped_early": True}
         s = data_state.step
-        sums = torch.zeros(5, dtype=torch.float64)  # ar, cons, ar_tokens, cons_tokens, seq_tokens
+        sums = torch.zeros(6, dtype=torch.float64)  # ar, cons, ar/cons/seq tokens, kl
         for a in range(cfg.grad_accum):
             ex = example_at(records, cfg, s * G + a * world + rank)
             sync = a == cfg.grad_accum - 1
@@ -297,15 +305,16 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
             with ctx:
                 with acc.autocast():
                     parts = example_loss(
-                        model, ex, cfg.ar_weight, cfg.temperature, cfg.consistency_reduction
-                    )
+                        model, ex, cfg.ar_weight, cfg.temperature, cfg.consistency_reduction,
+                        cfg.kl_weight,
+                    )  # fmt: skip
                 # The layout must also be active during backward: checkpointed layers
                 # recompute their attention there.
                 with jacobi_layout(ex.layout):
                     acc.backward(parts.total / cfg.grad_accum)
             sums += torch.tensor(
                 [parts.ar, parts.consistency, parts.ar_tokens, parts.cons_tokens,
-                 ex.input_ids.numel()], dtype=torch.float64,
+                 ex.input_ids.numel(), parts.kl], dtype=torch.float64,
             )  # fmt: skip
         grad_norm = None
         if cfg.max_grad_norm:
@@ -319,9 +328,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
         now = time.perf_counter()
         last = {
             "step": data_state.step,
-            "loss": float(cfg.ar_weight * sums[0] / G + sums[1] / G),
+            "loss": float((cfg.ar_weight * sums[0] + sums[1] + cfg.kl_weight * sums[5]) / G),
             "ar": float(sums[0] / G),
             "consistency": float(sums[1] / G),
+            **({"kl": float(sums[5] / G)} if cfg.kl_weight else {}),
             "lr": sched.get_last_lr()[0],
             "grad_norm": grad_norm,
             "tokens": int(sums[4]),
@@ -335,7 +345,11 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
             if data_state.step % cfg.log_every == 0 or data_state.step == total:
                 with open(log_path, "a") as f:
                     f.write(json.dumps(last) + "\n")
-            bar.set_postfix(ar=f"{last['ar']:.3f}", cons=f"{last['consistency']:.3f}")
+            bar.set_postfix(
+                ar=f"{last['ar']:.3f}",
+                cons=f"{last['consistency']:.3f}",
+                **({"kl": f"{last['kl']:.3f}"} if cfg.kl_weight else {}),
+            )
             bar.update(1)
         if cfg.save_every and data_state.step % cfg.save_every == 0 and data_state.step < total:
             _save_checkpoint(acc, out, data_state.step, cfg.keep_checkpoints)

@@ -88,3 +88,68 @@ def test_clean_logits_are_detached():
     assert torch.equal(keep[nr], ex.cons_noisy) and torch.equal(keep[cr], ex.cons_clean)
     # Noisy positions before f_j are never projected onto the vocabulary.
     assert keep.numel() < ex.input_ids.numel()
+
+
+def _lora(model, seed):
+    """``model`` with a rank-4 LoRA adapter drawn from ``seed``, B included (peft starts it at
+    0, where the KL would be 0 and say nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return pm
+
+
+def test_kl_to_base_matches_dense_reference_values_and_grads():
+    # The KL term: a gradient-free forward with the adapter off gives the base's distribution
+    # at the AR positions; KL(base || model) averaged over them, against a dense float64
+    # reference built from a second copy of the same weights.
+    base = tiny_llama(vocab_size=V, eos_token_id=EOS, attn_implementation="jacobi", seed=2)
+    ref_base = copy.deepcopy(base)
+    ref_base.config._attn_implementation = "sdpa"
+    ref_base.set_attn_implementation("sdpa")
+    ours, ref = _lora(base, 0), _lora(ref_base, 0)
+    rng = random.Random(1)
+    ex = pack([rng.randrange(4, V) for _ in range(9)], synthetic_blocks(rng, 3, 8, True), 8,
+              [EOS], PAD, window=4, variant="clean_context", ar_prompt=False)  # fmt: skip
+    lam, mu = 2.0, 3.0
+    parts = jf_loss.example_loss(ours, ex, ar_weight=lam, kl_weight=mu)
+    parts.total.backward()
+
+    mask = ex.layout.dense_mask()[None, None]
+    kw = dict(input_ids=ex.input_ids[None], position_ids=ex.position_ids[None],
+              attention_mask=mask)  # fmt: skip
+    logits = ref(**kw).logits[0]
+    with torch.no_grad(), ref.disable_adapter():
+        base_logits = ref(**kw).logits[0]
+    sel = ex.ar_labels != IGNORE
+    logp = F.log_softmax(base_logits[sel].double(), -1)
+    logq = F.log_softmax(logits[sel].double(), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).mean()
+    assert float(kl.detach()) > 1e-3  # the adapter moved the model: the check has something to see
+    _, ar, cons = dense_reference(ref, ex, lam, 1.0)
+    (lam * ar + cons + mu * kl).backward()
+    assert parts.kl == pytest.approx(float(kl.detach()), rel=1e-4)
+    g = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    rg = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert g and set(g) == set(rg)
+    for name in g:
+        torch.testing.assert_close(g[name], rg[name].float(), rtol=1e-3, atol=1e-6, msg=name)
+    # The base weights stay frozen and the adapter is back on after the loss.
+    assert all(p.grad is None for n, p in ours.named_parameters() if "lora_" not in n)
+    with torch.no_grad():
+        assert not torch.allclose(ours(**kw).logits, base_logits)
+
+
+def test_kl_to_base_needs_a_lora_model():
+    model = tiny_llama(vocab_size=V, eos_token_id=EOS, attn_implementation="jacobi", seed=1)
+    rng = random.Random(0)
+    ex = pack([5, 6, 7], synthetic_blocks(rng, 2, 4, False), 4, [EOS], PAD, window=2)
+    with pytest.raises(ValueError, match="--lora-rank"):
+        jf_loss.example_loss(model, ex, kl_weight=1.0)
+    # Without the term, a plain model is fine and nothing is reported for it.
+    assert jf_loss.example_loss(model, ex).kl == 0.0

@@ -215,6 +215,43 @@ def test_lora_trains_only_the_adapter_and_writes_it(data_dir, tmp_path):
     assert torch.equal(a, b)
 
 
+def test_kl_to_base_keeps_the_lora_model_closer_to_its_base(data_dir, tmp_path):
+    # Same data, steps and seed; the run with the KL term ends nearer the base's distribution
+    # at the AR positions (the quantity the term is for) and logs it every step.
+    import torch.nn.functional as F
+
+    from jacobi_ext.hf import jacobi_layout
+    from python_training.packing import IGNORE
+
+    base = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi").eval()
+
+    def ar_logits(m, ex):
+        with torch.no_grad(), jacobi_layout(ex.layout):
+            out = m(input_ids=ex.input_ids[None], position_ids=ex.position_ids[None]).logits[0]
+        return F.log_softmax(out[ex.ar_labels != IGNORE].double(), -1)
+
+    def run(name, **kw):
+        model = tiny_llama(vocab_size=V, eos_token_id=EOS, seed=3, attn_implementation="jacobi")
+        c = cfg(data_dir, tmp_path / name, max_steps=12, lr=2e-2, lora_rank=4, **kw)
+        tr.train(c, model=model, progress=False)
+        model.eval()
+        recs = tr.load_examples(c)
+        kls = []
+        for i in range(6):
+            ex = tr.example_at(recs, c, i)
+            logp, logq = ar_logits(base, ex), ar_logits(model, ex)
+            kls.append(float((logp.exp() * (logp - logq)).sum(-1).mean()))
+        log = [json.loads(x) for x in (tmp_path / name / "log.jsonl").read_text().split("\n") if x]
+        return sum(kls) / len(kls), log
+
+    kl_plain, log_plain = run("plain")
+    kl_anchored, log_anchored = run("anchored", kl_weight=5.0)
+    assert kl_anchored < 0.7 * kl_plain, (kl_plain, kl_anchored)
+    assert "kl" not in log_plain[-1] and 0 <= log_anchored[-1]["kl"] < float("inf")
+    with pytest.raises(ValueError, match="lora_rank"):
+        cfg(data_dir, tmp_path / "full", kl_weight=1.0)
+
+
 def test_lora_run_continues_from_its_committed_adapter(data_dir, tmp_path, monkeypatch):
     """A LoRA run goes on on a 'fresh machine': a new output folder with no checkpoints, only
     the adapter + train_state.json it wrote (what gets committed)."""
