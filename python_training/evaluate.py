@@ -150,8 +150,16 @@ def summarize(results: str | Path) -> dict:
 
 
 def read_results(results: str | Path) -> list[dict]:
-    """The rows of an ``evaluate`` results file (JSONL, one row per task and method)."""
-    return [json.loads(x) for x in Path(results).read_text().splitlines() if x.strip()]
+    """The rows of an ``evaluate`` results file (JSONL, one row per task and method; gzipped
+    when its name ends in .gz, as results committed to the repo are)."""
+    path = Path(results)
+    if path.suffix == ".gz":
+        import gzip
+
+        text = gzip.decompress(path.read_bytes()).decode()
+    else:
+        text = path.read_text()
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
 
 
 def summarize_rows(rows: list[dict]) -> dict:

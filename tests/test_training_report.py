@@ -125,6 +125,12 @@ def test_eval_summary_speedup_and_identity(tmp_path):
     table = format_summary(s)
     assert "| prompt-lookup | 2 | - | 3.1 | 1.25x | 50.0% | yes |" in table
     assert "no (50% of tasks)" in table and "| greedy | 2 | 1.00 |" in table
+    # A results file committed gzipped reads the same.
+    import gzip
+
+    gz = tmp_path / "r.jsonl.gz"
+    gz.write_bytes(gzip.compress(p.read_bytes()))
+    assert summarize(gz) == s
 
 
 def test_measure_scaling_completes_older_rows(tmp_path, monkeypatch):
