@@ -16,10 +16,17 @@ ROWS = [  # file, what it is, packed training tokens behind it, AR setting
     ("step-1800", "step 1800 of the scale run", "0.64 M", "λ = 1, prompt + answer"),
     ("step-2300-anneal", "step 2000 + 300-step anneal", "0.82 M", "λ = 1, prompt + answer"),
     ("chunk-a", "chunk A", "1.36 M", "λ = 1, prompt + answer"),
-    ("chunk-b-shipped", "chunk B (**shipped**)", "2.19 M", "λ = 1, prompt + answer"),
+    ("chunk-b-shipped", "chunk B (shipped until 2026-11-26 noon)", "2.19 M", "λ = 1, prompt + answer"),
     ("chunk-c-ar1-control", "chunk C control (from chunk B)", "2.55 M", "λ = 1, prompt + answer"),
     ("chunk-c-ar1-answer", "chunk C arm 1 (from chunk B)", "2.55 M", "λ = 1, answer only"),
     ("chunk-c-ar4-answer", "chunk C arm 4 (from chunk B)", "2.55 M", "λ = 4, answer only"),
+    ("chunk-c2-lr3", "chunk C2 lr3 (from chunk B, lr 3e-4)", "2.80 M", "λ = 1, answer only"),
+    ("chunk-c2-kl2", "chunk C2 kl2 (from chunk B, lr 3e-4; **shipped**)", "2.80 M",
+     "λ = 1, answer only, + KL to base μ = 2"),
+    # The shipped adapter at another strength (scale_adapter.py: LoRA B times s).
+    ("scale-0.5", "chunk B at strength 0.5", "2.19 M", "λ = 1, prompt + answer"),
+    ("scale-0.75", "chunk B at strength 0.75", "2.19 M", "λ = 1, prompt + answer"),
+    ("scale-1.25", "chunk B at strength 1.25", "2.19 M", "λ = 1, prompt + answer"),
 ]
 
 
