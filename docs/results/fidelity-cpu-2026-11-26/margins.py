@@ -53,8 +53,9 @@ def main(paths: list[str]) -> None:
     for path in paths or sorted(str(p) for p in HERE.glob("*.json")):
         tasks = json.loads(Path(path).read_text())["tasks"]
         first = [margins[t][s["prefix"]] for t, s in tasks.items() if s["prefix"] < len(margins[t])]
+        close = sum(m < CLOSE for m in first) / len(first)
         print(f"| first disagreement, {Path(path).stem} | {len(first)} | "
-              f"{statistics.median(first):.2f} | {sum(m < CLOSE for m in first) / len(first):.2f} |")  # fmt: skip
+              f"{statistics.median(first):.2f} | {close:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Chunk B's adapter (shipped until 2026-11-26 noon, from git) at another strength: its LoRA B
 matrices times s (the update B·A scales by s; s = 0 is the base model, 1 the adapter as trained).
 
-    python docs/results/fidelity-cpu-2026-11-26/scale_adapter.py 0.5 0.75 1.25   # -> runs/scale/s<s>
+    python docs/results/fidelity-cpu-2026-11-26/scale_adapter.py 0.5 0.75 1.25  # runs/scale/s<s>
     jacobi-forcing fidelity --model runs/scale/s0.5 --threads 1 \
         --reference docs/results/eval-cpu-2026-11-26/base-humaneval-164.jsonl --out scale-0.5.json
 """
