@@ -148,8 +148,7 @@ def example_loss(
                 logits_to_keep=ar_keep,
                 use_cache=False,
             ).logits[0]
-            p = F.softmax(base.float(), dim=-1)
-            entropy = -(p * F.log_softmax(base.float(), dim=-1)).sum()
+            entropy = soft_cross_entropy(base, base)  # Σ_rows H(base), chunked like the CE
         # Soft CE minus the base's entropy (a constant): the KL, whose gradient is the CE's.
         kl_t = (soft_cross_entropy(logits[ar_rows.to(device)], base) - entropy) / ar_tokens
         total = total + kl_weight * kl_t

@@ -9,8 +9,8 @@ Tokens per forward summed over problems (the issue's figure) is dominated by ans
 stop: a model that repeats a line until the 256-token cap commits many tokens a forward there
 (4-6 for the shipped adapter), so fewer loops read as a lower TPF. Each row therefore also gives
 TPF over the answers that stopped before the cap, the median per problem, how many answers hit
-the cap, and pass@1 (the base model's greedy as the reference: 6 of its 164 answers hit the cap
-on the first 36 problems, 10 of the shipped adapter's).
+the cap (the base model's greedy as the reference), and pass@1. A run on fewer than 164 problems
+is followed by the base's and chunk B's rows on the same problems.
 """
 
 import statistics
@@ -74,7 +74,7 @@ def main() -> None:
           "| tokens/s | vs base greedy | answers at the 256 cap | pass@1 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     base_label, base_files, _ = MODELS[0]
-    shipped_label, shipped_files, _ = MODELS[2]
+    chunk_b_label, chunk_b_files, _ = MODELS[2]
     greedy = rows_of(base_files, "greedy")
     for label, files, methods in MODELS:
         for m in methods:
@@ -84,7 +84,7 @@ def main() -> None:
             print(row(label, m, list(got.values()), greedy))
             if len(got) < 164:  # a partial run: the references on the same problems
                 for ref_label, ref_files, ref_m in ((base_label, base_files, "greedy"),
-                                                    (shipped_label, shipped_files, m)):  # fmt: skip
+                                                    (chunk_b_label, chunk_b_files, m)):  # fmt: skip
                     ref = rows_of(ref_files, ref_m)
                     print(
                         row(f"↳ {ref_label}, same problems", ref_m, [ref[t] for t in got], greedy)
