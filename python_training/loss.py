@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from jacobi_ext.hf import jacobi_layout
+from jacobi_ext.layout import JacobiLayout
 
 from .packing import IGNORE, PackedExample
 
@@ -81,6 +82,16 @@ def logit_rows(ex: PackedExample) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return keep, row[ar_pos], row[ex.cons_noisy], row[ex.cons_clean]
 
 
+def clean_stream(ex: PackedExample) -> tuple[torch.Tensor, JacobiLayout]:
+    """The packed positions of the prompt and the clean blocks, in order, and the plain causal
+    layout (no blocks) that runs them: what every clean row attends to, in every variant."""
+    lay = ex.layout
+    i = torch.arange(lay.seq_len)
+    r = i - lay.prompt_len
+    clean = ((r < 0) | ((r // lay.block_size) % 2 == 1)).nonzero().flatten()
+    return clean, JacobiLayout(int(clean.numel()), lay.block_size, 0)
+
+
 def example_loss(
     model,
     ex: PackedExample,
@@ -97,7 +108,7 @@ def example_loss(
 
     ``kl_weight`` μ (not in SPEC; 0 leaves the objective as written): μ · KL(base ‖ model) at
     the AR positions, the frozen base model's next-token distribution read by a second,
-    gradient-free forward of the same packed sequence with the LoRA adapter off. The AR term's
+    gradient-free forward of the sequence's clean stream with the LoRA adapter off. The AR term's
     one-hot targets (the base's greedy tokens) teach the base's choice where the base was sure
     and where it was torn alike, so a pattern common in the training answers (e.g. restating
     the docstring) becomes a bias that flips the base's close calls on other prompts; the KL
@@ -140,12 +151,20 @@ def example_loss(
     total = ar_weight * ar + cons
     kl = 0.0
     if kl_weight and ar_tokens:
-        ar_keep = keep[ar_rows].to(device)
-        with torch.no_grad(), adapter_disabled(model), jacobi_layout(ex.layout):
+        # Clean rows see the prompt and the earlier clean blocks only (every variant), so the
+        # base's logits there come from the clean stream alone, a plain causal sequence about
+        # half the packed length: the noisy blocks are never run through the base.
+        clean, layout = clean_stream(ex)
+        row = torch.full((ex.input_ids.numel(),), -1, dtype=torch.long)
+        row[clean] = torch.arange(clean.numel())
+        ar_keep = row[keep[ar_rows]]
+        if bool((ar_keep < 0).any()):
+            raise AssertionError("an AR target sits outside the clean stream")
+        with torch.no_grad(), adapter_disabled(model), jacobi_layout(layout):
             base = model(
-                input_ids=ex.input_ids[None].to(device),
-                position_ids=ex.position_ids[None].to(device),
-                logits_to_keep=ar_keep,
+                input_ids=ex.input_ids[clean][None].to(device),
+                position_ids=ex.position_ids[clean][None].to(device),
+                logits_to_keep=ar_keep.to(device),
                 use_cache=False,
             ).logits[0]
             entropy = soft_cross_entropy(base, base)  # Σ_rows H(base), chunked like the CE

@@ -104,10 +104,26 @@ def _lora(model, seed):
     return pm
 
 
-def test_kl_to_base_matches_dense_reference_values_and_grads():
+@pytest.mark.parametrize("variant", ["noisy_context", "clean_context", "windowed"])
+def test_clean_stream_is_what_clean_rows_see(variant):
+    # The KL's base forward runs the clean stream alone as a plain causal sequence: in every
+    # variant a clean row (and a prompt row) sees exactly the earlier prompt and clean tokens.
+    rng = random.Random(5)
+    ex = pack([5, 6, 7, 8, 9], synthetic_blocks(rng, 4, 4, False), 4, [EOS], PAD, window=2,
+              variant=variant, mask_window=2 if variant == "windowed" else None)  # fmt: skip
+    clean, layout = jf_loss.clean_stream(ex)
+    assert layout.num_blocks == 0 and layout.seq_len == 5 + 4 * 4
+    mask = ex.layout.dense_mask()
+    for k, q in enumerate(clean.tolist()):
+        assert mask[q].nonzero().flatten().tolist() == clean[: k + 1].tolist()
+    assert torch.equal(ex.position_ids[clean], torch.arange(clean.numel()))
+
+
+@pytest.mark.parametrize("variant", ["noisy_context", "clean_context"])
+def test_kl_to_base_matches_dense_reference_values_and_grads(variant):
     # The KL term: a gradient-free forward with the adapter off gives the base's distribution
     # at the AR positions; KL(base || model) averaged over them, against a dense float64
-    # reference built from a second copy of the same weights.
+    # reference built from a second copy of the same weights over the whole packed sequence.
     base = tiny_llama(vocab_size=V, eos_token_id=EOS, attn_implementation="jacobi", seed=2)
     ref_base = copy.deepcopy(base)
     ref_base.config._attn_implementation = "sdpa"
@@ -115,7 +131,7 @@ def test_kl_to_base_matches_dense_reference_values_and_grads():
     ours, ref = _lora(base, 0), _lora(ref_base, 0)
     rng = random.Random(1)
     ex = pack([rng.randrange(4, V) for _ in range(9)], synthetic_blocks(rng, 3, 8, True), 8,
-              [EOS], PAD, window=4, variant="clean_context", ar_prompt=False)  # fmt: skip
+              [EOS], PAD, window=4, variant=variant, ar_prompt=False)  # fmt: skip
     lam, mu = 2.0, 3.0
     parts = jf_loss.example_loss(ours, ex, ar_weight=lam, kl_weight=mu)
     parts.total.backward()
