@@ -307,7 +307,7 @@ def _add_eval(sub) -> None:
     p.add_argument(
         "--methods", nargs="+", default=_EVAL_DEFAULT, choices=METHODS,
         help="default: greedy jacobi multiblock (-tuned: block size chosen by the tuner; "
-        "multiblock-nolookup: without the context-lookup row)",
+        "multiblock-nolookup: without the context-lookup row; ar-lookup: AR with lookup drafts)",
     )  # fmt: skip
     p.add_argument(
         "--prompts", default="humaneval", choices=PROMPT_SETS,

@@ -35,8 +35,8 @@ from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
 
 from .execution import check_completion
 
-METHODS = ("greedy", "prompt-lookup", "ar", "jacobi", "multiblock", "multiblock-nolookup",
-           "jacobi-tuned", "multiblock-tuned")  # fmt: skip
+METHODS = ("greedy", "prompt-lookup", "ar", "ar-lookup", "jacobi", "multiblock",
+           "multiblock-nolookup", "jacobi-tuned", "multiblock-tuned")  # fmt: skip
 PROMPT_SETS = ("humaneval", "code-heldout")
 
 
@@ -102,8 +102,10 @@ def evaluate(
                     forwards = int(toks.numel()) if m == "greedy" else None
                 else:
                     tuned = m.endswith("-tuned")
+                    # -nolookup / -lookup: context-lookup drafts off / on; else the default
+                    lookup = {"-nolookup": False, "-lookup": True}.get(m[m.rfind("-") :])
                     base_m = m.removesuffix("-tuned").removesuffix("-nolookup")
-                    lookup = False if m.endswith("-nolookup") else None  # None: the default
+                    base_m = base_m.removesuffix("-lookup")
                     r = generate(
                         model, ids, method=base_m, block_size=None if tuned else block_size,
                         num_blocks=num_blocks, pool_size=pool_size, lookup=lookup,

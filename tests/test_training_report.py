@@ -174,7 +174,7 @@ def test_eval_methods_and_heldout_prompts_end_to_end(tmp_path):
     path = default_model_file()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = tiny_llama(vocab_size=len(tok), eos_token_id=tok.eos_token_id, seed=1).eval()
-    methods = ("greedy", "jacobi", "multiblock-nolookup", "multiblock")
+    methods = ("greedy", "jacobi", "multiblock-nolookup", "multiblock", "ar-lookup")
     kw = dict(methods=methods, limit=2, max_new_tokens=12, block_size=4, progress=False)
     he = evaluate(model, tok, tmp_path / "he.jsonl", **kw)
     held = evaluate(model, tok, tmp_path / "held.jsonl", prompts="code-heldout", **kw)
@@ -187,6 +187,7 @@ def test_eval_methods_and_heldout_prompts_end_to_end(tmp_path):
     assert {r["task_id"] for r in rows} <= {p.id for p in load_prompts("code-heldout")}
     settings = {r["method"]: r["settings"] for r in rows}
     assert "lookup" not in settings["multiblock-nolookup"], settings
+    assert settings["ar-lookup"].startswith("ar+lookup n=1"), settings
     n = len(rows)
     evaluate(model, tok, tmp_path / "held.jsonl", prompts="code-heldout", **kw)
     assert len((tmp_path / "held.jsonl").read_text().splitlines()) == n
