@@ -28,9 +28,15 @@ ROWS = [  # file, what it is, packed training tokens behind it, AR setting
     ("chunk-c2-lr3", "chunk C2 lr3 (from chunk B, lr 3e-4)", "2.80 M", "λ = 1, answer only"),
     (
         "chunk-c2-kl2",
-        "chunk C2 kl2 (from chunk B, lr 3e-4; **shipped**)",
+        "chunk C2 kl2 (from chunk B, lr 3e-4)",
         "2.80 M",
         "λ = 1, answer only, + KL to base μ = 2",
+    ),
+    (
+        "soup-w0.5",
+        "½ lr3 + ½ kl2 (chunk-c2/soup_adapters.py; **shipped**)",
+        "2.80 M",
+        "the mean of the two",
     ),
     # The shipped adapter at another strength (scale_adapter.py: LoRA B times s).
     ("scale-0.5", "chunk B at strength 0.5", "2.19 M", "λ = 1, prompt + answer"),

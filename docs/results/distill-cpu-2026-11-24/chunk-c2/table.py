@@ -7,7 +7,7 @@ reference, 14.0 tokens/s), so the speeds compare within this table only.
 
 Tokens per forward summed over problems (the issue's figure) is dominated by answers that never
 stop: a model that repeats a line until the 256-token cap commits many tokens a forward there
-(4-6 for the shipped adapter), so fewer loops read as a lower TPF. Each row therefore also gives
+(4-6 for chunk B), so fewer loops read as a lower TPF. Each row therefore also gives
 TPF over the answers that stopped before the cap, the median per problem, how many answers hit
 the cap (the base model's greedy as the reference), and pass@1. A run on fewer than 164 problems
 is followed by the base's and chunk B's rows on the same problems.
@@ -33,8 +33,10 @@ MODELS = [  # label, files, method rows to read
      ["fidelity-cpu-2026-11-26/chunk-c-ar4-answer-humaneval-164-jacobi.jsonl.gz"], ["jacobi"]),
     ("chunk C2 lr3 (λ = 1, answer only, lr 3e-4), 2.80 M",
      ["distill-cpu-2026-11-24/chunk-c2/lr3-humaneval-164.jsonl.gz"], ALL3[:2]),
-    ("chunk C2 kl2 (+ KL to base μ = 2; shipped), 2.80 M",
+    ("chunk C2 kl2 (+ KL to base μ = 2), 2.80 M",
      ["distill-cpu-2026-11-24/chunk-c2/kl2-humaneval-164.jsonl.gz"], ALL3),
+    ("soup w0.5 = ½ lr3 + ½ kl2 (shipped)",
+     ["distill-cpu-2026-11-24/chunk-c2/soup-humaneval-164.jsonl.gz"], ALL3[:2]),
 ]  # fmt: skip
 
 
