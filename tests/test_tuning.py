@@ -43,28 +43,6 @@ def test_choice_follows_the_curve_and_acceptance() -> None:
     assert lo.method == "ar" and lo.expected_speedup == 1.0
 
 
-def test_multiblock_narrows_where_width_costs() -> None:
-    # A CPU curve (this project's 2-core Xeon, fp32, 1 thread: 16 tokens cost about two single
-    # ones) and a distilled model's acceptance (plain Jacobi TPF ~2.2 at n = 16): K = 2 with a
-    # pool of 4 feeds 96 tokens a step and cannot pay, one block without candidates can.
-    cpu = _curve({1: 1.0, 2: 1.05, 4: 1.15, 8: 1.45, 16: 2.0, 32: 2.7, 64: 3.8, 128: 6.0})
-    s = tuning.choose_settings(None, "multiblock", num_blocks=2, pool_size=4, rho=0.55, curve=cpu)
-    assert s.method == "multiblock" and (s.num_blocks, s.pool_size) == (1, 0)
-    assert (
-        s.expected_speedup == pytest.approx(tuning.predict(cpu, 0.55, s.block_size, 1, 0))
-        and s.expected_speedup > 1.5
-    )
-    # Where width is free (a GPU's flat curve) the blocks and recycled candidates stay: the
-    # wider of two (near-)equal predictions wins.
-    gpu = _curve({1: 1.0, 16: 1.0, 64: 1.01, 128: 1.01, 256: 1.02, 512: 1.02})
-    g = tuning.choose_settings(None, "multiblock", num_blocks=2, pool_size=4, rho=0.9, curve=gpu)
-    assert (g.num_blocks, g.pool_size) == (2, 4)
-    # ... but not where the candidates' tokens cost more than the tie allows.
-    dear = _curve({1: 1.0, 16: 1.0, 64: 1.01, 128: 1.02, 256: 1.6, 512: 3.0})
-    d = tuning.choose_settings(None, "multiblock", num_blocks=2, pool_size=4, rho=0.9, curve=dear)
-    assert d.pool_size == 0 and tuning.tokens_per_step(d.block_size, d.num_blocks, 0) <= 256
-
-
 def test_a_merged_adapter_gets_its_own_profile() -> None:
     # A merged LoRA adapter changes the projections, not the output embeddings; its acceptance
     # must not be blended with its base model's.

@@ -18,8 +18,10 @@ from python_training.evaluate import read_results
 HERE = Path(__file__).parent
 CAP = 256
 RUNS = [  # label, files
-    ("HumanEval[:82]", ["side-soup-humaneval-0-82.jsonl.gz"]),
+    ("HumanEval[:82]", ["side-soup-he3-0-82.jsonl.gz"]),
     ("held-out packages[:48]", ["side-soup-heldout-0-48.jsonl.gz"]),
+    ("HumanEval[:82], earlier run", ["side-soup-humaneval-0-82.jsonl.gz"]),
+    ("HumanEval[:24], bf16", ["side-bf16-humaneval-0-24.jsonl.gz"]),
 ]
 
 
@@ -28,16 +30,22 @@ def speed(rs) -> float:
 
 
 def main() -> None:
-    print("| prompts | method | problems | greedy tok/s | tok/s | vs greedy | median per problem "
-          "| TPF | answers that stop: vs greedy (count) | settings |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| prompts | method | problems | greedy tok/s | tok/s | vs greedy | median per problem "
+        "| TPF | answers that stop: vs greedy (count) | identical to greedy | settings |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, files in RUNS:
         rows = [r for f in files if (HERE / f).exists() for r in read_results(HERE / f)]
         g = {r["task_id"]: r for r in rows if r["method"] == "greedy"}
         for m in dict.fromkeys(r["method"] for r in rows if r["method"] != "greedy"):
             t = {r["task_id"]: r for r in rows if r["method"] == m}
             ids = sorted(set(g) & set(t))
-            assert all(g[i]["token_ids"] == t[i]["token_ids"] for i in ids), f"{m} not lossless"
+            same = sum(g[i]["token_ids"] == t[i]["token_ids"] for i in ids)
+            # fp32: every method returns greedy's tokens. bf16: a wide forward may round a
+            # near-tie the other way than transformers' one-token forward (README, "bf16").
+            if "bf16" not in label:
+                assert same == len(ids), f"{label} {m}: not lossless"
             gs, ts = [g[i] for i in ids], [t[i] for i in ids]
             stop = [i for i in ids if g[i]["tokens"] < CAP]
             med = statistics.median(g[i]["seconds"] / t[i]["seconds"] for i in ids)
@@ -46,7 +54,8 @@ def main() -> None:
             used = Counter(r["settings"] for r in ts).most_common(2)
             print(f"| {label} | {m} | {len(ids)} | {speed(gs):.1f} | {speed(ts):.1f} | "
                   f"{speed(ts) / speed(gs):.2f}× | {med:.2f}× | {tpf:.2f} | {r_stop:.2f}× "
-                  f"({len(stop)}) | {', '.join(f'{k} ×{n}' for k, n in used)} |")  # fmt: skip
+                  f"({len(stop)}) | {same}/{len(ids)} | "
+                  f"{', '.join(f'{k} ×{n}' for k, n in used)} |")  # fmt: skip
 
 
 if __name__ == "__main__":
