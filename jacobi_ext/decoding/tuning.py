@@ -49,24 +49,38 @@ def _cpu_name() -> str:
 
 
 def model_key(model) -> str:
-    """Identity of (model weights, dtype, device, threads): what the curve depends on."""
-    p = next(model.parameters())
+    """Identity of (model weights, dtype, device, threads): what the curve depends on.
+
+    Read a few times per tuned `generate` call, so it is computed once per state of the
+    weights: the cached key stands while every parameter keeps its storage and its version
+    counter (an in-place update, a move or a cast changes one of them)."""
+    params = list(model.parameters())
+    try:
+        stamp = (torch.get_num_threads(), *((w.data_ptr(), w._version) for w in params))
+    except RuntimeError:  # inference tensors keep no version counter: no cache
+        stamp = None
+    cached = getattr(model, "_jacobi_ext_key", None)
+    if stamp is not None and cached is not None and cached[0] == stamp:
+        return cached[1]
+    p = params[0]
     dev = str(p.device)
     hw = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else _cpu_name()
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
-    nparams = sum(x.numel() for x in model.parameters())
+    nparams = sum(x.numel() for x in params)
     # A few values of every weight tell a distilled checkpoint from its base model: a merged
     # LoRA adapter changes the attention and MLP projections, never the output embeddings, and
     # the two must not share an acceptance rate.
     # (One host sync for all: the sums stay on the device until the last one.)
     probe = float(
         torch.stack(
-            [w.detach().flatten()[:: max(1, w.numel() // 8)][:8].double().sum()
-             for w in model.parameters()]
+            [w.detach().flatten()[:: max(1, w.numel() // 8)][:8].double().sum() for w in params]
         ).sum()
-    )  # fmt: skip
+    )
     raw = f"{name}|{nparams}|{probe:.6e}|{p.dtype}|{dev}|{hw}|{torch.get_num_threads()}"
-    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+    key = hashlib.sha1(raw.encode()).hexdigest()[:16]
+    if stamp is not None:
+        model._jacobi_ext_key = (stamp, key)
+    return key
 
 
 @dataclass

@@ -38,7 +38,7 @@ ROWS = [  # file, what it is, packed training tokens behind it, AR setting
         "2.80 M",
         "the mean of the two",
     ),
-    # The shipped adapter at another strength (scale_adapter.py: LoRA B times s).
+    # Chunk B's adapter at another strength (scale_adapter.py: LoRA B times s).
     ("scale-0.5", "chunk B at strength 0.5", "2.19 M", "λ = 1, prompt + answer"),
     ("scale-0.75", "chunk B at strength 0.75", "2.19 M", "λ = 1, prompt + answer"),
     ("scale-1.25", "chunk B at strength 1.25", "2.19 M", "λ = 1, prompt + answer"),
