@@ -62,17 +62,30 @@ BENCH=("$PY" -m pytest -p no:cacheprovider -q -o "python_files=bench_*.py"
 
 case "$stage" in
   attention)
-    step 120 sm90-tests "${PYTEST[@]}" tests/test_attention_sm90.py tests/test_attention_tile_lists.py
-    step 150 cuda-tests "${PYTEST[@]}" tests/test_attention_cuda.py tests/test_attention_backends.py
+    step 60 sm90-tests "${PYTEST[@]}" tests/test_attention_sm90.py tests/test_attention_tile_lists.py
+    step 60 backends-tests "${PYTEST[@]}" tests/test_attention_backends.py
     # The sm_90a kernel in its own step: if it hangs, the anchors' figures are already saved.
     pick="(7b and (4096 or 16384) or forward) and not flex"
-    step 120 attention-bench "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
+    step 60 attention-bench "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
       --benchmark-max-time=0.5 -k "$pick and not sm90" --benchmark-json="$OUT/attention_cuda.json"
-    step 90 attention-bench-sm90 "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
+    step 60 attention-bench-sm90 "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
       --benchmark-max-time=0.5 -k "$pick and sm90" --benchmark-json="$OUT/attention_cuda_sm90.json"
     # Every GPU attention test with sm90 as the kernel: the gate to make it the default on Hopper.
-    step 90 sm90-as-default env JACOBI_ATTN_KERNEL=sm90 "${PYTEST[@]}" tests/test_attention_cuda.py \
-      tests/test_attention.py
+    step 120 sm90-as-default env JACOBI_ATTN_KERNEL=sm90 "${PYTEST[@]}" tests/test_attention_cuda.py \
+      tests/test_attention.py -k "not argument_errors"
+    # The raw ops' argument checks crashed (SIGSEGV, nothing on stderr) in their child processes
+    # on the first H200 run, where jacobi_attention's checks of the same inputs raised: where?
+    crash='import sys; sys.path.insert(0, "tests"); import torch, jacobi_ext
+from test_attention_cuda import jf_block_table, make_inputs
+s, p, i = (t.cuda() for t in jf_block_table(0, 16, 2, "noisy_context"))
+q, k, v = make_inputs(1, 2, 2, 64, 32, torch.bfloat16)
+try:
+    torch.ops.jacobi_ext.block_attention_fwd(q, k, v, s, p, i, 0.1)
+except ValueError as e:
+    print("raised as it should:", e)'
+    step 20 crash-plain "$PY" -X faulthandler -u -c "$crash"
+    step 45 crash-trace cuda-gdb -q -batch -ex run -ex "bt 40" --args "$PY" -c "$crash"
+    step 120 cuda-tests "${PYTEST[@]}" tests/test_attention_cuda.py
     ;;
   kernels)
     step 150 gpu-tests "${PYTEST[@]}" tests --ignore=tests/test_attention_sm90.py \
@@ -80,25 +93,28 @@ case "$stage" in
       --ignore=tests/test_attention_tile_lists.py --ignore=tests/test_attention.py
     ;;
   decoding)
-    # Most wanted first: a step the deadline skips costs the least there.
+    # Most wanted first: a step the deadline skips costs the least there. One pytest per compiled
+    # variant: pytest-benchmark writes its JSON only at the end, and on the first H200 run
+    # (2026-11-26) multiblock+compile (a compile per width bucket) outlasted its step and took
+    # hf-static-compile's and ar+compile's figures with it.
     export JACOBI_BENCH_DEVICE=cuda JACOBI_BENCH_PROMPTS="${JF_PROMPTS:-4}"
-    step 180 decoding-base env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_BATCH=1,2,4,8,16 \
-      JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,multiblock "${BENCH[@]}" bench/bench_decoding.py \
-      -k "test_decoding or test_batch or qwen7b" --benchmark-json="$OUT/decoding_base.json"
     step 90 decoding-distilled env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_MODEL=smollm2-jf \
       JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,multiblock "${BENCH[@]}" bench/bench_decoding.py \
       -k test_decoding --benchmark-json="$OUT/decoding_distilled.json"
-    step 90 decoding-fp32 env JACOBI_BENCH_DTYPE=float32 JACOBI_BENCH_PROMPTS=2 \
-      JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,multiblock "${BENCH[@]}" bench/bench_decoding.py \
-      -k test_decoding --benchmark-json="$OUT/decoding_fp32.json"
-    # One pytest per compiled variant: pytest-benchmark writes its JSON only at the end, and on
-    # the first H200 run (2026-11-26) multiblock+compile (a compile per width bucket) outlasted
-    # its step and took hf-static-compile's and ar+compile's figures with it.
-    for m in hf-static-compile ar+compile multiblock+compile; do
-      step 150 "decoding-$m" env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_PROMPTS=2 \
+    for m in hf-static-compile ar+compile; do
+      step 120 "decoding-$m" env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_PROMPTS=2 \
         JACOBI_BENCH_METHODS="hf-greedy,multiblock,$m" "${BENCH[@]}" bench/bench_decoding.py \
         -k test_decoding --benchmark-json="$OUT/decoding_${m//+/_}.json"
     done
+    step 120 decoding-base env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_BATCH=1,2,4,8,16 \
+      JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,multiblock "${BENCH[@]}" bench/bench_decoding.py \
+      -k "test_decoding or test_batch or qwen7b" --benchmark-json="$OUT/decoding_base.json"
+    step 60 decoding-fp32 env JACOBI_BENCH_DTYPE=float32 JACOBI_BENCH_PROMPTS=2 \
+      JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,multiblock "${BENCH[@]}" bench/bench_decoding.py \
+      -k test_decoding --benchmark-json="$OUT/decoding_fp32.json"
+    step 150 decoding-multiblock+compile env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_PROMPTS=2 \
+      JACOBI_BENCH_METHODS="hf-greedy,multiblock,multiblock+compile" "${BENCH[@]}" \
+      bench/bench_decoding.py -k test_decoding --benchmark-json="$OUT/decoding_multiblock_compile.json"
     ;;
   *)
     echo "unknown stage $stage (attention, kernels, decoding)" >&2

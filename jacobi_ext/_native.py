@@ -113,6 +113,8 @@ except ImportError as exc:
 BUILT_WITH_TORCH: str = _C.torch_version
 WITH_CUDA: bool = bool(_C.with_cuda)
 CUDA_ARCHS: str = getattr(_C, "cuda_archs", "")  # "sm_80, sm_90a"; "" without CUDA kernels
+# "full" (every dtype and head dim), "ci" (bf16 only), "gate" (bf16, head dim 128); "" without CUDA
+CUDA_KERNEL_SET: str = getattr(_C, "cuda_kernel_set", "")
 CPU_ISA: str = _C.cpu_isa
 
 

@@ -14,7 +14,7 @@ changes; an explicit ``backend`` argument wins over the variable):
 
 - ``auto`` (default): the compiled kernel of q's device (``cpu`` on CPU, ``sm80`` on CUDA), or
   FlexAttention for a CUDA head dim without a kernel; on CUDA, a backend that a GPU run measured
-  fastest for the variant and head dim (``MEASURED_FASTEST``, empty until one has run);
+  fastest for the variant and head dim (``MEASURED_FASTEST``);
 - ``cpu``: the CPU kernel;
 - ``sm80``: the sm_80 CUDA kernel (A100, and the fallback everywhere);
 - ``sm90``: the sm_90a CUDA kernel on compute capability 9.x; elsewhere, or where no sm_90a
@@ -23,8 +23,9 @@ changes; an explicit ``backend`` argument wins over the variable):
 - ``streams``: two causal SDPA calls in stream order (``noisy_context`` only: see
   ``jacobi_ext/_attn_streams.py``).
 
-From the environment, ``sm80``/``sm90`` apply to CUDA tensors only (CPU tensors keep the CPU
-kernel); as an argument, a backend that does not fit the inputs is a ValueError that names the
+From the environment, ``sm80``/``sm90`` apply where a compiled CUDA kernel fits (CPU tensors
+keep the CPU kernel, CUDA head dims without a kernel take FlexAttention as under ``auto``); as an
+argument, a backend that does not fit the inputs is a ValueError that names the
 ones that do.
 """
 
@@ -50,9 +51,12 @@ KERNEL_ENV = "JACOBI_ATTN_KERNEL"
 #: kTileM/kTileN): its tile lists are built at this size.
 SM90_TILE = 128
 #: (CUDA compute capability major, variant, head dim) -> the backend a GPU run measured fastest
-#: (bf16, fwd+bwd). ``auto`` takes it on CUDA where it fits; empty until a GPU run fills it in
-#: (issue 21), so ``auto`` keeps today's choice.
-MEASURED_FASTEST: dict[tuple[int, str, int], str] = {}
+#: (bf16, fwd+bwd). ``auto`` takes it on CUDA where it fits; elsewhere ``auto`` keeps the compiled
+#: kernel. Hopper, noisy_context, head dim 128 (7B shape Hq 28 / Hkv 4, S 4k and 16k): the two
+#: causal streams beat the sm80 kernel 2.3x / 3.4x on an H100 and 2.6x / 3.5x on an H200
+#: (docs/results/h100-2026-11-26, h200-2026-11-26), and the sm90 forward with the sm80 backward
+#: is no match for them either (its backward is the sm80 one).
+MEASURED_FASTEST: dict[tuple[int, str, int], str] = {(9, "noisy_context", 128): "streams"}
 
 
 class _PermuteTokens(torch.autograd.Function):
@@ -254,8 +258,13 @@ def _resolve_backend(backend, q, k, v, layout: JacobiLayout) -> tuple[str, bool]
             backend = env
     # What every backend needs (shapes, dtypes, devices); the kernels' own rules come below.
     _ops.check_attention_inputs(q, k, v, kernel_rules=False)
-    if backend in ("sm80", "sm90") and q.device.type != "cuda" and not explicit:
-        backend = "auto"  # the variable names CUDA kernels: CPU tensors keep their kernel
+    if backend in ("sm80", "sm90") and not explicit:
+        if q.device.type != "cuda":
+            backend = "auto"  # the variable names CUDA kernels: CPU tensors keep their kernel
+        elif not _ops.check_attention_inputs(q, k, v, allow_fallback=True):
+            # A preference for the whole run: a head dim without a compiled kernel still takes
+            # FlexAttention (with auto's warning), as it would if the variable were unset.
+            return "flex", False
     if backend == "auto":
         if not _ops.check_attention_inputs(q, k, v, allow_fallback=True):
             return "flex", False

@@ -39,6 +39,7 @@ if [ -d "$ENV/site/cutlass_library" ] && ! [ -f "$ENV/built-$src_hash" ]; then
   rm -rf "$ENV/wheel"
   (cd "$ROOT" && JACOBI_EXT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip wheel -q \
     --no-build-isolation --no-deps --no-index -w "$ENV/wheel" \
+    --config-settings=build-dir="$ENV/build" \
     --config-settings=cmake.define.JACOBI_EXT_CUDA_ARCHS=90a \
     --config-settings=cmake.define.JACOBI_EXT_CUDA_KERNELS=ci .)
   "$PY" - "$ENV/wheel" "$ROOT" <<'EOF'
@@ -51,6 +52,20 @@ with zipfile.ZipFile(whl) as z:
             print("  in place:", n)
 EOF
   rm -f "$ENV"/built-* && touch "$ENV/built-$src_hash"
+  # The first GPU runs' builds crashed (SIGSEGV) inside _C whenever a check's message formatted
+  # an integer (std::ostream::_M_insert<long> resolved inside _C.so); the same checks raise in a
+  # build made on the CI box. What links libstdc++ code into _C here: compilers, the link line,
+  # the libstdc++ symbols _C defines.
+  so=$(ls "$ROOT"/jacobi_ext/_C*.so)
+  {
+    echo "== toolchain: $(c++ --version | head -1) | $(nvcc --version | tail -1)"
+    echo "== _C .comment: $(readelf -p .comment "$so" 2>/dev/null | grep -o 'GCC.*\|clang.*' | sort -u | tr '\n' ';')"
+    echo "== _C libstdc++ symbols defined: $(nm -DC --defined-only "$so" | grep -c 'std::') (dynamic)," \
+      "ostream/locale ones: $(nm -DC --defined-only "$so" | grep -c '_M_insert\|codecvt\|num_put')"
+    ldd "$so" | grep -E "stdc|gcc_s" || true
+    (cd "$ENV/build" && ninja -t commands 2>/dev/null | grep -E -- "-o _C[^ ]*\.so" | tail -1 | cut -c1-1500)
+    env | grep -E "^(LDFLAGS|CXXFLAGS|CFLAGS|CC|CXX|CUDAHOSTCXX)=" || true
+  } 2>&1 | sed 's/^/   /'
 fi
 echo "== setup: $((SECONDS - t0)) s"
 

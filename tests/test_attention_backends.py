@@ -219,6 +219,8 @@ def test_cpu_routing(monkeypatch, env, backend, want):
         (None, "sm80", 128, "sm80"),
         (None, "sm90", 128, "sm90"),
         ("sm90", "auto", 128, "sm90"),
+        ("sm90", "auto", 80, "flex"),  # the variable is a preference: no kernel, FlexAttention
+        ("sm80", "auto", 32, "flex"),
         ("sm80", "auto", 96, "sm80"),
         ("streams", "auto", 80, "streams"),
         ("flex", "auto", 64, "flex"),
@@ -229,10 +231,18 @@ def test_cuda_routing_without_a_gpu(monkeypatch, env, backend, D, want):
     if env is not None:
         monkeypatch.setenv("JACOBI_ATTN_KERNEL", env)
     calls = _spy(monkeypatch)
+    # An A100: no measured table entry (test_measured_table_* cover Hopper's).
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     layout = JacobiLayout(0, 16, 2)
     q, k = fake_cuda(1, 4, 64, D), fake_cuda(1, 2, 64, D)
     jacobi_attention(q, k, k, layout, backend=backend)
     assert calls == [want]
+
+
+def test_measured_table_names_hopper_noisy_context_streams():
+    # The H100 and H200 runs (docs/results/h100-2026-11-26, h200-2026-11-26): streams 2.3-3.5x
+    # the sm80 kernel, fwd+bwd, 7B shape; nothing else measured yet.
+    assert A.MEASURED_FASTEST == {(9, "noisy_context", 128): "streams"}
 
 
 def test_measured_table_picks_a_backend_on_cuda(monkeypatch):

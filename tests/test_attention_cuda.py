@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import jacobi_ext  # noqa: F401  (registers torch.ops.jacobi_ext)
+import jacobi_ext._native  # registers torch.ops.jacobi_ext; CUDA_KERNEL_SET
 
 VARIANTS = ("noisy_context", "clean_context", "windowed")
 TILE = 64
@@ -194,6 +194,17 @@ def reference(q, k, v, mask, scale):
     return p @ vv, lse
 
 
+def skip_unless_compiled(dtype: torch.dtype, head_dim: int) -> None:
+    """A reduced kernel set (CMake JACOBI_EXT_CUDA_KERNELS=ci: bf16 only; gate: bf16 at head dim
+    128), which a short GPU lease builds to save compile time, leaves these kernels out by design:
+    the op then raises its "compiled ... for bfloat16 only" error, tested on its own."""
+    kernel_set = jacobi_ext._native.CUDA_KERNEL_SET
+    if kernel_set in ("ci", "gate") and dtype != torch.bfloat16:
+        pytest.skip(f"this build's CUDA kernel set is {kernel_set!r}: bfloat16 only")
+    if kernel_set == "gate" and head_dim != 128:
+        pytest.skip("this build's CUDA kernel set is 'gate': head dim 128 only")
+
+
 def make_inputs(B, Hq, Hkv, S, D, dtype, device="cuda"):
     q = torch.randn(B, Hq, S, D, device=device, dtype=dtype)
     k = torch.randn(B, Hkv, S, D, device=device, dtype=dtype)
@@ -224,6 +235,7 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,Hq,Hkv,D,dtype,P,n,T,variant,w", GPU_CASES)
 def test_forward_backward(B, Hq, Hkv, D, dtype, P, n, T, variant, w):
+    skip_unless_compiled(dtype, D)
     S = P + 2 * T * n
     starts, ptr, idx = (t.cuda() for t in jf_block_table(P, n, T, variant, w))
     mask = dense_mask(P, n, T, variant, w).cuda()

@@ -87,7 +87,11 @@ extern "C" __attribute__((visibility("default"))) PyObject* PyInit__C() {
 #ifdef JACOBI_WITH_CUDA
   PyModule_AddIntConstant(mod, "with_cuda", 1);
   PyModule_AddStringConstant(mod, "cuda_archs", JACOBI_EXT_CUDA_ARCHS);  // "sm_80, sm_90a"
+  // full (every dtype and head dim), ci (bf16 only) or gate (bf16, head dim 128): CMake's
+  // JACOBI_EXT_CUDA_KERNELS, so tests tell a kernel this build left out from a failing one.
+  PyModule_AddStringConstant(mod, "cuda_kernel_set", JACOBI_EXT_CUDA_KERNEL_SET);
 #else
+  PyModule_AddStringConstant(mod, "cuda_kernel_set", "");
   PyModule_AddIntConstant(mod, "with_cuda", 0);
   PyModule_AddStringConstant(mod, "cuda_archs", "");
 #endif
