@@ -170,3 +170,25 @@ def test_flash_two_streams(benchmark, S, shape):
         torch.cuda.synchronize()
 
     benchmark(step)
+
+
+@pytest.mark.parametrize("backend", ["sm80", "sm90", "flex"])
+@pytest.mark.parametrize("variant", ["noisy_context", "clean_context"])
+@pytest.mark.parametrize("S", [4096, 16384])
+def test_jacobi_attention_variants(benchmark, S, variant, backend):
+    """jacobi_attention as training calls it (stream order, cached tables and tile lists),
+    forward + backward, 7B shape, per variant: issue 21 asks clean_context (the variant training
+    uses) for >= 3x FlexAttention and >= 0.9x the same kernel's noisy_context time, and the
+    measured table (jacobi_ext.attention.MEASURED_FASTEST) needs it to name a backend for it."""
+    Hq, Hkv, D = SHAPES["7b"]
+    layout = jacobi_ext.JacobiLayout(P, N, (S - P) // (2 * N), variant)
+    q, k, v = inputs(layout.seq_len, Hq, Hkv, D)
+    benchmark.extra_info.update(variant=variant, backend=backend, seq_len=layout.seq_len)
+
+    def step():
+        out = jacobi_ext.jacobi_attention(q, k, v, layout, backend=backend)
+        out.backward(out.detach())
+        torch.cuda.synchronize()
+
+    step()  # tables, tile lists, FlexAttention's compile: outside the timing
+    benchmark(step)

@@ -70,6 +70,8 @@ case "$stage" in
       --benchmark-max-time=0.5 -k "$pick and not sm90" --benchmark-json="$OUT/attention_cuda.json"
     step 60 attention-bench-sm90 "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
       --benchmark-max-time=0.5 -k "$pick and sm90" --benchmark-json="$OUT/attention_cuda_sm90.json"
+    step 90 attention-bench-variants "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
+      --benchmark-max-time=0.5 -k "variants" --benchmark-json="$OUT/attention_variants.json"
     # Every GPU attention test with sm90 as the kernel: the gate to make it the default on Hopper.
     step 120 sm90-as-default env JACOBI_ATTN_KERNEL=sm90 "${PYTEST[@]}" tests/test_attention_cuda.py \
       tests/test_attention.py -k "not argument_errors"
