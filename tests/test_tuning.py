@@ -103,3 +103,46 @@ def test_controller_falls_back_to_ar_losslessly() -> None:
     assert stats.forwards > 4
     # decided after exactly one window of parallel steps, then AR took over (one token a step)
     assert all(a == 1 for a in res.accepted[4:-1]), res.accepted
+
+
+def test_tuned_calls_race_parallel_against_ar_with_lookup() -> None:
+    # The prediction credits parallel steps with an acceptance that repetition raises, and
+    # weighs them against plain AR; with lookup drafts on, the alternative is AR with lookup,
+    # so the two modes race on their measured speed over plain AR.
+    model = tiny_llama(seed=0)
+    flat = _curve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.05, 32: 2.0, 64: 4.0, 128: 8.0})
+
+    def pick(lookup=True):
+        return tuning.choose_settings(model, "multiblock", rho=0.9, curve=flat, lookup=lookup)
+
+    assert pick().method == "multiblock"  # nothing measured: the prediction
+    tuning.remember_mode_speed(model, tuning.PARALLEL, 1.3, weight=100)
+    assert pick().method == "ar"  # AR with lookup has no figure yet: measure it once
+    tuning.remember_mode_speed(model, tuning.AR_LOOKUP, 1.6, weight=100)
+    got = pick()
+    assert got.method == "ar" and got.expected_speedup == pytest.approx(1.6)  # the faster
+    assert pick(lookup=False).method == "multiblock"  # plain AR is what the prediction weighs
+    for _ in range(tuning.RETRY_LOSER_EVERY - 3):  # calls 3 .. 9: one in ten runs the loser
+        tuning.remember_mode_speed(model, tuning.AR_LOOKUP, 1.6, weight=100)
+    retry = pick()
+    assert retry.method == "multiblock" and retry.expected_speedup == pytest.approx(1.3)
+    tuning.remember_mode_speed(model, tuning.PARALLEL, 2.9, weight=10_000)  # it got faster
+    assert pick().method == "multiblock"
+    prof = tuning.load_profile(model)
+    assert prof["tuned_calls"] == tuning.RETRY_LOSER_EVERY
+    # recent calls count: the old weight is capped, so 10 000 tokens at 2.9 outweigh the past
+    assert prof["modes"][tuning.PARALLEL]["speedup"] > 2.5
+
+
+def test_a_tuned_call_records_its_mode_speed() -> None:
+    model = tiny_llama(vocab_size=64, seed=3, dtype=torch.float64)
+    ids = torch.randint(0, 64, (1, 9))
+    want = generate(model, ids, max_new_tokens=40, method="ar").tokens
+    for call in (1, 2):
+        res = generate(model, ids, max_new_tokens=40, method="multiblock", block_size=None)
+        assert torch.equal(res.tokens, want)  # whichever mode ran
+        prof = tuning.load_profile(model)
+        mode = tuning.PARALLEL if res.block_size > 1 else tuning.AR_LOOKUP
+        assert prof["tuned_calls"] == call and prof["modes"][mode]["speedup"] > 0
+    # after a parallel call, the next one measured AR with lookup (or the curve chose AR twice)
+    assert tuning.AR_LOOKUP in prof["modes"]

@@ -275,8 +275,9 @@ def generate(
 
             curve = step_curve(model)
             s = choose_settings(
-                model, method=method, num_blocks=num_blocks, pool_size=pool_size, curve=curve
-            )
+                model, method=method, num_blocks=num_blocks, pool_size=pool_size, curve=curve,
+                lookup=lookup,
+            )  # fmt: skip
             block_size, num_blocks, pool_size = s.block_size, s.num_blocks, s.pool_size
             method = s.method
             cost_ratio = curve.cost_ratio
@@ -306,16 +307,27 @@ def generate(
     results, stats = decode(model, prompts, cfg, gen, streamer, recorders, keys)
     if streamer is not None:
         streamer.end()
-    if cost_ratio is not None and n > 1 and sampling is None:
+    if cost_ratio is not None and sampling is None:
         # (Only greedy acceptance is remembered: a sampled call converges later, and its own
         # controller falls back to AR when its acceptance does not pay.)
-        from .tuning import estimate_rho, remember_acceptance
+        from .tuning import (
+            AR_LOOKUP,
+            PARALLEL,
+            estimate_rho,
+            remember_acceptance,
+            remember_mode_speed,
+        )
 
         window = n + (K - 1) * n // 2  # as tuning.predict credits K blocks
         for r in results:
-            if r.mean_accepted_parallel is not None:
+            if n > 1 and r.mean_accepted_parallel is not None:
                 rho = estimate_rho(r.mean_accepted_parallel, window)
                 remember_acceptance(model, rho, weight=len(r.accepted))
+        cost = sum(r.cost or 0.0 for r in results)
+        if lookup and cost > 0:  # the race of tuning.choose_settings: its speed over plain AR
+            committed = sum(len(r.tokens) for r in results)
+            mode = PARALLEL if n > 1 else AR_LOOKUP
+            remember_mode_speed(model, mode, committed / cost, weight=committed)
     rows = [r.tokens for r in results]
     width = max(len(r) for r in rows)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)

@@ -43,6 +43,9 @@ class SeqResult:
     candidate_wins: int = 0
     lookup_wins: int = 0
     mean_accepted_parallel: float | None = None  # for tuning.remember_acceptance
+    # The steps' cost in one-token forwards, sum of t(fed) / t(1) from the curve's ratios (None
+    # without a curve): tokens / cost is the speed over plain AR (tuning.remember_mode_speed).
+    cost: float | None = None
 
 
 class _Seq:
@@ -65,6 +68,8 @@ class _Seq:
         self.prompt = prompt
         self.R = 2 + cfg.pool_size  # rows at most: main + pool + lookup
         self.ctl = FallbackController(cfg.cost_ratio, cfg.fallback_window)
+        self.ratio = cfg.cost_ratio or cfg.lookup_cost  # q -> t(q) / t(1), or None
+        self.cost = 0.0
         self.recorder: TrajectoryRecorder | None = None
         self.draft: list[int] = []  # ar mode: this step's lookup drafts after the seed
         self.g = 0  # ar mode: their match class
@@ -129,6 +134,8 @@ class _Seq:
             committed, a = committed[: cfg.max_new - len(self.out)], cfg.max_new - len(self.out)
         self.out += committed
         self.accepted.append(a)
+        if self.ratio is not None:
+            self.cost += self.ratio(fed)
         self.wins += self.parallel and w > 0
         self._put(committed)
         stop = bool(finished) or len(self.out) >= cfg.max_new
@@ -191,5 +198,5 @@ class _Seq:
         par = self.ctl.acc
         return SeqResult(
             self.out, self.accepted, int(self.wins), self.lookup_wins,
-            sum(par) / len(par) if par else None,
+            sum(par) / len(par) if par else None, self.cost if self.ratio is not None else None,
         )  # fmt: skip

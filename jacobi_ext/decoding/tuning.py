@@ -216,6 +216,30 @@ def remember_acceptance(model, rho: float, weight: float) -> None:
     save_profile(model, prof)
 
 
+#: Modes a tuned call with lookup drafts races (measured speed over plain AR, see below).
+PARALLEL, AR_LOOKUP = "parallel", "ar+lookup"
+#: One tuned call in this many runs the mode that measured slower, so its figure stays current.
+RETRY_LOSER_EVERY = 10
+
+
+def remember_mode_speed(model, mode: str, speedup: float, weight: float) -> None:
+    """Blend a tuned call's measured speed over plain AR into the model's profile, and count the
+    call. `speedup`: tokens committed / the steps' cost in one-token forwards (the curve's
+    ratios t(q) / t(1), so how busy the machine was during the call does not bias it);
+    `weight`: tokens committed. Recent calls count (the old weight is capped)."""
+    prof = load_profile(model)
+    modes = prof.setdefault("modes", {})
+    old = modes.get(mode, {"speedup": speedup, "weight": 0.0})
+    w_old = min(old["weight"], 2000.0)
+    total = w_old + weight
+    modes[mode] = {
+        "speedup": (old["speedup"] * w_old + speedup * weight) / total if total else speedup,
+        "weight": total,
+    }
+    prof["tuned_calls"] = prof.get("tuned_calls", 0) + 1
+    save_profile(model, prof)
+
+
 def expected_accepted(rho: float, window: int) -> float:
     """E[tokens committed] for a draft window of `window` tokens (the seed included)."""
     if rho >= 1.0:
@@ -245,7 +269,7 @@ class Settings:
     block_size: int
     num_blocks: int
     pool_size: int
-    expected_speedup: float  # predicted tokens/s over greedy AR
+    expected_speedup: float  # tokens/s over greedy AR: predicted, or measured once raced
     rho: float
 
 
@@ -269,24 +293,37 @@ def choose_settings(
     pool_size: int = 4,
     rho: float | None = None,
     curve: StepCurve | None = None,
+    lookup: bool = False,
 ) -> Settings:
     """The block size (and, where parallel decoding cannot pay, "ar") that maximises predicted
     tokens/s for `method` with the given blocks and pool.
 
-    (Trying one block without recycled candidates too, where a wide forward costs more, was
-    measured on a 2-core CPU in fp32 on 2026-11-26: it picked n = 4-16 for the distilled model
-    and ran 1.41× / 1.84× transformers greedy on HumanEval[:82] / the held-out packages[:48]
-    against AR with lookup drafts' 1.61× / 2.07×, side by side; so `multiblock` keeps its K and
-    pool, and where they cannot pay it decodes as AR with lookup. Not yet weighed: AR with lookup
-    itself. The prediction is against plain AR and the acceptance it learns is raised by loops,
-    so there it still picks n = 4, K = 2, pool 4, which AR with lookup beats in bf16.)"""
+    With `lookup` (the tuned default) the alternative to parallel decoding is AR with lookup
+    drafts, which the prediction (against plain AR, with an acceptance that repetition raises
+    for both) cannot weigh. So the two race on measured speed: the engine records each tuned
+    call's tokens per one-token-forward cost (`remember_mode_speed`); once the parallel pick has
+    a figure, the next call runs AR with lookup to get one, then the faster runs, and one call
+    in RETRY_LOSER_EVERY runs the slower again. (Measured on a 2-core CPU, fp32, 2026-11-26:
+    the prediction picked `multiblock` n = 4, K = 2, pool 4 for the distilled model, which AR
+    with lookup beat side by side; trying one block without candidates did not help either.)"""
     curve = curve or step_curve(model)
+    prof = load_profile(model) if model is not None else {}
     if rho is None:
-        rho = load_profile(model).get("rho", PRIOR_RHO)
+        rho = prof.get("rho", PRIOR_RHO)
     K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
-    best = Settings("ar", 1, 1, 0, 1.0, rho)
+    ar = Settings("ar", 1, 1, 0, 1.0, rho)
+    best = ar
     for n in BLOCK_SIZES:
         s = predict(curve, rho, n, K, p)
         if s > best.expected_speedup:
             best = Settings(method, n, K, p, s, rho)
-    return best
+    modes = prof.get("modes", {})
+    if not lookup or best is ar or PARALLEL not in modes:
+        return best
+    if AR_LOOKUP not in modes:
+        return ar  # measure AR with lookup once
+    par, arl = modes[PARALLEL]["speedup"], modes[AR_LOOKUP]["speedup"]
+    retry = prof.get("tuned_calls", 0) % RETRY_LOSER_EVERY == RETRY_LOSER_EVERY - 1
+    if (par >= arl) != retry:
+        return Settings(method, best.block_size, K, p, par, rho)
+    return Settings("ar", 1, 1, 0, arl, rho)
