@@ -195,6 +195,19 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             f"{method:>10}: -> {s.method} n={s.block_size} K={s.num_blocks} pool={s.pool_size}"
             f", predicted {s.expected_speedup:.2f}x greedy"
         )
+    modes = prof.get("modes", {})
+    if modes:  # the race of tuned calls with lookup drafts (tuning.choose_settings)
+        raced = ", ".join(
+            f"{m} {v['speedup']:.2f}x over {v['weight']:.0f} tokens" for m, v in modes.items()
+        )
+        s = tuning.choose_settings(
+            model, "multiblock", args.num_blocks, args.pool_size, curve=curve, lookup=True
+        )
+        console.print(
+            f"measured by tuned calls with lookup: {raced}; the next one runs "
+            f"{'AR with lookup' if s.method == 'ar' else f'{s.method} n={s.block_size}'} "
+            f"({prof.get('tuned_calls', 0)} calls so far)"
+        )
     if args.plot:
         from jacobi_ext.plots import plot_step_curve
 
