@@ -22,6 +22,7 @@ RUNS = [  # label, files
     ("held-out packages[:48]", ["side-soup-heldout-0-48.jsonl.gz"]),
     ("HumanEval[:82], earlier run", ["side-soup-humaneval-0-82.jsonl.gz"]),
     ("HumanEval[:24], bf16", ["side-bf16-humaneval-0-24.jsonl.gz"]),
+    ("HumanEval[:24], tuned calls racing AR with lookup", ["side-race-he3-0-24.jsonl.gz"]),
 ]
 
 
