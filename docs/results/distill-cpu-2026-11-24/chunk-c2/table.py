@@ -39,6 +39,8 @@ MODELS = [  # label, files, method rows to read
      ["distill-cpu-2026-11-24/chunk-c2/soup-humaneval-164.jsonl.gz"], ALL3[:2]),
     ("chunk D (from the soup, 1 000 unseen prompts, KL μ = 1), 3.16 M",
      ["distill-cpu-2026-11-24/chunk-d/chunk-d-humaneval-164.jsonl.gz"], ALL3[:2]),
+    ("soup of chunk D and the shipped soup, ½ each",
+     ["distill-cpu-2026-11-24/chunk-d/soup-d-humaneval-164.jsonl.gz"], ALL3[:1]),
 ]  # fmt: skip
 
 
