@@ -320,7 +320,7 @@ def generate(
 
         window = n + (K - 1) * n // 2  # as tuning.predict credits K blocks
         for r in results:
-            if n > 1 and r.mean_accepted_parallel is not None:
+            if r.mean_accepted_parallel is not None:  # None unless parallel steps ran
                 rho = estimate_rho(r.mean_accepted_parallel, window)
                 remember_acceptance(model, rho, weight=len(r.accepted))
         cost = sum(r.cost or 0.0 for r in results)

@@ -21,7 +21,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -206,13 +206,20 @@ def step_curve(model, remeasure: bool = False, progress: bool = False) -> StepCu
     return curve
 
 
+def _blend(old: float, w_old: float, new: float, weight: float, cap: float) -> tuple[float, float]:
+    """(value, weight) after blending `new` (weight `weight`) into `old` (weight `w_old`, capped
+    at `cap` so that recent observations keep counting)."""
+    w_old = min(w_old, cap)
+    total = w_old + weight
+    return ((old * w_old + new * weight) / total if total else new), total
+
+
 def remember_acceptance(model, rho: float, weight: float) -> None:
     """Blend an observed acceptance rate into the model's profile (weight = steps observed)."""
     prof = load_profile(model)
-    old, w_old = prof.get("rho", PRIOR_RHO), prof.get("rho_weight", 0.0)
-    w_old = min(w_old, 200.0)  # keep adapting: recent runs count
-    prof["rho"] = (old * w_old + rho * weight) / (w_old + weight) if w_old + weight else rho
-    prof["rho_weight"] = w_old + weight
+    prof["rho"], prof["rho_weight"] = _blend(
+        prof.get("rho", PRIOR_RHO), prof.get("rho_weight", 0.0), rho, weight, cap=200.0
+    )
     save_profile(model, prof)
 
 
@@ -230,12 +237,8 @@ def remember_mode_speed(model, mode: str, speedup: float, weight: float) -> None
     prof = load_profile(model)
     modes = prof.setdefault("modes", {})
     old = modes.get(mode, {"speedup": speedup, "weight": 0.0})
-    w_old = min(old["weight"], 2000.0)
-    total = w_old + weight
-    modes[mode] = {
-        "speedup": (old["speedup"] * w_old + speedup * weight) / total if total else speedup,
-        "weight": total,
-    }
+    v, w = _blend(old["speedup"], old["weight"], speedup, weight, cap=2000.0)
+    modes[mode] = {"speedup": v, "weight": w}
     prof["tuned_calls"] = prof.get("tuned_calls", 0) + 1
     save_profile(model, prof)
 
@@ -325,5 +328,5 @@ def choose_settings(
     par, arl = modes[PARALLEL]["speedup"], modes[AR_LOOKUP]["speedup"]
     retry = prof.get("tuned_calls", 0) % RETRY_LOSER_EVERY == RETRY_LOSER_EVERY - 1
     if (par >= arl) != retry:
-        return Settings(method, best.block_size, K, p, par, rho)
-    return Settings("ar", 1, 1, 0, arl, rho)
+        return replace(best, expected_speedup=par)
+    return replace(ar, expected_speedup=arl)
