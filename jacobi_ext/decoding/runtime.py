@@ -24,7 +24,8 @@ the capacity suffices. If capture fails on an exotic model, the runtime warns on
 eagerly: never a crash, never a different token.
 
 On CPU the same runtime runs eagerly, with unpadded widths, and attends only up to the longest
-committed sequence (no cost for unused capacity).
+committed sequence (no cost for unused capacity); a bf16 model's linears run from weights packed
+once for oneDNN (prepack.py: bitwise the same outputs, a fraction of the time).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from .masks import for_backend, prefill_mask, step_mask, step_positions
+from .prepack import packed
 
 
 def targets(logits: torch.Tensor) -> torch.Tensor:
@@ -192,9 +194,11 @@ class StaticRuntime:
         self.write_slots = slots
         self.attend = self.scratch + P
         mask = for_backend(self.model, prefill_mask(pad, P, n, self.scratch), self.dtype)
-        logits = self.model(
-            input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True, **self._cache_arg
-        ).logits
+        with packed(self.model):
+            logits = self.model(
+                input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True,
+                **self._cache_arg,
+            ).logits  # fmt: skip
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
         return targets(logits) if rule is None else rule(logits, pos)
@@ -206,10 +210,11 @@ class StaticRuntime:
         seg, off = self.seg[:, :Q], self.off[:, :Q]
         mask = for_backend(self.model, step_mask(seg, off, self.lo, self.hi, attend), self.dtype)
         pos = step_positions(off, self.lo, self.hi)
-        logits = self.model(
-            input_ids=self.ids[:, :Q], position_ids=pos,
-            attention_mask=mask, use_cache=True, **self._cache_arg,
-        ).logits  # fmt: skip
+        with packed(self.model):  # CPU bf16: oneDNN-packed linears, bitwise equal (prepack.py)
+            logits = self.model(
+                input_ids=self.ids[:, :Q], position_ids=pos,
+                attention_mask=mask, use_cache=True, **self._cache_arg,
+            ).logits  # fmt: skip
         return targets(logits) if rule is None else rule(logits, pos)
 
     def width(self, q: int) -> int:

@@ -1,0 +1,91 @@
+"""CPU bf16 linears from oneDNN-packed weights (jacobi_ext/decoding/prepack.py): bitwise equal to
+F.linear per shape and over whole decodes, the user's model untouched outside our steps, copies
+remade when a weight changes, and a no-op where it does not apply."""
+
+import pytest
+import torch
+from torch import nn
+
+from jacobi_ext.decoding import prepack
+from jacobi_ext.decoding.engine import generate
+from jacobi_ext.models import tiny_llama
+
+needs_packing = pytest.mark.skipif(
+    not prepack.available(), reason="oneDNN bf16 packing needs a CPU with AVX512-BF16 / AMX"
+)
+
+
+def _forward_overridden(model) -> bool:
+    return any("forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear)
+
+
+@needs_packing
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_linear_is_bitwise_f_linear(seed):
+    g = torch.Generator().manual_seed(seed)
+    out_f, in_f = (int(v) for v in torch.randint(1, 700, (2,), generator=g))
+    lin = nn.Linear(in_f, out_f, bias=bool(seed % 2)).to(torch.bfloat16)
+    model = nn.Sequential(lin)
+    for shape in [(1, in_f), (3, 1, in_f), (2, 17, in_f), (1, 64, in_f)]:
+        x = torch.randn(*shape, generator=g).to(torch.bfloat16)
+        with torch.inference_mode():
+            want = nn.functional.linear(x, lin.weight, lin.bias)
+            with prepack.packed(model):
+                assert "forward" in lin.__dict__  # the packed path is what ran
+                got = model(x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want), f"{(out_f, in_f)} {shape}"
+    assert not _forward_overridden(model)
+
+
+@needs_packing
+def test_packed_copy_follows_weight_changes():
+    lin = nn.Linear(32, 48).to(torch.bfloat16)
+    model = nn.Sequential(lin)
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    with torch.inference_mode(), prepack.packed(model):
+        model(x)
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)  # in place: same tensor, new version
+    with torch.inference_mode(), prepack.packed(model):
+        got = model(x)
+    assert torch.equal(got, nn.functional.linear(x, lin.weight, lin.bias))
+    lin.weight = nn.Parameter(torch.randn(48, 32).to(torch.bfloat16))  # a new tensor
+    with torch.inference_mode(), prepack.packed(model):
+        got = model(x)
+    assert torch.equal(got, nn.functional.linear(x, lin.weight, lin.bias))
+
+
+@needs_packing
+def test_autograd_falls_back_to_f_linear():
+    lin = nn.Linear(16, 8).to(torch.bfloat16)
+    x = torch.randn(2, 16).to(torch.bfloat16).requires_grad_()
+    with prepack.packed(nn.Sequential(lin)):
+        y = lin(x)
+    y.float().sum().backward()  # the packed op has no backward: this must be F.linear's
+    assert x.grad is not None
+
+
+@needs_packing
+@pytest.mark.parametrize("method", ["ar", "jacobi", "multiblock"])
+def test_decoding_is_unchanged_by_packing(method, monkeypatch):
+    """Whole decodes in bf16: the same tokens and forwards with packing on and off."""
+    model = tiny_llama(vocab_size=128, hidden_size=64, num_layers=2, seed=3).to(torch.bfloat16)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("JACOBI_EXT_CPU_PREPACK", env)
+        r = generate(model, ids, max_new_tokens=40, method=method, block_size=8)
+        runs[env] = (r.tokens.tolist(), r.forwards)
+        assert not _forward_overridden(model)
+    assert runs["1"] == runs["0"]
+    assert prepack.wanted(model) is False  # env "0" still set
+
+
+def test_noop_for_fp32_and_when_turned_off(monkeypatch):
+    model = tiny_llama()
+    assert not prepack.wanted(model)  # fp32 stays on F.linear (MKL): fp32 exactness
+    with prepack.packed(model):
+        assert not _forward_overridden(model)
+    monkeypatch.setenv("JACOBI_EXT_CPU_PREPACK", "0")
+    assert not prepack.wanted(model.to(torch.bfloat16))
