@@ -89,3 +89,16 @@ def test_noop_for_fp32_and_when_turned_off(monkeypatch):
         assert not _forward_overridden(model)
     monkeypatch.setenv("JACOBI_EXT_CPU_PREPACK", "0")
     assert not prepack.wanted(model.to(torch.bfloat16))
+
+
+@needs_packing
+def test_tuner_keeps_packed_and_plain_curves_apart(monkeypatch):
+    """Packed linears change what a forward costs: the tuner's profile key says which it timed."""
+    from jacobi_ext.decoding.tuning import model_key
+
+    model = tiny_llama().to(torch.bfloat16)
+    keys = {}
+    for env in ("1", "0", "1"):
+        monkeypatch.setenv("JACOBI_EXT_CPU_PREPACK", env)
+        keys.setdefault(env, set()).add(model_key(model))
+    assert len(keys["1"]) == 1 and keys["1"] != keys["0"]

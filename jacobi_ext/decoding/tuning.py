@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from . import prepack
+
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BLOCK_SIZES = (4, 8, 16, 32, 64)
 PRIOR_RHO = 0.6  # optimistic: a distilled model's effective acceptance on code is about this
@@ -56,7 +58,11 @@ def model_key(model) -> str:
     counter (an in-place update, a move or a cast changes one of them)."""
     params = list(model.parameters())
     try:
-        stamp = (torch.get_num_threads(), *((w.data_ptr(), w._version) for w in params))
+        stamp = (
+            torch.get_num_threads(),
+            prepack.wanted(model),
+            *((w.data_ptr(), w._version) for w in params),
+        )
     except RuntimeError:  # inference tensors keep no version counter: no cache
         stamp = None
     cached = getattr(model, "_jacobi_ext_key", None)
@@ -77,6 +83,8 @@ def model_key(model) -> str:
         ).sum()
     )
     raw = f"{name}|{nparams}|{probe:.6e}|{p.dtype}|{dev}|{hw}|{torch.get_num_threads()}"
+    if prepack.wanted(model):  # packed CPU linears cost differently: a curve of their own
+        raw += "|prepack"
     key = hashlib.sha1(raw.encode()).hexdigest()[:16]
     if stamp is not None:
         model._jacobi_ext_key = (stamp, key)
