@@ -67,17 +67,20 @@ class _PackedLinear:
         self.version = -1
         self.packed = None
         self.bias = None
-        self.refresh()
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
+        """Remake the packed copy if the weight changed; False if it is no CPU bf16 weight."""
         w = self.module.weight
         if w is self.weight and w._version == self.version:
-            return
+            return True
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+            return False
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_ROWS)
         self.weight, self.version = w, w._version
         b = self.module.bias
         self.bias = None if b is None else b.detach()
+        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.dim() < 2 or torch.is_grad_enabled():
@@ -87,20 +90,13 @@ class _PackedLinear:
 
 
 def _linears(model) -> list[_PackedLinear]:
+    """The model's nn.Linear forwards to swap in, packed copies up to date. The module walk is
+    done once per model (it is most of the cost of entering `packed`)."""
     cached = model.__dict__.get(_ATTR)
-    w_ok = (torch.bfloat16, "cpu")
-    mods = [
-        m
-        for m in model.modules()
-        if type(m) is nn.Linear and (m.weight.dtype, m.weight.device.type) == w_ok
-    ]
-    if cached is None or [c.module for c in cached] != mods:
-        cached = [_PackedLinear(m) for m in mods]
+    if cached is None:
+        cached = [_PackedLinear(m) for m in model.modules() if type(m) is nn.Linear]
         object.__setattr__(model, _ATTR, cached)  # not a submodule, not a parameter
-    else:
-        for c in cached:
-            c.refresh()
-    return cached
+    return [c for c in cached if c.refresh()]
 
 
 @contextlib.contextmanager
