@@ -1,12 +1,12 @@
 """CPU bf16 linears from weights packed once for oneDNN, bitwise equal to `F.linear`.
 
-Why: on a CPU with AVX512-BF16 / AMX, `F.linear` on bf16 reorders the weight into oneDNN's
-blocked layout on every call. For a small model that is most of a decoding step: SmolLM2-135M's
-LM head (49 152 x 576) took ~15 ms a call at 16 rows, ~3 ms from a weight packed once
-(bench/test_cpu_linear.py measures it on the machine at hand). oneDNN computes the same blocks
-in the same order from the packed copy, so the outputs are bitwise those of `F.linear`
-(tests/test_prepack.py checks it per shape and over a whole model), and every decoding method
-keeps returning exactly the tokens it returned before.
+Why: on a CPU with AVX512-BF16 / AMX, `F.linear` on bf16 hands oneDNN a plain weight, which it
+brings into its blocked layout on every call. Packed once, the 49 152-row LM head of
+SmolLM2-135M took 5.3-5.5 ms instead of 7.2-8.4 ms, and the runtime's whole bf16 step 1.21-1.26x
+less time at widths 1-16 (one thread, 2026-11-26; `bench/bench_cpu_linear.py` measures it on
+the machine at hand). oneDNN computes the same blocks in the same order from the packed copy, so
+the outputs are bitwise those of `F.linear` (tests/test_cpu_fast_paths.py checks it per shape
+and over whole decodes), and every decoding method returns exactly the tokens it did before.
 
 How: the runtime's forwards run inside `packed(model)`, which points each `nn.Linear`'s forward
 at the packed copy of its weight for the duration of the call and restores it after, so the

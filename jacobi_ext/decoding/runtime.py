@@ -45,7 +45,12 @@ from .prepack import packed
 def targets(logits: torch.Tensor) -> torch.Tensor:
     """The tokens the model predicts after each position: the greedy argmax. The one place the
     decoding turns logits into tokens (prefill and every step); under sampling the step's rule
-    (jacobi_ext.sampling.Sampler: the filtered perturbed argmax) replaces exactly this."""
+    (jacobi_ext.sampling.Sampler: the filtered perturbed argmax) replaces exactly this.
+    On CPU through `max`: the same index (the first of tied maxima, as argmax and transformers'
+    greedy take it; tests), ~3x faster than CPU argmax over a 49k vocabulary (3 of a bf16
+    step's ~50 ms)."""
+    if logits.device.type == "cpu":
+        return logits.max(-1).indices
     return logits.argmax(-1)
 
 

@@ -1,6 +1,7 @@
-"""CPU bf16 linears from oneDNN-packed weights (jacobi_ext/decoding/prepack.py): bitwise equal to
-F.linear per shape and over whole decodes, the user's model untouched outside our steps, copies
-remade when a weight changes, and a no-op where it does not apply."""
+"""The CPU fast paths of the runtime: bf16 linears from oneDNN-packed weights
+(jacobi_ext/decoding/prepack.py), bitwise equal to F.linear per shape and over whole decodes, the
+user's model untouched outside our steps, copies remade when a weight changes, a no-op where it
+does not apply; and the CPU targets (max instead of argmax), ties included."""
 
 import pytest
 import torch
@@ -102,3 +103,16 @@ def test_tuner_keeps_packed_and_plain_curves_apart(monkeypatch):
         monkeypatch.setenv("JACOBI_EXT_CPU_PREPACK", env)
         keys.setdefault(env, set()).add(model_key(model))
     assert len(keys["1"]) == 1 and keys["1"] != keys["0"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_targets_take_the_first_of_tied_maxima(dtype):
+    """The runtime's CPU targets (max(-1).indices, faster) are argmax's, ties included."""
+    from jacobi_ext.decoding.runtime import targets
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = (torch.randn(2, 9, 3001, generator=g) * 3).round().to(dtype)  # many ties
+        logits[0, 0, 7] = logits[0, 0, 11] = 1e3  # an exact tie at the top
+        assert torch.equal(targets(logits), logits.argmax(-1))
+        assert int(targets(logits)[0, 0]) == 7
