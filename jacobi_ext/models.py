@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import logging
 import os
 import time
 import warnings
@@ -86,7 +87,9 @@ def load_model(
             src, extra = str(name_or_path), {"local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **extra)
-        model = AutoModelForCausalLM.from_pretrained(src, **kwargs, **extra)
+        with _gguf_packing_note_held() as held:
+            model = AutoModelForCausalLM.from_pretrained(src, **kwargs, **extra)
+        held.release_if(any(type(m).__name__.lower().startswith("gguf") for m in model.modules()))
     except OSError as exc:
         raise FileNotFoundError(
             f"Could not load model {name_or_path!r} offline ({exc}). Pass a local checkpoint "
@@ -104,6 +107,42 @@ def load_model(
     if verbose:
         print(f"loaded {name_or_path or DEFAULT_MODEL} in {time.perf_counter() - t0:.1f} s")
     return model, tokenizer
+
+
+class _HeldNote(logging.Filter):
+    """Holds back transformers' "weights packed is fastest in float32" note while a GGUF loads:
+    it is printed whenever a GGUF is loaded in bf16, yet where the `kernels` package is absent
+    (this project's environment) every weight is unpacked into a plain nn.Linear anyway, so the
+    note ("every matmul will cast", "the weights stay quantized") is wrong for the model we get.
+    It is let through when the loaded model does keep packed GGUF modules."""
+
+    NOTE = "weights packed is fastest in float32"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.NOTE in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+    def release_if(self, packed: bool) -> None:
+        if packed:
+            for r in self.records:
+                logging.getLogger(r.name).handle(r)
+
+
+@contextlib.contextmanager
+def _gguf_packing_note_held():
+    log = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    held = _HeldNote()
+    log.addFilter(held)
+    try:
+        yield held
+    finally:
+        log.removeFilter(held)
 
 
 def _adapter_dir(name_or_path) -> Path | None:
