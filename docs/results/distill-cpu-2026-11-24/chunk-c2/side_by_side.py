@@ -23,6 +23,10 @@ RUNS = [  # label, files
     ("HumanEval[:82], earlier run", ["side-soup-humaneval-0-82.jsonl.gz"]),
     ("HumanEval[:24], bf16", ["side-bf16-humaneval-0-24.jsonl.gz"]),
     ("HumanEval[:24], tuned calls racing AR with lookup", ["side-race-he3-0-24.jsonl.gz"]),
+    (  # the runtime's CPU fast paths (packed bf16 linears, max targets), 2026-11-26 evening
+        "HumanEval[:82], bf16, CPU fast paths",
+        [f"../../cpu-fast-paths-2026-11-26/bf16-humaneval-{o}.jsonl.gz" for o in (0, 24)],
+    ),
 ]
 
 
