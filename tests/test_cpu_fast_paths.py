@@ -40,6 +40,17 @@ def test_packed_linear_is_bitwise_f_linear(seed):
 
 
 @needs_packing
+def test_nested_blocks_restore_once():
+    lin = nn.Linear(8, 8).to(torch.bfloat16)
+    model = nn.Sequential(lin)
+    with prepack.packed(model):
+        with prepack.packed(model):
+            assert "forward" in lin.__dict__
+        assert "forward" in lin.__dict__  # the outer block still packs
+    assert not _forward_overridden(model)
+
+
+@needs_packing
 def test_packed_copy_follows_weight_changes():
     lin = nn.Linear(32, 48).to(torch.bfloat16)
     model = nn.Sequential(lin)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 _ATTR = "_jacobi_ext_packed_linears"
+_ACTIVE = "_jacobi_ext_packed_active"
 _PACK_ROWS = 16  # oneDNN's batch hint for the layout; any row count runs from the same copy
 
 
@@ -102,15 +103,17 @@ def _linears(model) -> list[_PackedLinear]:
 @contextlib.contextmanager
 def packed(model):
     """Run the model's bf16 CPU linears from packed weights inside the block (see the module
-    docstring); a no-op where `wanted(model)` is False."""
-    if not wanted(model):
+    docstring); a no-op where `wanted(model)` is False, and inside a block that already packs."""
+    if model.__dict__.get(_ACTIVE) or not wanted(model):
         yield
         return
     lins = _linears(model)
+    object.__setattr__(model, _ACTIVE, True)
     for c in lins:
         object.__setattr__(c.module, "forward", c)  # instance attribute shadows Linear.forward
     try:
         yield
     finally:
         for c in lins:
-            object.__delattr__(c.module, "forward")
+            c.module.__dict__.pop("forward", None)
+        object.__setattr__(model, _ACTIVE, False)
