@@ -27,6 +27,10 @@ RUNS = [  # label, files
         "HumanEval[:82], bf16, CPU fast paths",
         [f"../../cpu-fast-paths-2026-11-26/bf16-humaneval-{o}.jsonl.gz" for o in (0, 24)],
     ),
+    (
+        "held-out packages[:24], bf16, CPU fast paths",
+        ["../../cpu-fast-paths-2026-11-26/bf16-code-heldout-0.jsonl.gz"],
+    ),
 ]
 
 

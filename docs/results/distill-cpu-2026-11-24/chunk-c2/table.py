@@ -41,6 +41,8 @@ MODELS = [  # label, files, method rows to read
      ["distill-cpu-2026-11-24/chunk-d/chunk-d-humaneval-164.jsonl.gz"], ALL3[:2]),
     ("soup of chunk D and the shipped soup, ½ each",
      ["distill-cpu-2026-11-24/chunk-d/soup-d-humaneval-164.jsonl.gz"], ALL3[:1]),
+    ("chunk E (from the soup, KL μ = 2, data order seed 1), 3.16 M",
+     ["distill-cpu-2026-11-24/chunk-e/chunk-e-humaneval-164.jsonl.gz"], ALL3[:2]),
 ]  # fmt: skip
 
 
