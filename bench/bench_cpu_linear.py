@@ -60,6 +60,7 @@ def test_linear(benchmark, shape, rows):
     lin = torch.nn.Linear(in_f, out_f, bias=False).to(torch.bfloat16)
     x = torch.randn(1, rows, in_f).to(torch.bfloat16)
     packed_forward = prepack._PackedLinear(lin)  # what a packed step calls in place of forward
+    assert packed_forward.refresh()  # makes the packed copy
 
     def packed():
         return packed_forward(x)

@@ -147,6 +147,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         d["restart_schedule"] = True
     if args.no_ar_prompt:
         d["ar_prompt"] = False
+    if args.finished_only:
+        d["finished_only"] = True
     last = train(TrainConfig.from_dict(d))
     print(json.dumps(last))
     return 0
@@ -170,6 +172,11 @@ def _add_train(sub) -> None:
     p.add_argument("--mask-window", type=int, default=None)
     p.add_argument("--max-blocks", type=int, default=None)
     p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument(
+        "--finished-only", action="store_true",
+        help="train only on answers that reached EOS during collection (those cut at the "
+        "collection cap are often the teacher looping)",
+    )  # fmt: skip
     p.add_argument("--ar-weight", type=float, default=None, help="λ (default 10)")
     p.add_argument(
         "--no-ar-prompt", action="store_true",

@@ -47,6 +47,9 @@ class TrainConfig:
     mask_window: int | None = None
     max_blocks: int | None = None  # cut long trajectories to this many blocks
     max_seq_len: int | None = None  # skip packed sequences longer than this
+    # Keep only answers that reached EOS during collection: those cut at the collection cap are
+    # often the teacher looping, which the consistency term learns to continue most readily.
+    finished_only: bool = False
     ar_weight: float = 10.0  # λ
     # Whether the AR term includes the prompt's next-token pairs (SPEC §5) or only the answer's
     # (the bridge into the answer and its in-block pairs): packing.pack's ``ar_prompt``.
@@ -152,6 +155,14 @@ def load_examples(cfg: TrainConfig) -> list[dict]:
         records += read_trajectories(d)
     if not records:
         raise ValueError(f"no trajectories found in {cfg.data}")
+    if cfg.finished_only:
+        n = len(records)
+        records = [r for r in records if r["finished"]]
+        if not records:
+            raise ValueError(
+                f"none of the {n} trajectories in {cfg.data} reached EOS: finished_only leaves "
+                "nothing to train on (collect with a larger --max-new-tokens, or drop the flag)"
+            )
     if cfg.max_seq_len is not None:
         keep = []
         for r in records:

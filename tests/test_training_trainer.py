@@ -47,6 +47,20 @@ def cfg(data_dir, out, **kw) -> tr.TrainConfig:
     return tr.TrainConfig(**base)
 
 
+def test_finished_only_keeps_the_answers_that_reached_eos(tmp_path, monkeypatch):
+    recs = [{"id": f"p{i}", "finished": i % 3 != 0, "blocks": [], "prompt_ids": []}
+            for i in range(7)]  # fmt: skip
+    monkeypatch.setattr(tr, "read_trajectories", lambda d: list(recs))
+    c = cfg(tmp_path, tmp_path / "out")
+    assert len(tr.load_examples(c)) == 7
+    kept = tr.load_examples(cfg(tmp_path, tmp_path / "out", finished_only=True))
+    assert [r["id"] for r in kept] == ["p1", "p2", "p4", "p5"]
+    for r in recs:
+        r["finished"] = False
+    with pytest.raises(ValueError, match="reached EOS"):
+        tr.load_examples(cfg(tmp_path, tmp_path / "out", finished_only=True))
+
+
 def losses(model, c, n=6):
     model.eval()
     recs = tr.load_examples(c)
