@@ -43,6 +43,8 @@ MODELS = [  # label, files, method rows to read
      ["distill-cpu-2026-11-24/chunk-d/soup-d-humaneval-164.jsonl.gz"], ALL3[:1]),
     ("chunk E (from the soup, KL μ = 2, data order seed 1), 3.16 M",
      ["distill-cpu-2026-11-24/chunk-e/chunk-e-humaneval-164.jsonl.gz"], ALL3[:2]),
+    ("chunk F (from the soup, KL μ = 1, finished answers only), 3.07 M",
+     ["distill-cpu-2026-11-24/chunk-f/chunk-f-humaneval-164.jsonl.gz"], ALL3[:2]),
 ]  # fmt: skip
 
 
