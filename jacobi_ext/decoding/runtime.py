@@ -174,6 +174,16 @@ class StaticRuntime:
             and (p.device, p.dtype) == (self.device, self.dtype)
         )
 
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask) -> torch.Tensor:
+        """The model's forward as every runtime call makes it: our cache under the installed
+        transformers' keyword, and on CPU bf16 the oneDNN-packed linears (prepack.py: bitwise
+        F.linear's outputs)."""
+        with packed(self.model):
+            return self.model(
+                input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                **self._cache_arg,
+            ).logits  # fmt: skip
+
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, pad: torch.Tensor, drafts: torch.Tensor | None,
@@ -199,11 +209,7 @@ class StaticRuntime:
         self.write_slots = slots
         self.attend = self.scratch + P
         mask = for_backend(self.model, prefill_mask(pad, P, n, self.scratch), self.dtype)
-        with packed(self.model):
-            logits = self.model(
-                input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True,
-                **self._cache_arg,
-            ).logits  # fmt: skip
+        logits = self._logits(x, pos, mask)
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
         return targets(logits) if rule is None else rule(logits, pos)
@@ -215,11 +221,7 @@ class StaticRuntime:
         seg, off = self.seg[:, :Q], self.off[:, :Q]
         mask = for_backend(self.model, step_mask(seg, off, self.lo, self.hi, attend), self.dtype)
         pos = step_positions(off, self.lo, self.hi)
-        with packed(self.model):  # CPU bf16: oneDNN-packed linears, bitwise equal (prepack.py)
-            logits = self.model(
-                input_ids=self.ids[:, :Q], position_ids=pos,
-                attention_mask=mask, use_cache=True, **self._cache_arg,
-            ).logits  # fmt: skip
+        logits = self._logits(self.ids[:, :Q], pos, mask)
         return targets(logits) if rule is None else rule(logits, pos)
 
     def width(self, q: int) -> int:
