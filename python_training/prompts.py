@@ -10,11 +10,12 @@ JSONL lines hold one of
   ``{"id": ..., "prompt": "<code to complete>"}``  (wrapped in INSTRUCTION, like HumanEval),
   ``{"id": ..., "text": "<a user message>"}``,
  ``{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}``  (a chat ending in a user turn);
-``id`` is optional (a hash of the content is used).
+``id`` is optional (a hash of the content is used). A ``.gz`` file is read as gzip.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib
 import inspect
@@ -88,7 +89,8 @@ def _content_id(obj) -> str:
 
 def load_jsonl(path: str | Path) -> list[Prompt]:
     out, seen = [], set()
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

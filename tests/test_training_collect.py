@@ -108,6 +108,22 @@ def test_stdlib_prompts_are_disjoint_from_humaneval():
         check_no_humaneval_overlap([Prompt("y", text=f"Write f.\n{doc_only}")])
 
 
+def test_jsonl_prompts_read_plain_or_gzipped(tmp_path):
+    import gzip
+    import json
+
+    rows = [{"id": "a", "prompt": "def twice_the_widget(x):\n    \"\"\"Twice x.\"\"\"\n"}, {"text": "Say hi."}]
+    body = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "p.jsonl").write_text(body)
+    with gzip.open(tmp_path / "p.jsonl.gz", "wt") as f:
+        f.write(body)
+    plain, gz = load_prompts(tmp_path / "p.jsonl"), load_prompts(tmp_path / "p.jsonl.gz")
+    assert [p.id for p in plain] == [p.id for p in gz] and len(plain) == 2
+    assert plain[0].code == gz[0].code and plain[1].text == gz[1].text == "Say hi."
+    with pytest.raises(FileNotFoundError, match="neither"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_batched_fixed_points_equal_batch1_greedy(tmp_path, family):
     """Batched fixed-point collection (left-padded prompts of different lengths, one forward per
