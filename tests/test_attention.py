@@ -173,9 +173,15 @@ def test_backward_is_deterministic():
         out = jacobi_attention(q, k, v, layout)
         out.backward(torch.cos(out.detach() * 3))
         grads.append([x.grad.clone() for x in (q, k, v)])
-    for g in grads[1:]:
-        for a, b in zip(grads[0], g, strict=True):
-            assert torch.equal(a, b)
+    for run, g in enumerate(grads[1:], 1):
+        for name, a, b in zip("qkv", grads[0], g, strict=True):
+            # Say where and by how much, should it ever fail again (it failed once in a full
+            # suite run, 2026-11-26, and never in 1 000+ runs alone; cause not found yet).
+            diff = (a != b).nonzero()
+            assert diff.numel() == 0, (
+                f"d{name} of run {run} differs from run 0 at {len(diff)} places, first "
+                f"{diff[0].tolist()}, max |diff| {(a - b).abs().max().item():.3g}"
+            )
 
 
 def test_lse_output():
