@@ -5,9 +5,9 @@
 #
 # Kernel set: JACOBI_CI_CUDA_KERNELS=gate (default) compiles the smallest set that still exercises
 # the SASS gate: bfloat16, head dim 128, both kernel families (sm_80 forward + backward for sm_80
-# and sm_90a, the sm_90a forward). JACOBI_CI_CUDA_KERNELS=ci compiles every head dim once for
-# bfloat16 (registers and spills do not depend on the 16-bit type; measured 1679 s on a loaded
-# 2-core box, too long for CI); =full compiles what a GPU machine's build compiles.
+# and sm_90a, the sm_90a forward + backward). JACOBI_CI_CUDA_KERNELS=ci compiles every head dim
+# once for bfloat16 (registers and spills do not depend on the 16-bit type; measured 1679 s on a
+# loaded 2-core box, too long for CI); =full compiles what a GPU machine's build compiles.
 #
 # Then the SASS gate (.ci/sass_gate.py) reads the sm_90a object library's machine code: HGMMA in
 # the Hopper kernels, no HMMA, no local memory (LDL/STL), no "wgmma serialized" from ptxas.

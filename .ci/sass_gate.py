@@ -31,11 +31,13 @@ from pathlib import Path
 
 # Substrings of the (mangled) names of the Hopper attention kernels: each must match at least one
 # sm_90a function, and every function it matches must use HGMMA and no HMMA. Stage 1: the forward
-# (csrc/cuda/attention/sm90/fwd_sm90.h); stage 2 adds the backward.
-HOPPER_KERNELS: list[str] = ["fwd_sm90_kernel"]
+# (csrc/cuda/attention/sm90/fwd_sm90.h); stage 2: the backward (bwd_sm90.h).
+HOPPER_KERNELS: list[str] = ["fwd_sm90_kernel", "bwd_sm90_kernel"]
 # Other sm_90a functions, allowed without HGMMA (still no HMMA, no LDL/STL).
 OTHER_KERNELS: list[str] = [
     "expand_tile_lists_kernel",  # the tile-list consumer of the debug op (attention_sm90.cu)
+    "bwd_sm90_prep_kernel",  # the backward's lse / delta preprocessing (attention_sm90.cu)
+    "bwd_sm90_dq_convert_kernel",  # the backward's dQ scale + scatter (attention_sm90.cu)
 ]
 ARCH = "sm_90a"
 WGMMA_SERIALIZED = re.compile(r"wgmma.*serializ", re.IGNORECASE)

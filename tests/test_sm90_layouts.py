@@ -8,7 +8,8 @@ register views, with nvcc and the CUTLASS headers when both exist) and run on:
     a Python restatement of the heavy-path block order and a dense mask;
   - score rows (random, with masked entries and fully masked rows): the online softmax of
     jacobi/online_softmax.h walked tile by tile with a quad's partial sums, against logsumexp;
-  - the register views of fwd_sm90.h (S accumulator reused as the A operand of P V, rowcol).
+  - the register views of fwd_sm90.h (S accumulator reused as the A operand of P V, rowcol) and
+    of bwd_sm90.h (S^T / dP^T reused as A operands of dV / dK, rowcol, transposed smem views).
 """
 
 from __future__ import annotations
@@ -213,7 +214,8 @@ def test_online_softmax_matches_logsumexp(checker, tile):
 
 def test_register_views_of_the_sm90_kernel(tmp_path):
     """The S accumulator reinterpreted as the A operand of P V holds, in every thread's slot,
-    the element the wgmma expects there (both head dims); rowcol() rows are rows, columns pair."""
+    the element the wgmma expects there (both head dims); rowcol() rows are rows, columns pair.
+    The backward's S^T / dP^T as A operands of dV / dK likewise, and its transposed views."""
     nvcc = shutil.which("nvcc") or (
         "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
     )
@@ -231,3 +233,5 @@ def test_register_views_of_the_sm90_kernel(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fragments D=64: 256 threads, 0 bad" in r.stdout
     assert "fragments D=128: 256 threads, 0 bad" in r.stdout
+    assert "bwd fragments D=64: 256 threads, 0 bad" in r.stdout
+    assert "bwd fragments D=128: 256 threads, 0 bad" in r.stdout

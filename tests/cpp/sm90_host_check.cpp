@@ -9,7 +9,9 @@
 //   fragments (built with -DJACOBI_WITH_CUTE and the CUTLASS headers) the register views of
 //             fwd_sm90.h: for every consumer thread, the accumulator of S = Q K^T reinterpreted
 //             as the A operand of O += P V must hold, at each A-fragment slot, the element whose
-//             (row, key) coordinate that slot expects; and rowcol() must give one row per view row.
+//             (row, key) coordinate that slot expects; and rowcol() must give one row per view row;
+//             the same for the backward's views (bwd_sm90.h: S^T / dP^T as A operands, rowcol of
+//             its accumulators, the transposed shared-memory views).
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -162,6 +164,84 @@ static int check_fragments() {
   std::printf("fragments D=%d: %d threads, %d bad\n", kHeadDim, 256, bad);
   return bad != 0;
 }
+
+// The backward's views (bwd_sm90.h, types from fragment_layouts.h BwdLayouts): the S^T / dP^T
+// accumulator (keys x queries) reinterpreted as the A operand of dV += P^T dO / dK += dS^T Q; the
+// rowcol() views of S^T (a thread's two keys r, r + 8 share one 32-key mask word), dK/dV and dQ
+// (column pairs adjacent and even: the float2 atomics); and the transposed shared-memory views
+// K^T, Q^T / dO^T and dS, which must address the very bytes of the tiles they transpose.
+template <int kHeadDim>
+static int check_bwd_fragments() {
+  using namespace cute;
+  using Lay = jacobi::cuda::attn::sm90::BwdLayouts<cutlass::bfloat16_t, kHeadDim>;
+  using jacobi::cuda::attn::sm90::acc_as_operand_a;
+  using jacobi::cuda::attn::sm90::rowcol;
+  typename Lay::MmaSdP mma_sdp;
+  typename Lay::MmaKV mma_kv;
+  typename Lay::MmaDq mma_dq;
+  int bad = 0;
+  auto complain = [&](const char* what, int t, int a, int b) {
+    if (bad++ < 8) std::printf("D=%d thread %d: %s (%d, %d)\n", kHeadDim, t, what, a, b);
+  };
+  // rowcol of a C fragment: one row per view row, column pairs adjacent, first of a pair even.
+  auto check_rowcol = [&](auto const& mma, auto shape, int t, const char* name) {
+    auto c = mma.get_thread_slice(t).partition_C(make_identity_tensor(shape));
+    auto frag = partition_fragment_C(mma, shape);
+    auto coords = make_tensor<int>(frag.layout());
+    for (int i = 0; i < size(frag); ++i) coords(i) = get<0>(c(i)) * 1000 + get<1>(c(i));
+    auto rc = make_tensor(coords.data(), rowcol(frag.layout()));
+    for (int m = 0; m < size<0>(rc); ++m)
+      for (int n = 0; n < size<1>(rc); ++n) {
+        if (rc(m, n) / 1000 != rc(m, 0) / 1000) complain(name, t, m, n);
+        if (n % 2 == 1 && rc(m, n) != rc(m, n - 1) + 1) complain(name, t, m, n);
+        if (n % 2 == 0 && rc(m, n) % 2 != 0) complain(name, t, m, n);
+      }
+    return rc;
+  };
+  for (int t = 0; t < 256; ++t) {
+    // P^T / dS^T as the A operand of the dV / dK GEMMs.
+    auto cS = mma_sdp.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_128, _64>{}));
+    auto cA = mma_kv.get_thread_slice(t).partition_A(make_identity_tensor(Shape<_128, _64>{}));
+    auto frag = partition_fragment_C(mma_sdp, Shape<_128, _64>{});
+    auto coords = make_tensor<int>(frag.layout());
+    for (int i = 0; i < size(frag); ++i) coords(i) = get<0>(cS(i)) * 1000 + get<1>(cS(i));
+    auto asA = make_tensor(coords.data(), acc_as_operand_a(frag.layout()));
+    if (size(asA) != size(cA)) {
+      std::printf("bwd size mismatch %d %d\n", int(size(asA)), int(size(cA)));
+      return 1;
+    }
+    for (int i = 0; i < size(cA); ++i) {
+      const int want = get<0>(cA(i)) * 1000 + get<1>(cA(i));
+      if (asA(i) != want) complain("A slot holds the wrong element", t, i, asA(i));
+    }
+    auto rc = check_rowcol(mma_sdp, Shape<_128, _64>{}, t, "S^T rowcol");
+    if (size<0>(rc) != 2) complain("S^T: not 2 keys per thread", t, int(size<0>(rc)), 0);
+    const int k0 = rc(0, 0) / 1000, k1 = rc(1, 0) / 1000;
+    if (k1 != k0 + 8 || k0 / 32 != k1 / 32) complain("S^T keys not r, r + 8 in one word", t, k0, k1);
+    check_rowcol(mma_kv, Shape<_128, Int<kHeadDim>>{}, t, "dK/dV rowcol");
+    check_rowcol(mma_dq, Shape<_64, Int<kHeadDim>>{}, t, "dQ rowcol");
+  }
+  // Every element of each tile has one home, and the transposed views read it there.
+  typename Lay::SmemK sk;
+  typename Lay::SmemKt skt;
+  for (int d = 0; d < kHeadDim; ++d)
+    for (int k = 0; k < 128; ++k)
+      if (skt(d, k) != sk(k, d)) complain("K^T view", -1, d, k);
+  typename Lay::SmemQ sq;
+  typename Lay::SmemQt sqt;
+  for (int st = 0; st < 2; ++st)
+    for (int d = 0; d < kHeadDim; ++d)
+      for (int q = 0; q < 64; ++q)
+        if (sqt(d, q, st) != sq(q, d, st)) complain("Q^T view", st, d, q);
+  typename Lay::SmemdSt sdst;
+  typename Lay::SmemdS sds;
+  for (int st = 0; st < 2; ++st)
+    for (int q = 0; q < 64; ++q)
+      for (int k = 0; k < 128; ++k)
+        if (sds(q, k, st) != sdst(k, q, st)) complain("dS view", st, q, k);
+  std::printf("bwd fragments D=%d: %d threads, %d bad\n", kHeadDim, 256, bad);
+  return bad != 0;
+}
 #endif
 
 int main(int argc, char** argv) {
@@ -169,7 +249,10 @@ int main(int argc, char** argv) {
   if (!std::strcmp(argv[1], "plan")) return plan_mode();
   if (!std::strcmp(argv[1], "softmax")) return softmax_mode();
 #ifdef JACOBI_WITH_CUTE
-  if (!std::strcmp(argv[1], "fragments")) return check_fragments<64>() | check_fragments<128>();
+  if (!std::strcmp(argv[1], "fragments")) {
+    return check_fragments<64>() | check_fragments<128>() | check_bwd_fragments<64>() |
+           check_bwd_fragments<128>();
+  }
 #endif
   return 2;
 }

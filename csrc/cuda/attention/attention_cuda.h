@@ -64,6 +64,24 @@ struct FwdParams {
   Sm90FwdInputs sm90;            // kernel == sm90 only
 };
 
+// What the sm_90a backward reads besides BwdParams (the op fills it when that kernel runs,
+// attention_sm90.h block_attention_bwd): q, k, v and dout gathered into stream order like the
+// forward's inputs, the tile lists (backward lists included) at 128 x 128, and two scratch
+// buffers in stream order: lse_delta [B, Hq, num_q_tiles * 128] x 2 floats (written by the
+// backward's preprocessing kernel: per 64-row query tile, its 64 lse * log2 e, then its 64
+// delta = rowsum(dO * O); rows past S are padding) and dq_accum [B, Hq, S, D] fp32,
+// zero-initialised (dQ is accumulated there with atomics, then scaled and scattered to dq).
+struct Sm90BwdInputs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* dout = nullptr;
+  const int32_t* perm = nullptr;  // [S]
+  jacobi::attn::TileLists lists{};
+  float* lse_delta = nullptr;
+  float* dq_accum = nullptr;
+};
+
 struct BwdParams {
   const void* dout;
   const void* q;
@@ -82,6 +100,9 @@ struct BwdParams {
   bool deterministic;
   Plan plan;
   Kernel kernel = Kernel::sm80;  // from choose_kernel
+  // kernel == sm90 and not deterministic, with an sm_90a backward for (dtype, head dim): the op
+  // filled sm90 and block_attention_bwd runs the sm_90a backward; otherwise the sm_80 one.
+  Sm90BwdInputs sm90;
 };
 
 // Bytes of device workspace that build_plan needs (16-byte aligned base).

@@ -3,6 +3,7 @@
 #include "cuda/attention/sm90/attention_sm90.h"
 
 #include "cuda/attention/static_switch.h"
+#include "jacobi/online_softmax.h"
 
 // The guard that keeps this TU sm_90a-only: a build that compiles it for another architecture
 // (or for plain sm_90, which has no wgmma) stops here instead of producing a kernel that cannot
@@ -16,6 +17,8 @@ namespace jacobi::cuda::attn::sm90 {
 // The launchers, one instantiation file each (fwd_sm90_<dtype>_hdim<D>.cu).
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd_sm90(const FwdParams& p, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+cudaError_t run_bwd_sm90(const BwdParams& p, cudaStream_t stream);
 
 // Head dims of the sm_90a forward (has_kernel): 64 and 128; the gate set has 128 alone.
 #ifdef JACOBI_CUDA_HDIM128_ONLY
@@ -54,6 +57,58 @@ __global__ void expand_tile_lists_kernel(const jacobi::attn::TileLists lists, in
   }
 }
 
+// The sm_90a backward's preprocessing, per (b, h, stream position p < Spad): lse * log2 e of the
+// token at p (+inf where lse is -inf, the row saw nothing, and on padding rows: P = 0 there) and
+// delta = rowsum(dO * O) (0 on padding), into lse_delta: per 64-row query tile (kBwdBlockM), its
+// 64 lse values, then its 64 deltas (one bulk copy per tile). 16 lanes per row, like
+// bwd_dsum_kernel.
+template <typename Element>
+__global__ void bwd_sm90_prep_kernel(const BwdParams p, int32_t seq_pad) {
+  const int64_t rows = int64_t(p.batch) * p.heads_q * seq_pad;
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
+  const int lane = threadIdx.x % 16;
+  float acc = 0.f;
+  int32_t tok = -1;
+  int64_t bh = 0;
+  if (r < rows) {
+    const int32_t pos = int32_t(r % seq_pad);
+    bh = r / seq_pad;
+    tok = pos < p.seq_len ? p.sm90.perm[pos] : -1;
+    if (tok >= 0) {
+      const int64_t h = bh % p.heads_q, b = bh / p.heads_q;
+      const Element* o = static_cast<const Element*>(p.out) + b * p.o_stride.batch +
+                         h * p.o_stride.head + tok * p.o_stride.row;
+      const Element* d = static_cast<const Element*>(p.dout) + b * p.do_stride.batch +
+                         h * p.do_stride.head + tok * p.do_stride.row;
+      for (int c = lane; c < p.head_dim; c += 16) acc += float(o[c]) * float(d[c]);
+    }
+  }
+  #pragma unroll
+  for (int off = 8; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (r < rows && lane == 0) {
+    const float lse = tok >= 0 ? p.lse[bh * p.seq_len + tok] : -INFINITY;
+    const int64_t out = (r / kBwdBlockM) * 2 * kBwdBlockM + r % kBwdBlockM;  // seq_pad % 64 == 0
+    p.sm90.lse_delta[out] = lse == -INFINITY ? INFINITY : lse * jacobi::attn::kLog2e;
+    p.sm90.lse_delta[out + kBwdBlockM] = acc;
+  }
+}
+
+// The last step: dq[token perm[p]] = scale * dq_accum[p] (stream order), cast to the dtype.
+template <typename Element>
+__global__ void bwd_sm90_dq_convert_kernel(const BwdParams p) {
+  const int64_t n = int64_t(p.batch) * p.heads_q * p.seq_len * p.head_dim;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = i % p.head_dim;
+    const int64_t pos = (i / p.head_dim) % p.seq_len;
+    const int64_t h = (i / (int64_t(p.head_dim) * p.seq_len)) % p.heads_q;
+    const int64_t b = i / (int64_t(p.head_dim) * p.seq_len * p.heads_q);
+    const int64_t tok = p.sm90.perm[pos];
+    static_cast<Element*>(p.dq)[b * p.dq_stride.batch + h * p.dq_stride.head +
+                                tok * p.dq_stride.row + c] = Element(p.sm90.dq_accum[i] * p.scale);
+  }
+}
+
 }  // namespace
 
 bool has_kernel(DType dtype, int64_t head_dim) {
@@ -71,6 +126,34 @@ cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream
   return JACOBI_DTYPE_SWITCH(dtype, [&] {
     return JACOBI_SM90_HEADDIM_SWITCH(params.head_dim,
                                       [&] { return run_fwd_sm90<Element, kHeadDim>(params, stream); });
+  });
+}
+
+bool has_bwd_kernel(DType dtype, int64_t head_dim) { return has_kernel(dtype, head_dim); }
+
+cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream) {
+  if (!has_bwd_kernel(dtype, params.head_dim)) return cudaErrorNotSupported;
+  const Sm90BwdInputs& in = params.sm90;
+  if (in.q == nullptr || in.k == nullptr || in.v == nullptr || in.dout == nullptr ||
+      in.perm == nullptr || in.lists.bwd_ptr == nullptr || in.lists.bwd_tile == nullptr ||
+      in.lists.bwd_mask == nullptr || in.lse_delta == nullptr ||
+      in.dq_accum == nullptr || in.lists.tile_m != kTileM || in.lists.tile_n != kTileN) {
+    return cudaErrorInvalidValue;  // the op builds these; never launch without them
+  }
+  if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
+  const int32_t seq_pad = in.lists.num_q_tiles * kTileM;
+  return JACOBI_DTYPE_SWITCH(dtype, [&] {
+    const int64_t rows = int64_t(params.batch) * params.heads_q * seq_pad;
+    bwd_sm90_prep_kernel<Element><<<unsigned((rows * 16 + 255) / 256), 256, 0, stream>>>(params, seq_pad);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    e = JACOBI_SM90_HEADDIM_SWITCH(params.head_dim,
+                                   [&] { return run_bwd_sm90<Element, kHeadDim>(params, stream); });
+    if (e != cudaSuccess) return e;
+    const int64_t n = int64_t(params.batch) * params.heads_q * params.seq_len * params.head_dim;
+    const unsigned blocks = unsigned(n / 256 + 1 < 65535 ? n / 256 + 1 : 65535);
+    bwd_sm90_dq_convert_kernel<Element><<<blocks, 256, 0, stream>>>(params);
+    return cudaGetLastError();
   });
 }
 
