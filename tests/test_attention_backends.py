@@ -305,6 +305,15 @@ def test_attention_kernel_op_names_the_family_that_runs():
         ops.attention_kernel(q, "sm90")
 
 
+def test_attention_bwd_kernel_op_on_the_cpu():
+    """attention_bwd_kernel names the backward's family: the CPU backward for CPU tensors
+    (deterministic or not), and a CUDA kernel name is refused as attention_kernel refuses it."""
+    q = torch.randn(1, 2, 8, 16)
+    assert ops.attention_bwd_kernel(q, False) == ops.attention_bwd_kernel(q, True, "auto") == "cpu"
+    with pytest.raises(ValueError, match=r"kernel='sm90' is a CUDA kernel"):
+        ops.attention_bwd_kernel(q, False, "sm90")
+
+
 def test_opcheck_with_a_kernel_argument():
     layout = JacobiLayout(3, 2, 2)
     t = layout.block_table().tensors()

@@ -1,4 +1,5 @@
-"""The sm_90a forward (csrc/cuda/attention/sm90/fwd_sm90.h) against the float64 dense reference.
+"""The sm_90a forward (csrc/cuda/attention/sm90/fwd_sm90.h) and backward (bwd_sm90.h) against the
+float64 dense reference, and the backward against the sm_80 backward.
 
 GPU only (marked `gpu`: each test runs in a child process under a timeout, tests/gpu_isolation.py,
 so a hung mbarrier fails one test); every test also skips on a device that is not compute
@@ -30,7 +31,7 @@ ops = torch.ops.jacobi_ext
 pytestmark = pytest.mark.gpu
 
 
-def require_sm90(dtype: torch.dtype, D: int) -> None:
+def require_sm90(dtype: torch.dtype, D: int, backward: bool = False) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     if torch.cuda.get_device_capability()[0] != 9:
@@ -40,6 +41,8 @@ def require_sm90(dtype: torch.dtype, D: int) -> None:
         warnings.simplefilter("ignore")
         if ops.attention_kernel(q, "sm90") != "sm90":
             pytest.skip(f"this build has no sm_90a forward for {dtype}, head dim {D}")
+        if backward and ops.attention_bwd_kernel(q, False, "sm90") != "sm90":
+            pytest.skip(f"this build has no sm_90a backward for {dtype}, head dim {D}")
 
 
 CASES = [
@@ -137,3 +140,86 @@ def test_front_end_runs_sm90_and_matches_sm80():
     a = jacobi_attention(q, k, v, layout, backend="sm90")
     b = jacobi_attention(q, k, v, layout, backend="sm80")
     torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+# ---- the sm_90a backward (bwd_sm90.h) -----------------------------------------------------------
+def check_backward(q, k, v, starts, ptr, idx, mask, scale):
+    """The sm_90a backward (kernel='sm90', deterministic=False) against the float64 reference and
+    against the sm_80 backward (kernel='sm80', deterministic=True), from one sm_80 forward."""
+    poison_allocator()
+    out, lse = ops.block_attention_fwd(q, k, v, starts, ptr, idx, scale, "sm80")
+    dout = torch.randn_like(out)
+    got = ops.block_attention_bwd(dout, q, k, v, out, lse, starts, ptr, idx, scale, False, "sm90")
+    sm80 = ops.block_attention_bwd(dout, q, k, v, out, lse, starts, ptr, idx, scale, True, "sm80")
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference(qr, kr, vr, mask, scale)
+    ref.backward(dout.double())
+    tol = 8e-2 if q.dtype == torch.bfloat16 else 1.6e-2  # the sm_80 backward's own tests
+    wants = (qr.grad, kr.grad, vr.grad)
+    for name, g, s8, want in zip(("dq", "dk", "dv"), got, sm80, wants, strict=True):
+        assert torch.isfinite(g).all(), f"{name}: not finite"
+        torch.testing.assert_close(g.double(), want, atol=tol, rtol=tol, msg=f"{name} vs fp64")
+        torch.testing.assert_close(g, s8, atol=tol, rtol=tol, msg=f"{name} vs sm80")
+    return got
+
+
+def test_backward_op_reports_the_sm90_backward():
+    """attention_bwd_kernel: sm90 only for kernel='sm90' and deterministic=False."""
+    require_sm90(torch.bfloat16, 128, backward=True)
+    q = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)
+    assert ops.attention_bwd_kernel(q, False, "sm90") == "sm90"
+    assert ops.attention_bwd_kernel(q, True, "sm90") == "sm80"  # deterministic: the sm_80 one
+    assert ops.attention_bwd_kernel(q, False, "sm80") == "sm80"
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,dtype,P,n,T,variant,w", CASES)
+def test_backward_matches_reference_and_sm80(B, Hq, Hkv, D, dtype, P, n, T, variant, w):
+    require_sm90(dtype, D, backward=True)
+    S = P + 2 * T * n
+    starts, ptr, idx = (t.cuda() for t in jf_block_table(P, n, T, variant, w))
+    q, k, v = make_inputs(B, Hq, Hkv, S, D, dtype)
+    mask = dense_mask(P, n, T, variant, w).cuda()
+    check_backward(q, k, v, starts, ptr, idx, mask, D**-0.5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("D,dtype", [(64, torch.bfloat16), (128, torch.float16),
+                                     (128, torch.bfloat16), (64, torch.float16)])  # fmt: skip
+def test_backward_random_tables(seed, D, dtype):
+    """Random block tables: empty blocks, an uncovered tail (rows and keys that see nothing:
+    zero gradients), sequence lengths off the 128 grid, GQA groups of 1 to 3."""
+    require_sm90(dtype, D, backward=True)
+    rng = random.Random(100 + seed)
+    nb = rng.randint(1, 9)
+    starts = [0]
+    for _ in range(nb):
+        starts.append(starts[-1] + rng.randint(0, 150))
+    ptr, idx = [0], []
+    for b in range(nb):
+        idx += sorted(rng.sample(range(b), rng.randint(0, b)))
+        ptr.append(len(idx))
+    S = max(1, starts[-1] + rng.choice([0, 7, 70]))
+    cpu = [torch.tensor(x, dtype=torch.int32) for x in (starts, ptr, idx)]
+    mask = table_mask(*cpu, S).cuda()
+    Hkv = rng.choice([1, 2])
+    q, k, v = make_inputs(rng.choice([1, 2]), Hkv * rng.choice([1, 2, 3]), Hkv, S, D, dtype)
+    dq, dk, dv = check_backward(q, k, v, *(t.cuda() for t in cpu), mask, D**-0.5)
+    blind = ~mask.any(dim=1)  # rows that see nothing: no gradient through their queries
+    assert torch.all(dq[:, :, blind] == 0)
+    unseen = ~mask.any(dim=0)  # keys nobody sees: zero dK, dV
+    assert torch.all(dk[:, :, unseen] == 0) and torch.all(dv[:, :, unseen] == 0)
+
+
+def test_backward_sm90_runs_twice_alike():
+    """Atomics make dQ's summation order vary, nothing else: two runs agree to rounding."""
+    require_sm90(torch.bfloat16, 128, backward=True)
+    P, n, T = 300, 32, 6
+    S = P + 2 * T * n
+    starts, ptr, idx = (t.cuda() for t in jf_block_table(P, n, T, "clean_context"))
+    q, k, v = make_inputs(1, 8, 2, S, 128, torch.bfloat16)
+    out, lse = ops.block_attention_fwd(q, k, v, starts, ptr, idx, 128**-0.5, "sm90")
+    dout = torch.randn_like(out)
+    args = (dout, q, k, v, out, lse, starts, ptr, idx, 128**-0.5, False, "sm90")
+    a, b = ops.block_attention_bwd(*args), ops.block_attention_bwd(*args)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]), "dK, dV: no atomics, bitwise"
+    torch.testing.assert_close(a[0], b[0], atol=1e-2, rtol=1e-2)

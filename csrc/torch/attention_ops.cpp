@@ -339,6 +339,12 @@ std::string attention_kernel_cpu(const at::Tensor& q, std::optional<std::string_
   return "cpu";
 }
 
+std::string attention_bwd_kernel_cpu(const at::Tensor& q, bool /*deterministic*/,
+                                     std::optional<std::string_view> kernel) {
+  check_cpu_kernel(kernel, "attention_bwd_kernel");
+  return "cpu";
+}
+
 // The Jacobi Forcing block table, from JfLayout (block_table.h): the one statement of SPEC §4.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> jf_block_table(int64_t prompt_len,
                                                               int64_t block_size, int64_t num_pairs,
@@ -383,6 +389,7 @@ TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("block_attention_ordered_fwd", &block_attention_ordered_fwd_cpu);
   m.impl("block_attention_ordered_bwd", &block_attention_ordered_bwd_cpu);
   m.impl("attention_kernel", &attention_kernel_cpu);
+  m.impl("attention_bwd_kernel", &attention_bwd_kernel_cpu);
 }
 
 // No tensor arguments: a composite kernel is what the dispatcher runs for every backend.

@@ -144,17 +144,16 @@ ca::Plan make_plan(const char* op, const BlockTable& table, int32_t seq_len, con
 }
 
 #ifdef JACOBI_WITH_SM90
-// The sm_90a forward's inputs (attention_cuda.h Sm90FwdInputs): the host-built tile lists at
-// 128 x 128 (`tile_lists`, the 8 outputs of jacobi_ext::attention_tile_lists on q's device, or
-// built here from a copy of the table, which synchronises), and q/k/v gathered into stream order.
-// `keep` holds the tensors the kernel reads until the launch is queued.
-ca::Sm90FwdInputs sm90_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
-                              const at::Tensor& v, const at::Tensor& block_start,
-                              const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
-                              std::optional<at::TensorList> tile_lists,
-                              std::vector<at::Tensor>& keep) {
+// The host-built tile lists at 128 x 128 (`tile_lists`, the 8 outputs of
+// jacobi_ext::attention_tile_lists on q's device, or built here from a copy of the table, which
+// synchronises), checked; their device view, forward and backward lists both. `keep` holds the
+// tensors until the launch is queued.
+jacobi::attn::TileLists sm90_lists(const char* op, const at::Tensor& q,
+                                   const at::Tensor& block_start, const at::Tensor& kv_ptr,
+                                   const at::Tensor& kv_idx,
+                                   std::optional<at::TensorList> tile_lists,
+                                   std::vector<at::Tensor>& lists) {
   const int64_t S = q.size(2);
-  std::vector<at::Tensor> lists;
   if (tile_lists.has_value()) lists.assign(tile_lists->begin(), tile_lists->end());
   if (lists.empty()) {
     static auto build = c10::Dispatcher::singleton()
@@ -181,9 +180,39 @@ ca::Sm90FwdInputs sm90_inputs(const char* op, const at::Tensor& q, const at::Ten
   // masks are read 16 bytes at a time.
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(lists[7].data_ptr()) % 16 == 0, op,
                     ": tile_lists[7] (masks) must be 16-byte aligned");
+  jacobi::attn::TileLists l = tile_lists_view(lists[1], lists[2], lists[3], lists[7], S,
+                                              ca::sm90::kTileM, ca::sm90::kTileN);
+  // The backward lists (tile_lists_view checks the forward ones): one entry per listed pair too.
+  const char* names[3] = {"tile_lists[4] (bwd_ptr)", "tile_lists[5] (bwd_tile)",
+                          "tile_lists[6] (bwd_mask)"};
+  for (int i = 0; i < 3; ++i) {
+    ck::same_device(lists[4 + i], names[i], q, "q");
+    ck::dtype(lists[4 + i], names[i], at::kInt);
+    ck::contiguous(lists[4 + i], names[i]);
+  }
+  TORCH_CHECK_VALUE(lists[4].dim() == 1 && lists[4].numel() == l.num_k_tiles + 1, op, ": ",
+                    names[0], " must have ", l.num_k_tiles + 1, " entries, got ", lists[4].sizes());
+  TORCH_CHECK_VALUE(lists[5].sizes() == lists[2].sizes() && lists[6].sizes() == lists[2].sizes(),
+                    op, ": ", names[1], " and ", names[2], " must have fwd_tile's shape ",
+                    lists[2].sizes());
+  l.bwd_ptr = lists[4].data_ptr<int32_t>();
+  l.bwd_tile = lists[5].data_ptr<int32_t>();
+  l.bwd_mask = lists[6].data_ptr<int32_t>();
+  return l;
+}
+
+// The sm_90a forward's inputs (attention_cuda.h Sm90FwdInputs): the tile lists (sm90_lists) and
+// q/k/v gathered into stream order. `keep` holds the tensors the kernel reads until the launch is
+// queued.
+ca::Sm90FwdInputs sm90_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& block_start,
+                              const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
+                              std::optional<at::TensorList> tile_lists,
+                              std::vector<at::Tensor>& keep) {
+  std::vector<at::Tensor> lists;
   ca::Sm90FwdInputs in;
-  in.lists = tile_lists_view(lists[1], lists[2], lists[3], lists[7], S, ca::sm90::kTileM,
-                             ca::sm90::kTileN);
+  in.lists = sm90_lists(op, q, block_start, kv_ptr, kv_idx, tile_lists, lists);
+  const at::Tensor& perm = lists[0];
   // Stream order, contiguous: each 128-row tile is then one TMA box.
   for (const at::Tensor* t : {&q, &k, &v}) keep.push_back(at::index_select(*t, 2, perm).contiguous());
   keep.push_back(perm);
@@ -194,7 +223,52 @@ ca::Sm90FwdInputs sm90_inputs(const char* op, const at::Tensor& q, const at::Ten
   in.perm = perm.data_ptr<int32_t>();
   return in;
 }
+
+// The sm_90a backward's inputs (attention_cuda.h Sm90BwdInputs): the tile lists built from the
+// table (the backward op takes none: one host copy of the table per call), q/k/v/dout gathered
+// into stream order, the lse/delta scratch and dq_accum ([B, Hq, S, D] fp32 zeros, read in stream
+// order). `keep` holds the tensors until the launch is queued.
+ca::Sm90BwdInputs sm90_bwd_inputs(const char* op, const at::Tensor& dout, const at::Tensor& q,
+                                  const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& block_start, const at::Tensor& kv_ptr,
+                                  const at::Tensor& kv_idx, const at::Tensor& dq_accum,
+                                  std::vector<at::Tensor>& keep) {
+  std::vector<at::Tensor> lists;
+  ca::Sm90BwdInputs in;
+  in.lists = sm90_lists(op, q, block_start, kv_ptr, kv_idx, std::nullopt, lists);
+  const at::Tensor& perm = lists[0];
+  for (const at::Tensor* t : {&q, &k, &v, &dout})
+    keep.push_back(at::index_select(*t, 2, perm).contiguous());
+  const int64_t seq_pad = int64_t(in.lists.num_q_tiles) * ca::sm90::kTileM;
+  keep.push_back(at::empty({q.size(0), q.size(1), 2 * seq_pad}, q.options().dtype(at::kFloat)));
+  keep.push_back(perm);
+  for (auto& x : lists) keep.push_back(x);
+  in.q = keep[0].data_ptr();
+  in.k = keep[1].data_ptr();
+  in.v = keep[2].data_ptr();
+  in.dout = keep[3].data_ptr();
+  in.lse_delta = keep[4].data_ptr<float>();
+  in.perm = perm.data_ptr<int32_t>();
+  in.dq_accum = dq_accum.data_ptr<float>();
+  return in;
+}
 #endif
+
+// The family of the backward: the sm_90a backward where the forward family is sm90, the caller
+// does not ask for a deterministic backward (its dQ is accumulated with atomics) and this build
+// has one for (dtype, head dim); the sm_80 backward otherwise (it reads the same lse).
+ca::Kernel bwd_family(ca::Kernel family, bool deterministic, ca::DType dtype, int64_t head_dim) {
+#ifdef JACOBI_WITH_SM90
+  if (family == ca::Kernel::sm90 && !deterministic && ca::sm90::has_bwd_kernel(dtype, head_dim))
+    return ca::Kernel::sm90;
+#else
+  (void)family;
+  (void)deterministic;
+  (void)dtype;
+  (void)head_dim;
+#endif
+  return ca::Kernel::sm80;
+}
 
 std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -251,7 +325,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   const char* op = "block_attention_bwd";
   const AttnShape s = check_qkv(op, q_in, k_in, v_in);
   const BlockTable table = check_table(op, q_in, block_start, kv_ptr, kv_idx);
-  const ca::Kernel family = pick_kernel(op, kernel, q_in, s.dtype, s.head_dim);
+  const ca::Kernel family =
+      bwd_family(pick_kernel(op, kernel, q_in, s.dtype, s.head_dim), deterministic, s.dtype,
+                 s.head_dim);
   for (auto [t, name] : {std::pair{&dout_in, "grad_out"}, {&out_in, "out"}}) {
     ck::same_device(*t, name, q_in, "q");
     ck::dtype(*t, name, q_in.scalar_type());
@@ -304,8 +380,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   p.head_dim = s.head_dim;
   p.scale = float(scale);
   p.deterministic = deterministic;
-  p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
   p.kernel = family;
+  std::vector<at::Tensor> keep;  // the sm90 inputs, alive until the launches are queued
+#ifdef JACOBI_WITH_SM90
+  if (family == ca::Kernel::sm90) {
+    p.sm90 = sm90_bwd_inputs(op, dout, q, k, v, block_start, kv_ptr, kv_idx, dq_accum, keep);
+  } else {
+    p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
+  }
+#else
+  p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
+#endif
   check_launch(op, ca::block_attention_bwd(p, s.dtype, stream));
   return {dq, dk, dv};
 }
@@ -317,6 +402,18 @@ std::string attention_kernel_cuda(const at::Tensor& q, std::optional<std::string
   ck::rank(q, "q", 4, "[B, Hq, S, D]");
   const ca::DType dtype = q.scalar_type() == at::kHalf ? ca::DType::fp16 : ca::DType::bf16;
   const ca::Kernel k = pick_kernel(op, kernel, q, dtype, q.size(3));
+  return k == ca::Kernel::sm90 ? "sm90" : "sm80";
+}
+
+// Which family block_attention_bwd would run for q with this `kernel` and `deterministic`:
+// "sm90" only where the forward family is sm90 and the sm_90a backward applies (bwd_family).
+std::string attention_bwd_kernel_cuda(const at::Tensor& q, bool deterministic,
+                                      std::optional<std::string_view> kernel) {
+  const char* op = "attention_bwd_kernel";
+  ck::rank(q, "q", 4, "[B, Hq, S, D]");
+  const ca::DType dtype = q.scalar_type() == at::kHalf ? ca::DType::fp16 : ca::DType::bf16;
+  const ca::Kernel k =
+      bwd_family(pick_kernel(op, kernel, q, dtype, q.size(3)), deterministic, dtype, q.size(3));
   return k == ca::Kernel::sm90 ? "sm90" : "sm80";
 }
 
@@ -345,6 +442,7 @@ TORCH_LIBRARY_IMPL(jacobi_ext, CUDA, m) {
   m.impl("block_attention_fwd", &block_attention_fwd_cuda);
   m.impl("block_attention_bwd", &block_attention_bwd_cuda);
   m.impl("attention_kernel", &attention_kernel_cuda);
+  m.impl("attention_bwd_kernel", &attention_bwd_kernel_cuda);
 #ifdef JACOBI_WITH_SM90
   m.impl("debug_expand_tile_lists", &debug_expand_tile_lists_cuda);
 #endif

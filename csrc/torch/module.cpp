@@ -31,6 +31,10 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // The kernel family block_attention_fwd/bwd run for q with this `kernel` argument: "cpu",
   // "sm80" or "sm90" (the family that actually runs, after the fallbacks; for benchmarks).
   m.def("attention_kernel(Tensor q, str? kernel=None) -> str");
+  // The family block_attention_bwd runs for q with this `kernel` and `deterministic`: "cpu",
+  // "sm80" or "sm90" (the sm_90a backward: kernel sm90 in use, deterministic=False, and an
+  // sm_90a backward for q's dtype and head dim; otherwise the sm_80 backward runs).
+  m.def("attention_bwd_kernel(Tensor q, bool deterministic, str? kernel=None) -> str");
   // The same with the table in a processing order that differs from the memory order: block b
   // (of the table) lives at memory rows [block_row[b], block_row[b] + its length). The tokens
   // are reordered inside the kernel's own copy passes, at no extra cost, so a layout can be

@@ -165,8 +165,15 @@ cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream
     return cudaErrorInvalidValue;
   }
   if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
-  // kernel == sm90 runs this sm_80 backward too: the sm_90a forward writes the same lse (natural
-  // log, token order), and the FA3-class sm_90a backward is issue 21 stage 2.
+#ifdef JACOBI_WITH_SM90
+  // The sm_90a backward where the op chose it and filled its inputs (attention_ops_cuda.cpp
+  // bwd_family: kernel sm90, not deterministic, a kernel for the dtype and head dim).
+  if (params.kernel == Kernel::sm90 && !params.deterministic && params.sm90.q != nullptr) {
+    return sm90::block_attention_bwd(params, dtype, stream);
+  }
+#endif
+  // Otherwise this sm_80 backward, also behind the sm_90a forward (it writes the same lse:
+  // natural log, token order).
   return JACOBI_DTYPE_SWITCH(dtype, [&] {
     const int64_t rows = int64_t(params.batch) * params.heads_q * params.seq_len;
     bwd_dsum_kernel<Element><<<unsigned((rows * 16 + 255) / 256), 256, 0, stream>>>(params);
