@@ -243,8 +243,9 @@ def _attn_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, block_start, kv_ptr, kv_idx)
     ctx.scale = scale
-    # The backward runs the kernel family of the forward (for sm90: the sm_80 backward, whose lse
-    # is the same); tile_lists (rest[1]) are forward-only.
+    # The backward runs the kernel family of the forward; for sm90 that is the sm_80 backward
+    # (same lse), as _attn_backward asks for a deterministic one and the sm_90a backward's dQ
+    # uses atomics (docs/sm90_attention.md). tile_lists (rest[1]) are forward-only.
     ctx.kernel = rest[0] if rest else None
     ctx.mark_non_differentiable(lse)
 
