@@ -243,11 +243,25 @@ def _attn_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, block_start, kv_ptr, kv_idx)
     ctx.scale = scale
-    # The backward runs the kernel family of the forward; for sm90 that is the sm_80 backward
-    # (same lse), as _attn_backward asks for a deterministic one and the sm_90a backward's dQ
-    # uses atomics (docs/sm90_attention.md). tile_lists (rest[1]) are forward-only.
+    # The backward runs the kernel family of the forward (_attn_backward says which backward).
+    # tile_lists (rest[1]) are forward-only.
     ctx.kernel = rest[0] if rest else None
     ctx.mark_non_differentiable(lse)
+
+
+def _deterministic_backward(q, kernel) -> bool:
+    """Whether autograd asks the op for a deterministic backward. The CPU backward always is, and
+    on CUDA the sm_80 backward runs its deterministic form. The sm_90a kernel, where it runs
+    (chosen by name: kernel/backend "sm90" or JACOBI_ATTN_KERNEL=sm90) and has a backward for the
+    dtype and head dim, runs that backward, whose dQ is accumulated with atomics
+    (docs/sm90_attention.md), unless torch was told to use deterministic algorithms
+    (``torch.use_deterministic_algorithms(True)``): then the sm_80 one. Under torch.compile the
+    choice is not traced (the op names a kernel with a string): the deterministic one."""
+    if q.device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return True
+    if torch.compiler.is_compiling():
+        return True
+    return ops.attention_bwd_kernel(q, False, kernel) != "sm90"
 
 
 def _attn_backward(ctx, grad_out, grad_lse):
@@ -255,8 +269,9 @@ def _attn_backward(ctx, grad_out, grad_lse):
     if grad_out.dim() == 4 and grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dq, dk, dv = ops.block_attention_bwd(
-        grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, ctx.scale, True, ctx.kernel
-    )
+        grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, ctx.scale,
+        _deterministic_backward(q, ctx.kernel), ctx.kernel,
+    )  # fmt: skip
     # One entry per argument as the caller passed them (the op has a Tensor[] argument, so torch
     # checks the structure: a list of tile-list tensors gets a list of Nones).
     rest = [

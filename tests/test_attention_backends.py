@@ -305,6 +305,14 @@ def test_attention_kernel_op_names_the_family_that_runs():
         ops.attention_kernel(q, "sm90")
 
 
+def test_autograd_asks_for_a_deterministic_backward_on_the_cpu():
+    from jacobi_ext.ops import _deterministic_backward
+
+    q = torch.zeros(1, 1, 4, 16)
+    assert _deterministic_backward(q, None) is True
+    assert _deterministic_backward(q, "sm90") is True  # no sm90 off CUDA: never the atomic one
+
+
 def test_attention_bwd_kernel_op_on_the_cpu():
     """attention_bwd_kernel names the backward's family: the CPU backward for CPU tensors
     (deterministic or not), and a CUDA kernel name is refused as attention_kernel refuses it."""

@@ -172,6 +172,33 @@ def test_backward_op_reports_the_sm90_backward():
     assert ops.attention_bwd_kernel(q, False, "sm80") == "sm80"
 
 
+def test_autograd_runs_the_sm90_backward_where_sm90_was_chosen():
+    """Autograd asks for the sm_90a backward behind kernel sm90 (chosen by name), the sm_80 one
+    under torch.use_deterministic_algorithms(True) and for every other kernel; its gradients
+    through jacobi_attention(backend="sm90") match the sm80 backend's."""
+    from jacobi_ext import JacobiLayout, jacobi_attention
+    from jacobi_ext.ops import _deterministic_backward
+
+    require_sm90(torch.bfloat16, 128, backward=True)
+    q = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)
+    assert _deterministic_backward(q, "sm90") is False
+    assert _deterministic_backward(q, "sm80") is True
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert _deterministic_backward(q, "sm90") is True
+    finally:
+        torch.use_deterministic_algorithms(False)
+    layout = JacobiLayout(64, 32, 3, "clean_context")
+    q, k, v = make_inputs(1, 8, 2, layout.seq_len, 128, torch.bfloat16)
+    grads = {}
+    for backend in ("sm90", "sm80"):
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        jacobi_attention(*x, layout, backend=backend).float().square().sum().backward()
+        grads[backend] = [t.grad for t in x]
+    for name, a, b in zip("qkv", grads["sm90"], grads["sm80"], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=f"d{name}: sm90 vs sm80")
+
+
 @pytest.mark.parametrize("B,Hq,Hkv,D,dtype,P,n,T,variant,w", CASES)
 def test_backward_matches_reference_and_sm80(B, Hq, Hkv, D, dtype, P, n, T, variant, w):
     require_sm90(dtype, D, backward=True)

@@ -112,7 +112,8 @@ def test_jsonl_prompts_read_plain_or_gzipped(tmp_path):
     import gzip
     import json
 
-    rows = [{"id": "a", "prompt": "def twice_the_widget(x):\n    \"\"\"Twice x.\"\"\"\n"}, {"text": "Say hi."}]
+    code = 'def twice_the_widget(x):\n    """Twice x."""\n'
+    rows = [{"id": "a", "prompt": code}, {"text": "Say hi."}]
     body = "".join(json.dumps(r) + "\n" for r in rows)
     (tmp_path / "p.jsonl").write_text(body)
     with gzip.open(tmp_path / "p.jsonl.gz", "wt") as f:
