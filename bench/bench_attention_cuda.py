@@ -82,6 +82,7 @@ def test_jacobi_ext(benchmark, S, shape, kernel):
     scale = D**-0.5
     ops = torch.ops.jacobi_ext
     benchmark.extra_info["kernel"] = ops.attention_kernel(q, kernel)
+    benchmark.extra_info["bwd_kernel"] = ops.attention_bwd_kernel(q, False, kernel)
     lists = sm90_lists(q, table, kernel)
 
     def step():
@@ -184,6 +185,10 @@ def test_jacobi_attention_variants(benchmark, S, variant, backend):
     layout = jacobi_ext.JacobiLayout(P, N, (S - P) // (2 * N), variant)
     q, k, v = inputs(layout.seq_len, Hq, Hkv, D)
     benchmark.extra_info.update(variant=variant, backend=backend, seq_len=layout.seq_len)
+    if backend in ("sm80", "sm90"):  # the backward autograd asks for (jacobi_ext.ops)
+        det = jacobi_ext.ops._deterministic_backward(q, backend)
+        bwd = torch.ops.jacobi_ext.attention_bwd_kernel(q, det, backend)
+        benchmark.extra_info["bwd_kernel"] = bwd
 
     def step():
         out = jacobi_ext.jacobi_attention(q, k, v, layout, backend=backend)
