@@ -57,6 +57,22 @@ CASES = [
 ]
 
 
+def random_table(rng: random.Random, tails: tuple[int, ...]) -> tuple[list[torch.Tensor], int]:
+    """A random block table (CPU int32 tensors): up to 9 blocks of 0-150 tokens (empty ones
+    included), each seeing a random subset of the earlier ones, and S = the blocks' end plus a
+    tail drawn from `tails` that no block covers (rows and keys that see nothing); S >= 1."""
+    nb = rng.randint(1, 9)
+    starts = [0]
+    for _ in range(nb):
+        starts.append(starts[-1] + rng.randint(0, 150))
+    ptr, idx = [0], []
+    for b in range(nb):
+        idx += sorted(rng.sample(range(b), rng.randint(0, b)))
+        ptr.append(len(idx))
+    S = max(1, starts[-1] + rng.choice(tails))
+    return [torch.tensor(x, dtype=torch.int32) for x in (starts, ptr, idx)], S
+
+
 def check(q, k, v, starts, ptr, idx, mask, scale, tile_lists=()):
     poison_allocator()
     out, lse = ops.block_attention_fwd(q, k, v, starts, ptr, idx, scale, "sm90", list(tile_lists))
@@ -86,18 +102,7 @@ def test_random_tables_and_host_built_lists(seed, D, dtype):
     lists passed in (as the front end does) and built by the op (tile_lists=[])."""
     require_sm90(dtype, D)
     rng = random.Random(seed)
-    nb = rng.randint(1, 9)
-    starts = [0]
-    for _ in range(nb):
-        starts.append(starts[-1] + rng.randint(0, 150))
-    ptr, idx = [0], []
-    for b in range(nb):
-        idx += sorted(rng.sample(range(b), rng.randint(0, b)))
-        ptr.append(len(idx))
-    S = starts[-1] + rng.choice([0, 7])
-    if S == 0:
-        S = 1
-    cpu = [torch.tensor(x, dtype=torch.int32) for x in (starts, ptr, idx)]
+    cpu, S = random_table(rng, tails=(0, 7))
     mask = table_mask(*cpu, S).cuda()
     dev = [t.cuda() for t in cpu]
     Hkv = rng.choice([1, 2])
@@ -217,16 +222,7 @@ def test_backward_random_tables(seed, D, dtype):
     zero gradients), sequence lengths off the 128 grid, GQA groups of 1 to 3."""
     require_sm90(dtype, D, backward=True)
     rng = random.Random(100 + seed)
-    nb = rng.randint(1, 9)
-    starts = [0]
-    for _ in range(nb):
-        starts.append(starts[-1] + rng.randint(0, 150))
-    ptr, idx = [0], []
-    for b in range(nb):
-        idx += sorted(rng.sample(range(b), rng.randint(0, b)))
-        ptr.append(len(idx))
-    S = max(1, starts[-1] + rng.choice([0, 7, 70]))
-    cpu = [torch.tensor(x, dtype=torch.int32) for x in (starts, ptr, idx)]
+    cpu, S = random_table(rng, tails=(0, 7, 70))
     mask = table_mask(*cpu, S).cuda()
     Hkv = rng.choice([1, 2])
     q, k, v = make_inputs(rng.choice([1, 2]), Hkv * rng.choice([1, 2, 3]), Hkv, S, D, dtype)

@@ -48,6 +48,7 @@
 #include "cuda/attention/attention_cuda.h"
 #include "cuda/attention/sm90/attention_sm90.h"
 #include "cuda/attention/sm90/fragment_layouts.h"
+#include "cuda/attention/sm90/wg_gemm.h"
 #include "jacobi/online_softmax.h"
 #include "jacobi/tile_list.h"
 
@@ -117,24 +118,6 @@ struct BwdTraits : BwdLayouts<Element_, kHeadDim_, kBwdBlockM, kTileN, 2> {
 };
 
 namespace bwd_detail {
-
-// One warpgroup GEMM over the K blocks of the operands, committed but not waited for.
-template <bool kZeroInit, bool kRegA, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void wg_gemm(Mma& mma, TA& a, TB const& b, TC& c) {
-  using namespace cute;
-  if constexpr (kRegA) warpgroup_fence_operand(a);
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    gemm(mma, a(_, _, kb), b(_, _, kb), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegA) warpgroup_fence_operand(a);
-}
 
 struct Work {
   int n_block, b, h_kv, group, e_begin, e_end;
@@ -306,8 +289,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
         Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
         pipe.consumer_wait(st);
-        bwd_detail::wg_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, st.index()), tSrS);
-        bwd_detail::wg_gemm<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, st.index()), tdPrdP);
+        wg_gemm<true, false>(mma_sdp, tSrK, tSrQ(_, _, _, st.index()), tSrS);
+        wg_gemm<true, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, st.index()), tdPrdP);
         Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
         Tensor dP = make_tensor(tdPrdP.data(), rowcol(tdPrdP.layout()));
         const float* lse = ss.lse_delta[st.index()];
@@ -345,7 +328,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) rP(i) = Element(tSrS(i));
         Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(tSrS.layout()));
-        bwd_detail::wg_gemm<false, true>(mma_kv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+        wg_gemm<false, true>(mma_kv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
         // dK += dS^T Q (dS^T from registers), and dS^T to shared memory for dQ.
         Tensor rdS = make_tensor_like<Element>(tdPrdP);
         CUTE_UNROLL
@@ -353,7 +336,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
         auto thr_r2s_ds = r2s_ds.get_thread_slice(tid_step);
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), thr_r2s_ds.partition_D(sdSt)(_, _, _, buf));
         Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(tdPrdP.layout()));
-        bwd_detail::wg_gemm<false, true>(mma_kv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+        wg_gemm<false, true>(mma_kv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
         // dV and dK done before dQ's accumulator is live: their A operands (rP, rdS: 32
         // registers) are pinned until then, and with dQ's 32 on top ptxas spilled.
         warpgroup_wait<0>();
@@ -362,7 +345,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 0);
         Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{});
         Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
-        bwd_detail::wg_gemm<true, false>(mma_dq, tdQrdS_buf, tdQrKt, tdQrdQ);
+        wg_gemm<true, false>(mma_dq, tdQrdS_buf, tdQrKt, tdQrdQ);
         warpgroup_wait<0>();  // dQ done: Q, dO, lse and delta of this stage are free
         pipe.consumer_release(st);
         ++st;

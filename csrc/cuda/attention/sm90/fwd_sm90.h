@@ -36,6 +36,7 @@
 #include "cuda/attention/attention_cuda.h"
 #include "cuda/attention/sm90/attention_sm90.h"
 #include "cuda/attention/sm90/fragment_layouts.h"
+#include "cuda/attention/sm90/wg_gemm.h"
 #include "jacobi/online_softmax.h"
 #include "jacobi/tile_list.h"
 
@@ -116,24 +117,6 @@ struct FwdTraits {
 };
 
 namespace detail {
-
-// One warpgroup GEMM over the K blocks of the operands, committed but not waited for.
-template <bool kZeroInit, bool kRegA, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void wg_gemm(Mma& mma, TA& a, TB const& b, TC& c) {
-  using namespace cute;
-  if constexpr (kRegA) warpgroup_fence_operand(a);
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    gemm(mma, a(_, _, kb), b(_, _, kb), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegA) warpgroup_fence_operand(a);
-}
 
 // Max / sum over the 4 threads (a quad) that share a row of the accumulator.
 __device__ __forceinline__ float quad_max(float x) {
@@ -234,7 +217,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_sm90_kernel(const __grid_c
   for (int e = e_begin; e < e_end; ++e) {
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
     pipe_k.consumer_wait(st);
-    detail::wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
+    wg_gemm<true, false>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
     warpgroup_wait<0>();
     pipe_k.consumer_release(st);
     Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
@@ -277,7 +260,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_sm90_kernel(const __grid_c
     for (int i = 0; i < size(tSrS); ++i) rP(i) = Element(tSrS(i));
     Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(tSrS.layout()));
     pipe_v.consumer_wait(st);
-    detail::wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO);
+    wg_gemm<false, true>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO);
     warpgroup_wait<0>();
     pipe_v.consumer_release(st);
     ++st;
