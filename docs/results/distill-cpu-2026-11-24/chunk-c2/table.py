@@ -45,6 +45,8 @@ MODELS = [  # label, files, method rows to read
      ["distill-cpu-2026-11-24/chunk-e/chunk-e-humaneval-164.jsonl.gz"], ALL3[:2]),
     ("chunk F (from the soup, KL μ = 1, finished answers only), 3.07 M",
      ["distill-cpu-2026-11-24/chunk-f/chunk-f-humaneval-164.jsonl.gz"], ALL3[:2]),
+    ("chunk G (from F, its own Jacobi trajectories of 1 500 unseen prompts, ½ real states), 3.35 M",
+     ["distill-cpu-2026-11-24/chunk-g/chunk-g-humaneval-164.jsonl.gz"], ALL3[:2]),
 ]  # fmt: skip
 
 
