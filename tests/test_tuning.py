@@ -43,6 +43,24 @@ def test_choice_follows_the_curve_and_acceptance() -> None:
     assert lo.method == "ar" and lo.expected_speedup == 1.0
 
 
+def test_multiblock_weighs_one_block_without_candidates() -> None:
+    # Flat to 16 tokens and dear beyond (bf16 on a CPU with AMX): one block (n tokens a step)
+    # commits more per cost than two blocks with a pool of 4 (3 n tokens a step).
+    flat16 = _curve({1: 1.0, 2: 1.0, 4: 1.02, 8: 1.05, 16: 1.22, 32: 1.9, 64: 3.6, 128: 7.0})
+    s = tuning.choose_settings(None, "multiblock", num_blocks=2, pool_size=4, rho=0.6, curve=flat16)
+    assert (s.method, s.num_blocks, s.pool_size) == ("multiblock", 1, 0)
+    one = {n: tuning.predict(flat16, 0.6, n, 1, 0) for n in tuning.BLOCK_SIZES}
+    two = max(tuning.predict(flat16, 0.6, n, 2, 4) for n in tuning.BLOCK_SIZES)
+    assert s.block_size == max(one, key=one.get) and s.expected_speedup == max(one.values()) > two
+    # Flat far beyond (a GPU): the blocks and the pool are free, and they are kept.
+    gpu = _curve({q: 1.0 for q in tuning.SIZES})
+    s = tuning.choose_settings(None, "multiblock", num_blocks=2, pool_size=4, rho=0.6, curve=gpu)
+    assert (s.num_blocks, s.pool_size) == (2, 4)
+    # Steep (fp32 on a small CPU): AR, whichever shape.
+    steep = _curve({1: 1.0, 2: 1.6, 4: 1.41, 8: 1.36, 16: 1.57, 32: 2.06, 64: 3.0})
+    assert tuning.choose_settings(None, "multiblock", rho=0.04, curve=steep).method == "ar"
+
+
 def test_a_merged_adapter_gets_its_own_profile() -> None:
     # A merged LoRA adapter changes the projections, not the output embeddings; its acceptance
     # must not be blended with its base model's.

@@ -321,13 +321,21 @@ def choose_settings(
     prof = load_profile(model) if model is not None else {}
     if rho is None:
         rho = prof.get("rho", PRIOR_RHO)
-    K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
+    # `multiblock` also weighs one block without candidates (a Jacobi step inside the multiblock
+    # engine): where a wide forward costs little more than a narrow one (bf16 on a CPU with AMX:
+    # t(16) = 1.22 t(1)), n = 16 alone commits more per cost than K blocks of n = 4 with a pool
+    # (measured 2026-11-26, chunk G, HumanEval[:25] bf16: jacobi n = 16 2.46x greedy, the
+    # pick n = 4, K = 2, pool 4 2.00x); where it costs more (fp32 here), the prediction says so.
+    shapes = [(1, 0)] if method == "jacobi" else [(num_blocks, pool_size)]
+    if method == "multiblock" and (num_blocks, pool_size) != (1, 0):
+        shapes.append((1, 0))
     ar = Settings("ar", 1, 1, 0, 1.0, rho)
     best = ar
-    for n in BLOCK_SIZES:
-        s = predict(curve, rho, n, K, p)
-        if s > best.expected_speedup:
-            best = Settings(method, n, K, p, s, rho)
+    for K, p in shapes:
+        for n in BLOCK_SIZES:
+            s = predict(curve, rho, n, K, p)
+            if s > best.expected_speedup:
+                best = Settings(method, n, K, p, s, rho)
     modes = prof.get("modes", {})
     if not lookup or best is ar or PARALLEL not in modes:
         return best
