@@ -6,6 +6,7 @@
 
 #include "cuda/attention/attention_cuda.h"
 #include "cuda/attention/launch.h"
+#include "cuda/attention/row_dot.h"
 #include "cuda/attention/static_switch.h"
 #include "jacobi/attention_plan.h"
 #ifdef JACOBI_WITH_SM90
@@ -59,26 +60,16 @@ __global__ void plan_tiles_kernel(BlockTable t, const int32_t* order, const int3
   }
 }
 
-// D_i = rowsum(dO * O) over the head dim, per (b, h, token): 16 lanes per row, coalesced along
-// the row, reduced with shuffles inside the 16-lane group.
+// D_i = rowsum(dO * O) over the head dim, per (b, h, token): 16 lanes per row (row_dot.h).
 template <typename Element>
 __global__ void bwd_dsum_kernel(const BwdParams p) {
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seq_len;
   const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
   const int lane = threadIdx.x % 16;
-  float acc = 0.f;
-  if (r < rows) {
-    const int64_t s = r % p.seq_len;
-    const int64_t h = (r / p.seq_len) % p.heads_q;
-    const int64_t b = r / (int64_t(p.seq_len) * p.heads_q);
-    const Element* o = static_cast<const Element*>(p.out) + b * p.o_stride.batch +
-                       h * p.o_stride.head + s * p.o_stride.row;
-    const Element* d = static_cast<const Element*>(p.dout) + b * p.do_stride.batch +
-                       h * p.do_stride.head + s * p.do_stride.row;
-    for (int c = lane; c < p.head_dim; c += 16) acc += float(o[c]) * float(d[c]);
-  }
-  #pragma unroll
-  for (int off = 8; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  const int64_t s = r % p.seq_len;
+  const int64_t h = (r / p.seq_len) % p.heads_q;
+  const int64_t b = r / (int64_t(p.seq_len) * p.heads_q);
+  const float acc = row_dot16<Element>(p, r < rows, b, h, s, lane);
   if (r < rows && lane == 0) p.dsum[r] = acc;
 }
 

@@ -2,6 +2,7 @@
 // sm_80, so that Hopper instructions (wgmma, TMA, setmaxnreg) may appear here freely.
 #include "cuda/attention/sm90/attention_sm90.h"
 
+#include "cuda/attention/row_dot.h"
 #include "cuda/attention/static_switch.h"
 #include "jacobi/online_softmax.h"
 
@@ -67,24 +68,14 @@ __global__ void bwd_sm90_prep_kernel(const BwdParams p, int32_t seq_pad) {
   const int64_t rows = int64_t(p.batch) * p.heads_q * seq_pad;
   const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 16;
   const int lane = threadIdx.x % 16;
-  float acc = 0.f;
   int32_t tok = -1;
   int64_t bh = 0;
   if (r < rows) {
     const int32_t pos = int32_t(r % seq_pad);
     bh = r / seq_pad;
     tok = pos < p.seq_len ? p.sm90.perm[pos] : -1;
-    if (tok >= 0) {
-      const int64_t h = bh % p.heads_q, b = bh / p.heads_q;
-      const Element* o = static_cast<const Element*>(p.out) + b * p.o_stride.batch +
-                         h * p.o_stride.head + tok * p.o_stride.row;
-      const Element* d = static_cast<const Element*>(p.dout) + b * p.do_stride.batch +
-                         h * p.do_stride.head + tok * p.do_stride.row;
-      for (int c = lane; c < p.head_dim; c += 16) acc += float(o[c]) * float(d[c]);
-    }
   }
-  #pragma unroll
-  for (int off = 8; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  const float acc = row_dot16<Element>(p, tok >= 0, bh / p.heads_q, bh % p.heads_q, tok, lane);
   if (r < rows && lane == 0) {
     const float lse = tok >= 0 ? p.lse[bh * p.seq_len + tok] : -INFINITY;
     const int64_t out = (r / kBwdBlockM) * 2 * kBwdBlockM + r % kBwdBlockM;  // seq_pad % 64 == 0
