@@ -6,7 +6,7 @@
 
 #include "cuda/attention/attention_cuda.h"
 #include "cuda/attention/launch.h"
-#include "cuda/attention/row_dot.h"
+#include "cuda/attention/bwd_rows.h"
 #include "cuda/attention/static_switch.h"
 #include "jacobi/attention_plan.h"
 #ifdef JACOBI_WITH_SM90
@@ -60,7 +60,7 @@ __global__ void plan_tiles_kernel(BlockTable t, const int32_t* order, const int3
   }
 }
 
-// D_i = rowsum(dO * O) over the head dim, per (b, h, token): 16 lanes per row (row_dot.h).
+// D_i = rowsum(dO * O) over the head dim, per (b, h, token): 16 lanes per row (bwd_rows.h).
 template <typename Element>
 __global__ void bwd_dsum_kernel(const BwdParams p) {
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seq_len;
@@ -79,12 +79,7 @@ __global__ void bwd_dq_convert_kernel(const BwdParams p) {
   const int64_t n = int64_t(p.batch) * p.heads_q * p.seq_len * p.head_dim;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = i % p.head_dim;
-    const int64_t s = (i / p.head_dim) % p.seq_len;
-    const int64_t h = (i / (int64_t(p.head_dim) * p.seq_len)) % p.heads_q;
-    const int64_t b = i / (int64_t(p.head_dim) * p.seq_len * p.heads_q);
-    static_cast<Element*>(p.dq)[b * p.dq_stride.batch + h * p.dq_stride.head +
-                                s * p.dq_stride.row + c] = Element(p.dq_accum[i] * p.scale);
+    store_dq<Element>(p, p.dq_accum, nullptr, i);
   }
 }
 

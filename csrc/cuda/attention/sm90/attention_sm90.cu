@@ -2,7 +2,7 @@
 // sm_80, so that Hopper instructions (wgmma, TMA, setmaxnreg) may appear here freely.
 #include "cuda/attention/sm90/attention_sm90.h"
 
-#include "cuda/attention/row_dot.h"
+#include "cuda/attention/bwd_rows.h"
 #include "cuda/attention/static_switch.h"
 #include "jacobi/online_softmax.h"
 
@@ -90,13 +90,7 @@ __global__ void bwd_sm90_dq_convert_kernel(const BwdParams p) {
   const int64_t n = int64_t(p.batch) * p.heads_q * p.seq_len * p.head_dim;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = i % p.head_dim;
-    const int64_t pos = (i / p.head_dim) % p.seq_len;
-    const int64_t h = (i / (int64_t(p.head_dim) * p.seq_len)) % p.heads_q;
-    const int64_t b = i / (int64_t(p.head_dim) * p.seq_len * p.heads_q);
-    const int64_t tok = p.sm90.perm[pos];
-    static_cast<Element*>(p.dq)[b * p.dq_stride.batch + h * p.dq_stride.head +
-                                tok * p.dq_stride.row + c] = Element(p.sm90.dq_accum[i] * p.scale);
+    store_dq<Element>(p, p.sm90.dq_accum, p.sm90.perm, i);
   }
 }
 
