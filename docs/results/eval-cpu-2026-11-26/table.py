@@ -3,14 +3,14 @@
     python docs/results/eval-cpu-2026-11-26/table.py
 
 HumanEval, all 164 problems: base-humaneval-164.jsonl is the base model's transformers greedy
-(the reference of the issue's targets: tokens/s and pass@1); base-tuned-humaneval-164.jsonl the
+(the reference of the issue's targets: tokens/s and pass@1); base-tuned-humaneval-164.jsonl.gz the
 base model's tuned default (`multiblock-tuned`), so that what the distillation adds to the tuned
 decoder is visible apart from what lookup drafts give any model; smollm2-jf-humaneval-164*.jsonl
 the shipped distilled model's parallel methods (one file per slice of problems, run side by side
 on the two cores).
 
 Held-out packages (the first 48 prompts of the split training never saw, no tests so no pass@1):
-base-heldout-48.jsonl (greedy and tuned), smollm2-jf-heldout-48.jsonl.
+base-heldout-48.jsonl.gz (greedy and tuned), smollm2-jf-heldout-48.jsonl.gz.
 
 Per method: TPF (tokens / forwards), tokens/s (tokens / seconds), both summed over problems; speed
 against the base model's greedy on the same problems; what the tuner picked; pass@1; and whether
@@ -22,7 +22,7 @@ import collections
 import json
 from pathlib import Path
 
-from python_training.evaluate import summarize_rows
+from python_training.evaluate import read_results, summarize_rows
 
 HERE = Path(__file__).parent
 METHODS = {
@@ -36,7 +36,7 @@ def _rows(files):
     rows = []
     for f in files:
         if f.exists():
-            rows += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+            rows += read_results(f)  # .jsonl or .jsonl.gz
     return rows
 
 
@@ -84,14 +84,14 @@ def table(title: str, base_rows: list, dist_rows: list, pass_at_1: bool) -> None
 def main() -> None:
     table(
         "HumanEval, all 164 problems",
-        _rows([HERE / "base-humaneval-164.jsonl", HERE / "base-tuned-humaneval-164.jsonl"]),
-        _rows(sorted(HERE.glob("smollm2-jf-humaneval-164*.jsonl"))),
+        _rows([HERE / "base-humaneval-164.jsonl", HERE / "base-tuned-humaneval-164.jsonl.gz"]),
+        _rows(sorted(HERE.glob("smollm2-jf-humaneval-164*.jsonl*"))),
         pass_at_1=True,
     )
     table(
         "Held-out packages, the first 48 prompts",
-        _rows([HERE / "base-heldout-48.jsonl"]),
-        _rows([HERE / "smollm2-jf-heldout-48.jsonl"]),
+        _rows([HERE / "base-heldout-48.jsonl.gz"]),
+        _rows([HERE / "smollm2-jf-heldout-48.jsonl.gz"]),
         pass_at_1=False,
     )
 

@@ -24,11 +24,11 @@ CAP = 256
 ALL3 = ["jacobi", "multiblock-nolookup", "multiblock-tuned"]
 MODELS = [  # label, files, method rows to read
     ("base, transformers greedy", ["eval-cpu-2026-11-26/base-humaneval-164.jsonl"], ["greedy"]),
-    ("base, tuned default", ["eval-cpu-2026-11-26/base-tuned-humaneval-164.jsonl"],
+    ("base, tuned default", ["eval-cpu-2026-11-26/base-tuned-humaneval-164.jsonl.gz"],
      ["multiblock-tuned"]),
     ("chunk B (shipped until 2026-11-26 noon), 2.19 M tokens",
-     ["eval-cpu-2026-11-26/smollm2-jf-humaneval-164-a.jsonl",
-      "eval-cpu-2026-11-26/smollm2-jf-humaneval-164-b.jsonl"], ALL3),
+     ["eval-cpu-2026-11-26/smollm2-jf-humaneval-164-a.jsonl.gz",
+      "eval-cpu-2026-11-26/smollm2-jf-humaneval-164-b.jsonl.gz"], ALL3),
     ("chunk C arm 4 (λ = 4, answer only), 2.55 M",
      ["fidelity-cpu-2026-11-26/chunk-c-ar4-answer-humaneval-164-jacobi.jsonl.gz"], ["jacobi"]),
     ("chunk C2 lr3 (λ = 1, answer only, lr 3e-4), 2.80 M",
