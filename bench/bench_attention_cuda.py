@@ -58,10 +58,10 @@ def jf_noisy_context(S: int):
 
 
 def sm90_lists(q, table, kernel):
-    """The sm_90a forward's tile lists as jacobi_attention gets them (built once, cached on the
-    table; None when another kernel runs): without them the op builds them on the host at every
-    call (~29 ms at 16k on one CPU core), which the first H200 run (2026-11-26) timed instead of
-    the kernel."""
+    """The sm_90a tile lists as jacobi_attention gets them (built once, cached on the table; None
+    when another kernel runs), for the forward and, as autograd passes them on, the backward:
+    without them the op builds them on the host at every call (~29 ms at 16k on one CPU core),
+    which the first H200 run (2026-11-26) timed instead of the kernel."""
     from jacobi_ext.attention import _sm90_tile_lists
 
     return _sm90_tile_lists(q, jacobi_ext.BlockTable(*table), kernel)
@@ -87,7 +87,7 @@ def test_jacobi_ext(benchmark, S, shape, kernel):
 
     def step():
         out, lse = ops.block_attention_fwd(q, k, v, *table, scale, kernel, lists)
-        ops.block_attention_bwd(out, q, k, v, out, lse, *table, scale, False, kernel)
+        ops.block_attention_bwd(out, q, k, v, out, lse, *table, scale, False, kernel, lists)
         torch.cuda.synchronize()
 
     benchmark(step)

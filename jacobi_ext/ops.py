@@ -172,7 +172,19 @@ def _block_attention_fwd_fake(
 
 @torch.library.register_fake("jacobi_ext::block_attention_bwd")
 def _block_attention_bwd_fake(
-    grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, scale, deterministic, kernel=None
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    block_start,
+    kv_ptr,
+    kv_idx,
+    scale,
+    deterministic,
+    kernel=None,
+    tile_lists=None,
 ):
     check_attention_bwd_inputs(grad_out, q, k, v, out, lse)
     check_block_table_tensors(q, block_start, kv_ptr, kv_idx)
@@ -243,9 +255,11 @@ def _attn_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, block_start, kv_ptr, kv_idx)
     ctx.scale = scale
-    # The backward runs the kernel family of the forward (_attn_backward says which backward).
-    # tile_lists (rest[1]) are forward-only.
+    # The backward runs the kernel family of the forward (_attn_backward says which backward),
+    # with the forward's tile lists (rest[1]: int32 lists built once per table; without them the
+    # sm_90a backward would rebuild them from a host copy of the table at every call).
     ctx.kernel = rest[0] if rest else None
+    ctx.tile_lists = rest[1] if len(rest) > 1 else None
     ctx.mark_non_differentiable(lse)
 
 
@@ -270,7 +284,7 @@ def _attn_backward(ctx, grad_out, grad_lse):
         grad_out = grad_out.contiguous()
     dq, dk, dv = ops.block_attention_bwd(
         grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, ctx.scale,
-        _deterministic_backward(q, ctx.kernel), ctx.kernel,
+        _deterministic_backward(q, ctx.kernel), ctx.kernel, ctx.tile_lists,
     )  # fmt: skip
     # One entry per argument as the caller passed them (the op has a Tensor[] argument, so torch
     # checks the structure: a list of tile-list tensors gets a list of Nones).

@@ -226,11 +226,21 @@ def test_backward_random_tables(seed, D, dtype):
     mask = table_mask(*cpu, S).cuda()
     Hkv = rng.choice([1, 2])
     q, k, v = make_inputs(rng.choice([1, 2]), Hkv * rng.choice([1, 2, 3]), Hkv, S, D, dtype)
-    dq, dk, dv = check_backward(q, k, v, *(t.cuda() for t in cpu), mask, D**-0.5)
+    dev = [t.cuda() for t in cpu]
+    dq, dk, dv = check_backward(q, k, v, *dev, mask, D**-0.5)
     blind = ~mask.any(dim=1)  # rows that see nothing: no gradient through their queries
     assert torch.all(dq[:, :, blind] == 0)
     unseen = ~mask.any(dim=0)  # keys nobody sees: zero dK, dV
     assert torch.all(dk[:, :, unseen] == 0) and torch.all(dv[:, :, unseen] == 0)
+    # The lists passed in (as autograd passes the forward's) instead of built by the op: the same
+    # walk, so dK and dV bitwise (dQ's atomics may sum in another order).
+    lists = [t.cuda() for t in ops.attention_tile_lists(*cpu, S, 128, 128)]
+    out, lse = ops.block_attention_fwd(q, k, v, *dev, D**-0.5, "sm80")
+    dout = torch.randn_like(out)
+    args = (dout, q, k, v, out, lse, *dev, D**-0.5, False, "sm90")
+    a, b = ops.block_attention_bwd(*args, lists), ops.block_attention_bwd(*args)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    torch.testing.assert_close(a[0], b[0], atol=1e-2, rtol=1e-2)
 
 
 def test_backward_sm90_runs_twice_alike():

@@ -321,7 +321,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_start,
     const at::Tensor& kv_ptr, const at::Tensor& kv_idx, double scale, bool /*deterministic*/,
-    std::optional<std::string_view> kernel) {
+    std::optional<std::string_view> kernel, std::optional<at::TensorList> /*tile_lists*/) {
   check_cpu_kernel(kernel, "block_attention_bwd");
   return attention_bwd(grad_out, q, k, v, out, lse, block_start, kv_ptr, kv_idx, nullptr, scale);
 }

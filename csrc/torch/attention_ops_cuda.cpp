@@ -224,18 +224,19 @@ ca::Sm90FwdInputs sm90_inputs(const char* op, const at::Tensor& q, const at::Ten
   return in;
 }
 
-// The sm_90a backward's inputs (attention_cuda.h Sm90BwdInputs): the tile lists built from the
-// table (the backward op takes none: one host copy of the table per call), q/k/v/dout gathered
-// into stream order, the lse/delta scratch and dq_accum ([B, Hq, S, D] fp32 zeros, read in stream
-// order). `keep` holds the tensors until the launch is queued.
+// The sm_90a backward's inputs (attention_cuda.h Sm90BwdInputs): the tile lists (sm90_lists: the
+// forward's, which autograd passes on, or built from a host copy of the table), q/k/v/dout
+// gathered into stream order, the lse/delta scratch and dq_accum ([B, Hq, S, D] fp32 zeros, read
+// in stream order). `keep` holds the tensors until the launch is queued.
 ca::Sm90BwdInputs sm90_bwd_inputs(const char* op, const at::Tensor& dout, const at::Tensor& q,
                                   const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& block_start, const at::Tensor& kv_ptr,
                                   const at::Tensor& kv_idx, const at::Tensor& dq_accum,
+                                  std::optional<at::TensorList> tile_lists,
                                   std::vector<at::Tensor>& keep) {
   std::vector<at::Tensor> lists;
   ca::Sm90BwdInputs in;
-  in.lists = sm90_lists(op, q, block_start, kv_ptr, kv_idx, std::nullopt, lists);
+  in.lists = sm90_lists(op, q, block_start, kv_ptr, kv_idx, tile_lists, lists);
   const at::Tensor& perm = lists[0];
   for (const at::Tensor* t : {&q, &k, &v, &dout})
     keep.push_back(at::index_select(*t, 2, perm).contiguous());
@@ -321,7 +322,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     const at::Tensor& block_start, const at::Tensor& kv_ptr, const at::Tensor& kv_idx,
-    double scale, bool deterministic, std::optional<std::string_view> kernel) {
+    double scale, bool deterministic, std::optional<std::string_view> kernel,
+    std::optional<at::TensorList> tile_lists) {
   const char* op = "block_attention_bwd";
   const AttnShape s = check_qkv(op, q_in, k_in, v_in);
   const BlockTable table = check_table(op, q_in, block_start, kv_ptr, kv_idx);
@@ -350,7 +352,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   if (q.numel() == 0) return {dq, dk, dv};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   at::Tensor workspace;
-  at::Tensor dsum = at::empty({s.batch, s.heads_q, s.seq_len}, q.options().dtype(at::kFloat));
+  // rowsum(dout * out) for the sm_80 backward; the sm_90a one keeps its own (lse_delta).
+  at::Tensor dsum;
+  if (family != ca::Kernel::sm90)
+    dsum = at::empty({s.batch, s.heads_q, s.seq_len}, q.options().dtype(at::kFloat));
   at::Tensor dq_accum;
   if (!deterministic) dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   ca::BwdParams p{};
@@ -364,7 +369,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
   p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
-  p.dsum = dsum.data_ptr<float>();
+  p.dsum = dsum.defined() ? dsum.data_ptr<float>() : nullptr;
   p.do_stride = strides_of(dout);
   p.q_stride = strides_of(q);
   p.k_stride = strides_of(k);
@@ -384,7 +389,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   std::vector<at::Tensor> keep;  // the sm90 inputs, alive until the launches are queued
 #ifdef JACOBI_WITH_SM90
   if (family == ca::Kernel::sm90) {
-    p.sm90 = sm90_bwd_inputs(op, dout, q, k, v, block_start, kv_ptr, kv_idx, dq_accum, keep);
+    p.sm90 = sm90_bwd_inputs(op, dout, q, k, v, block_start, kv_ptr, kv_idx, dq_accum, tile_lists,
+                             keep);
   } else {
     p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
   }

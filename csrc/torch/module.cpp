@@ -19,7 +19,8 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // time (csrc/torch/attention_kernel.h). tile_lists: where the sm_90a kernel runs, the 8 outputs
   // of attention_tile_lists(block_start, kv_ptr, kv_idx, S, 128, 128) on q's device, built once per
   // table (None or empty: the op builds them, copying the table to the host; other kernels
-  // ignore them).
+  // ignore them). The backward takes the same lists (autograd passes the forward's), read where
+  // the sm_90a backward runs.
   m.def(
       "block_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor block_start, Tensor kv_ptr, "
       "Tensor kv_idx, float scale, str? kernel=None, Tensor[]? tile_lists=None) -> "
@@ -27,7 +28,8 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def(
       "block_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor block_start, Tensor kv_ptr, Tensor kv_idx, float scale, "
-      "bool deterministic, str? kernel=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "bool deterministic, str? kernel=None, Tensor[]? tile_lists=None) -> "
+      "(Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // The kernel family block_attention_fwd/bwd run for q with this `kernel` argument: "cpu",
   // "sm80" or "sm90" (the family that actually runs, after the fallbacks; for benchmarks).
   m.def("attention_kernel(Tensor q, str? kernel=None) -> str");

@@ -159,7 +159,8 @@ cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream
   }
 #endif
   // Otherwise this sm_80 backward, also behind the sm_90a forward (it writes the same lse:
-  // natural log, token order).
+  // natural log, token order). Its dsum scratch is allocated by the op only for this path.
+  if (params.dsum == nullptr) return cudaErrorInvalidValue;
   return JACOBI_DTYPE_SWITCH(dtype, [&] {
     const int64_t rows = int64_t(params.batch) * params.heads_q * params.seq_len;
     bwd_dsum_kernel<Element><<<unsigned((rows * 16 + 255) / 256), 256, 0, stream>>>(params);
