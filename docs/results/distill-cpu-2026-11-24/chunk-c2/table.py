@@ -47,6 +47,8 @@ MODELS = [  # label, files, method rows to read
      ["distill-cpu-2026-11-24/chunk-f/chunk-f-humaneval-164.jsonl.gz"], ALL3[:2]),
     ("chunk G (from F, its own Jacobi trajectories of 1 500 unseen prompts, ½ real states), 3.35 M",
      ["distill-cpu-2026-11-24/chunk-g/chunk-g-humaneval-164.jsonl.gz"], ALL3[:2]),
+    ("chunk H (from G, its own Jacobi trajectories of the next 1 500 prompts), 3.61 M",
+     ["distill-cpu-2026-11-24/chunk-h/chunk-h-humaneval-164.jsonl.gz"], ALL3[:2]),
 ]  # fmt: skip
 
 
