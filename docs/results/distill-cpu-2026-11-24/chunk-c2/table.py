@@ -49,6 +49,8 @@ MODELS = [  # label, files, method rows to read
      ["distill-cpu-2026-11-24/chunk-g/chunk-g-humaneval-164.jsonl.gz"], ALL3[:2]),
     ("chunk H (from G, its own Jacobi trajectories of the next 1 500 prompts), 3.61 M",
      ["distill-cpu-2026-11-24/chunk-h/chunk-h-humaneval-164.jsonl.gz"], ALL3[:2]),
+    ("chunk I (from H, its own Jacobi trajectories of the next 1 500 prompts), 3.86 M",
+     ["distill-cpu-2026-11-24/chunk-i/chunk-i-humaneval-164.jsonl.gz"], ALL3[:2]),
 ]  # fmt: skip
 
 
