@@ -77,6 +77,14 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // The noise itself, materialised [batch, positions, vocab] float64 (tests only: the decoding
   // never stores it): the uniforms u in (0, 1) (uniform=true) or the Gumbel noise -log(-log u).
   m.def("debug_gumbel_noise(Tensor keys, Tensor positions, int vocab, bool uniform) -> Tensor");
+  // Decode-shaped linear on the CPU (csrc/cpu/linear_cpu.h): y = x W^T (+ bias) for float32 or
+  // bfloat16, from a weight packed once by cpu_linear_pack (weight [N, K] -> panels
+  // [ceil(N / NR), K or K rounded up to even, NR], in the layout of this CPU's kernels). Each
+  // output is one fp32 chain over k in order, so a row's result does not depend on the others.
+  // bias: [N], float32 or x's dtype. cpu_linear_info names the ISA, layout and NR in use.
+  m.def("cpu_linear_pack(Tensor weight) -> Tensor");
+  m.def("cpu_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+  m.def("cpu_linear_info(ScalarType dtype) -> str");
 }
 
 namespace {

@@ -1,0 +1,129 @@
+// cpu_linear_pack / cpu_linear / cpu_linear_info: argument checks, output allocation and the
+// hand-off to the decode-shaped linear kernels (csrc/cpu/linear_cpu.cpp; layout: linear_cpu.h).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/linear_cpu.h"
+
+namespace jacobi::ops {
+namespace {
+
+namespace ck = jacobi::checks;
+using cpu::LinearDType;
+using cpu::PackFormat;
+
+LinearDType linear_dtype(at::ScalarType t, const char* name) {
+  if (t == at::kFloat) return LinearDType::f32;
+  if (t == at::kBFloat16) return LinearDType::bf16;
+  TORCH_CHECK_VALUE(false, name, " must be float32 or bfloat16 (the CPU linear kernel's dtypes), "
+                    "got ", t, "; other dtypes run through torch.nn.functional.linear");
+}
+
+int panel_width() { return JACOBI_CPU_DISPATCH(linear_panel_width); }
+PackFormat pack_format(LinearDType d) { return JACOBI_CPU_DISPATCH(linear_pack_format, d); }
+
+const char* format_name(PackFormat f) {
+  switch (f) {
+    case PackFormat::f32_panels:
+      return "f32_panels";
+    case PackFormat::bf16_panels:
+      return "bf16_panels";
+    default:
+      return "bf16_pairs";
+  }
+}
+
+// The packed shape for N x K: [panels, k_rows, NR].
+std::vector<int64_t> packed_shape(PackFormat f, int64_t N, int64_t K) {
+  const int64_t nr = panel_width();
+  const int64_t k_rows = f == PackFormat::bf16_pairs ? 2 * ((K + 1) / 2) : K;
+  return {(N + nr - 1) / nr, k_rows, nr};
+}
+
+at::Tensor cpu_linear_pack(const at::Tensor& weight) {
+  ck::rank(weight, "weight", 2, "[out_features, in_features]");
+  TORCH_CHECK_VALUE(weight.device().is_cpu(), "weight is on ", weight.device(),
+                    "; cpu_linear_pack packs CPU weights");
+  const LinearDType d = linear_dtype(weight.scalar_type(), "weight");
+  const at::Tensor w = weight.stride(1) == 1 ? weight : weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const PackFormat f = pack_format(d);
+  at::Tensor packed = at::empty(packed_shape(f, N, K), w.options());
+  JACOBI_CPU_DISPATCH(linear_pack, d, w.data_ptr(), w.stride(0), N, K, packed.data_ptr());
+  return packed;
+}
+
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
+                    "cpu_linear runs on the CPU; x is on ", x.device(), ", packed on ",
+                    packed.device());
+  const LinearDType d = linear_dtype(x.scalar_type(), "x");
+  TORCH_CHECK_VALUE(packed.scalar_type() == x.scalar_type(), "packed has dtype ",
+                    packed.scalar_type(), " but x has ", x.scalar_type(),
+                    "; pack the weight in x's dtype");
+  ck::contiguous(packed, "packed");
+  const int64_t K = x.size(-1), N = out_features;
+  TORCH_CHECK_VALUE(N >= 0, "out_features must be >= 0, got ", N);
+  const PackFormat f = pack_format(d);
+  const auto want = packed_shape(f, N, K);
+  TORCH_CHECK_VALUE(packed.sizes() == at::IntArrayRef(want), "packed has shape ", packed.sizes(),
+                    " but a ", N, " x ", K, " weight packs to ", at::IntArrayRef(want),
+                    " on this CPU (", format_name(f),
+                    "): pack it with cpu_linear_pack(weight) in this process, for this x");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    ck::rank(*bias, "bias", 1, "[out_features]");
+    TORCH_CHECK_VALUE(bias->size(0) == N, "bias has ", bias->size(0), " entries, out_features is ",
+                      N);
+    TORCH_CHECK_VALUE(bias->device().is_cpu(), "bias is on ", bias->device(), ", x on the CPU");
+    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat || bias->scalar_type() == x.scalar_type(),
+                      "bias must be float32 or x's dtype (", x.scalar_type(), "), got ",
+                      bias->scalar_type());
+  }
+  const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
+  const at::Tensor x2 = x.reshape({-1, K});
+  const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
+  const int64_t M = xc.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty(out_shape, x.options());
+  cpu::LinearArgs a{d,
+                    M,
+                    N,
+                    K,
+                    xc.data_ptr(),
+                    M > 1 ? xc.stride(0) : K,
+                    packed.data_ptr(),
+                    has_bias ? b.data_ptr() : nullptr,
+                    has_bias && b.scalar_type() == at::kFloat,
+                    y.data_ptr(),
+                    N};
+  JACOBI_CPU_DISPATCH(linear_packed, a);
+  return y;
+}
+
+std::string cpu_linear_info(at::ScalarType dtype) {
+  const LinearDType d = linear_dtype(dtype, "dtype");
+  return std::string(cpu::isa_name(cpu::active_isa())) + " " + format_name(pack_format(d)) +
+         " NR=" + std::to_string(panel_width());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
+  m.impl("cpu_linear_pack", &cpu_linear_pack);
+  m.impl("cpu_linear", &cpu_linear);
+}
+
+TORCH_LIBRARY_IMPL(jacobi_ext, CompositeExplicitAutograd, m) {
+  m.impl("cpu_linear_info", &cpu_linear_info);
+}
+
+}  // namespace jacobi::ops
