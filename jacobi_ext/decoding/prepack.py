@@ -1,24 +1,33 @@
-"""CPU bf16 linears from weights packed once for oneDNN, bitwise equal to `F.linear`.
+"""CPU linears from weights packed once: the runtime's forwards run every `nn.Linear` of the model
+through our decode-shaped kernel (fp32 and bf16), or through oneDNN's packed bf16 op where that
+was measured faster (a CPU with AMX).
 
-Why: on a CPU with AVX512-BF16 / AMX, `F.linear` on bf16 hands oneDNN a plain weight, which it
-brings into its blocked layout on every call. Packed once, the 49 152-row LM head of
-SmolLM2-135M took 5.3-5.5 ms instead of 7.2-8.4 ms, and the runtime's whole bf16 step 1.21-1.26x
-less time at widths 1-16 (one thread, 2026-11-26; `bench/bench_cpu_linear.py` measures it on
-the machine at hand). oneDNN computes the same blocks in the same order from the packed copy, so
-the outputs are bitwise those of `F.linear` (tests/test_cpu_fast_paths.py checks it per shape
-and over whole decodes), and every decoding method returns exactly the tokens it did before.
+Why: a decoding step multiplies a few rows by every weight of the model, so it is bound by
+reading the weights. `F.linear` streams fp32 weights at about a third of the read bandwidth (MKL's
+small-M path) and hands oneDNN a plain bf16 weight that it reorders on every call.
+`torch.ops.jacobi_ext.cpu_linear` (csrc/cpu/linear_cpu.h) streams a packed copy at ~85 % of the
+read bandwidth at one row and stays ahead of the library GEMM up to hundreds of rows
+(`bench/bench_cpu_linear.py` measures it on the machine at hand). Each of its outputs is one fp32
+chain over k in order, so a row's result does not depend on how many rows the step feeds: a
+token's logits are the same bits in a 1-token and a 64-token forward, and every decoding method
+returns exactly the tokens of our AR (float64 models are left on `F.linear`, exact as before).
+
+Backends, per model (`backend(model)`):
+  - "kernel": ours, for fp32 and bf16 CPU models (the default);
+  - "onednn": oneDNN's packed bf16 op, bitwise `F.linear`'s outputs; chosen by default only for
+    bf16 on a CPU with AMX, and only where it timed faster than ours on the model's own shapes
+    (measured once per model and process: `_measured_bf16_choice`);
+  - None: `F.linear` (float64 and float16 models, GPUs, or switched off).
+JACOBI_EXT_CPU_LINEAR=0 switches our kernel off (fp32 then runs `F.linear`, bf16 oneDNN's packed
+op as before it existed); =kernel or =onednn forces one. JACOBI_EXT_CPU_PREPACK=0 switches the
+oneDNN packing off.
 
 How: the runtime's forwards run inside `packed(model)`, which points each `nn.Linear`'s forward
 at the packed copy of its weight for the duration of the call and restores it after, so the
 user's model is untouched outside our steps (transformers' own `generate` in the same process
 runs as it always did). Packed copies live on the model, made once and remade if a weight
-changes (its tensor or its version counter).
-
-Only bf16 weights on CPU under inference (no autograd through the packed op) are packed. fp32 is
-left alone: oneDNN's packed fp32 product rounds differently from the MKL one `F.linear` uses,
-which would break fp32's token-for-token equality with transformers' greedy. The cost is a
-second copy of the linear weights (270 MB for SmolLM2-135M in bf16). JACOBI_EXT_CPU_PREPACK=0
-turns it off.
+changes (its tensor or its version counter). The cost is a second copy of the linear weights
+(540 MB for SmolLM2-135M in fp32). Only under inference (no autograd through the packed ops).
 """
 
 from __future__ import annotations
@@ -26,13 +35,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
+import time
 
 import torch
 from torch import nn
 
 _ATTR = "_jacobi_ext_packed_linears"
 _ACTIVE = "_jacobi_ext_packed_active"
+_CHOICE = "_jacobi_ext_bf16_linear_choice"
 _PACK_ROWS = 16  # oneDNN's batch hint for the layout; any row count runs from the same copy
+BACKENDS = ("kernel", "onednn")
 
 
 @functools.cache
@@ -49,65 +62,169 @@ def available() -> bool:
     )
 
 
-def wanted(model) -> bool:
-    """Whether `packed(model)` packs anything: a CPU bf16 model, `available()`, env not 0."""
-    if os.environ.get("JACOBI_EXT_CPU_PREPACK", "1").strip().lower() in ("0", "off", "false"):
+@functools.cache
+def kernel_available() -> bool:
+    """Our CPU linear op is built into this jacobi_ext."""
+    from .._native import ops
+
+    return hasattr(ops, "cpu_linear") and hasattr(ops, "cpu_linear_pack")
+
+
+@functools.cache
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has AMX tiles for bf16 (where oneDNN's bf16 product may beat ours)."""
+    try:
+        with open(cpuinfo) as f:
+            return "amx_bf16" in f.read()
+    except OSError:
         return False
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip().lower()
+
+
+def _off(value: str) -> bool:
+    return value in ("0", "off", "false", "no")
+
+
+def backend(model) -> str | None:
+    """Which packed linear the runtime's forwards of `model` use: "kernel", "onednn" or None
+    (`F.linear`); see the module docstring for the rule and the environment switches."""
     p = next(model.parameters(), None)
-    return p is not None and p.device.type == "cpu" and p.dtype == torch.bfloat16 and available()
+    if p is None or p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    want = _env("JACOBI_EXT_CPU_LINEAR", "auto")
+    onednn_ok = (
+        p.dtype == torch.bfloat16 and available() and not _off(_env("JACOBI_EXT_CPU_PREPACK", "1"))
+    )
+    if _off(want):
+        return "onednn" if onednn_ok else None
+    if want == "onednn":
+        return "onednn" if onednn_ok else None
+    if not kernel_available():
+        return "onednn" if onednn_ok else None
+    if want == "kernel" or p.dtype == torch.float32 or not (onednn_ok and cpu_has_amx()):
+        return "kernel"
+    return _measured_bf16_choice(model)
+
+
+def wanted(model) -> bool:
+    """Whether `packed(model)` packs anything."""
+    return backend(model) is not None
+
+
+def _measured_bf16_choice(model) -> str:
+    """bf16 on a CPU with AMX: oneDNN's packed product may beat our AVX-512 kernel there. Time
+    both on the model's widest linear (its LM head, usually) at 1 and 16 rows, once per model and
+    process, and keep the faster (the choice is measured, not assumed)."""
+    cached = model.__dict__.get(_CHOICE)
+    if cached is not None:
+        return cached
+    lins = [m for m in model.modules() if type(m) is nn.Linear]
+    lin = max(lins, key=lambda m: m.weight.numel()) if lins else None
+    choice = "kernel"
+    if lin is not None:
+        times = {}
+        for b in BACKENDS:
+            f = _PackedLinear(lin, b)
+            if not f.refresh():
+                continue
+            xs = [torch.randn(1, r, lin.in_features).to(torch.bfloat16) for r in (1, 16)]
+            with torch.inference_mode():
+                for x in xs:
+                    f(x)  # warm-up
+                samples = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for x in xs:
+                        f(x)
+                    samples.append(time.perf_counter() - t0)
+            times[b] = statistics.median(samples)
+        if times:
+            choice = min(times, key=times.get)
+    object.__setattr__(model, _CHOICE, choice)
+    return choice
 
 
 class _PackedLinear:
     """The forward that replaces one nn.Linear's while a step runs."""
 
-    __slots__ = ("module", "weight", "version", "packed", "bias")
+    __slots__ = ("module", "backend", "weight", "version", "packed", "bias", "out_features")
 
-    def __init__(self, module: nn.Linear) -> None:
+    def __init__(self, module: nn.Linear, backend: str) -> None:
         self.module = module
+        self.backend = backend
         self.weight = None  # the tensor the copy was made from (identity, not a clone)
         self.version = -1
         self.packed = None
         self.bias = None
+        self.out_features = module.out_features
 
     def refresh(self) -> bool:
-        """Remake the packed copy if the weight changed; False if it is no CPU bf16 weight."""
+        """Remake the packed copy if the weight changed; False if this backend cannot pack it."""
         w = self.module.weight
         if w is self.weight and w._version == self.version:
             return True
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        if w.device.type != "cpu" or w.dim() != 2:
             return False
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_ROWS)
+            if self.backend == "kernel":
+                if w.dtype not in (torch.float32, torch.bfloat16):
+                    return False
+                from .._native import ops
+
+                self.packed = ops.cpu_linear_pack(w.detach())
+            else:
+                if w.dtype != torch.bfloat16:
+                    return False
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_ROWS)
         self.weight, self.version = w, w._version
+        self.out_features = w.shape[0]
         b = self.module.bias
         self.bias = None if b is None else b.detach()
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.dim() < 2 or torch.is_grad_enabled():
+        if x.dtype != self.weight.dtype or x.dim() < 2 or torch.is_grad_enabled():
             return nn.functional.linear(x, self.module.weight, self.module.bias)
+        if self.backend == "kernel":
+            return torch.ops.jacobi_ext.cpu_linear(x, self.packed, self.out_features, self.bias)
         # transformers passes [B, Q, in]; oneDNN's op takes 2-D or 3-D input alike.
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def _linears(model) -> list[_PackedLinear]:
-    """The model's nn.Linear forwards to swap in, packed copies up to date. The module walk is
-    done once per model (it is most of the cost of entering `packed`)."""
-    cached = model.__dict__.get(_ATTR)
-    if cached is None:
-        cached = [_PackedLinear(m) for m in model.modules() if type(m) is nn.Linear]
-        object.__setattr__(model, _ATTR, cached)  # not a submodule, not a parameter
-    return [c for c in cached if c.refresh()]
+def _linears(model, which: str) -> list[_PackedLinear]:
+    """The model's nn.Linear forwards to swap in for backend `which`, packed copies up to date.
+    The module walk is done once per model and backend (it is most of the cost of entering
+    `packed`)."""
+    cache = model.__dict__.get(_ATTR)
+    if cache is None:
+        cache = {}
+        object.__setattr__(model, _ATTR, cache)  # not a submodule, not a parameter
+    lins = cache.get(which)
+    if lins is None:
+        lins = cache[which] = [
+            _PackedLinear(m, which) for m in model.modules() if type(m) is nn.Linear
+        ]
+        # One backend's copies at a time: switching frees the other's (a second full copy).
+        for other in [k for k in cache if k != which]:
+            del cache[other]
+    return [c for c in lins if c.refresh()]
 
 
 @contextlib.contextmanager
 def packed(model):
-    """Run the model's bf16 CPU linears from packed weights inside the block (see the module
-    docstring); a no-op where `wanted(model)` is False, and inside a block that already packs."""
-    if model.__dict__.get(_ACTIVE) or not wanted(model):
+    """Run the model's CPU linears from packed weights inside the block (see the module
+    docstring); a no-op where `backend(model)` is None, and inside a block that already packs."""
+    if model.__dict__.get(_ACTIVE):
         yield
         return
-    lins = _linears(model)
+    which = backend(model)
+    if which is None:
+        yield
+        return
+    lins = _linears(model, which)
     object.__setattr__(model, _ACTIVE, True)
     for c in lins:
         object.__setattr__(c.module, "forward", c)  # instance attribute shadows Linear.forward

@@ -24,8 +24,9 @@ the capacity suffices. If capture fails on an exotic model, the runtime warns on
 eagerly: never a crash, never a different token.
 
 On CPU the same runtime runs eagerly, with unpadded widths, and attends only up to the longest
-committed sequence (no cost for unused capacity); a bf16 model's linears run from weights packed
-once for oneDNN (prepack.py: bitwise the same outputs, a fraction of the time).
+committed sequence (no cost for unused capacity). An fp32 or bf16 model's linears run from weights
+packed once (prepack.py: our decode-shaped kernel, a fraction of `F.linear`'s time), and a
+Llama-family model runs the lean forward (lean.py: the same logits, less Python).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import warnings
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
+from .lean import lean_decoder
 from .masks import for_backend, prefill_mask, step_mask, step_positions
 from .prepack import packed
 
@@ -163,6 +165,7 @@ class StaticRuntime:
         self._pool = None
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
         self.graph_replays = 0
+        self._lean = None  # lean.LeanDecoder, False where it does not apply; set at prefill
 
     def fits(self, model, batch: int, committed: int, scratch: int) -> bool:
         p = next(model.parameters())
@@ -174,10 +177,18 @@ class StaticRuntime:
             and (p.device, p.dtype) == (self.device, self.dtype)
         )
 
-    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask) -> torch.Tensor:
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask, prefill: bool = False):
         """The model's forward as every runtime call makes it: our cache under the installed
-        transformers' keyword, and on CPU bf16 the oneDNN-packed linears (prepack.py: bitwise
-        F.linear's outputs)."""
+        transformers' keyword, and on CPU the linears from packed weights (prepack.py: our
+        kernel, whose rows do not depend on each other, or oneDNN's on AMX); for Llama-family
+        models on our kernel, the lean forward (lean.py: the same logits, less Python). Its packed
+        weights are checked against the model's at each prefill (weights do not change inside a
+        generate call; checking all of them at every step cost 0.8 ms of a 15 ms step)."""
+        if prefill or self._lean is None:
+            self._lean = lean_decoder(self.model) or False
+        lean = self._lean
+        if lean:
+            return lean(ids, pos, mask, self.cache)
         with packed(self.model):
             return self.model(
                 input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
@@ -209,7 +220,7 @@ class StaticRuntime:
         self.write_slots = slots
         self.attend = self.scratch + P
         mask = for_backend(self.model, prefill_mask(pad, P, n, self.scratch), self.dtype)
-        logits = self._logits(x, pos, mask)
+        logits = self._logits(x, pos, mask, prefill=True)
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
         return targets(logits) if rule is None else rule(logits, pos)

@@ -60,7 +60,7 @@ def model_key(model) -> str:
     try:
         stamp = (
             torch.get_num_threads(),
-            prepack.wanted(model),
+            prepack.backend(model),
             *((w.data_ptr(), w._version) for w in params),
         )
     except RuntimeError:  # inference tensors keep no version counter: no cache
@@ -83,8 +83,9 @@ def model_key(model) -> str:
         ).sum()
     )
     raw = f"{name}|{nparams}|{probe:.6e}|{p.dtype}|{dev}|{hw}|{torch.get_num_threads()}"
-    if prepack.wanted(model):  # packed CPU linears cost differently: a curve of their own
-        raw += "|prepack"
+    which = prepack.backend(model)
+    if which is not None:  # packed CPU linears cost differently: a curve of their own
+        raw += "|prepack" if which == "onednn" else f"|{which}"
     key = hashlib.sha1(raw.encode()).hexdigest()[:16]
     if stamp is not None:
         model._jacobi_ext_key = (stamp, key)

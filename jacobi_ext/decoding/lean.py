@@ -1,0 +1,203 @@
+"""A lean CPU forward for Llama-family models: the same computation as transformers' forward,
+with less Python around it and fewer, wider linears.
+
+Why: with the linears at the memory roofline (prepack.py, our kernel), a one-token forward of
+SmolLM2-135M on a 2-core CPU spent about as long in transformers' Python (module calls, hooks,
+decorators, mask preparation; ~7 ms of a 19 ms step) as in reading the weights (~9 ms). This
+forward walks the layers in one loop and calls the model's own pieces directly:
+  - the model's own RMSNorm, rotary embedding, `apply_rotary_pos_emb`, activation and attention
+    function (transformers' sdpa or eager one, chosen as the model's config says), through their
+    `forward` functions, not the nn.Module call machinery;
+  - the q, k, v projections as one linear and the gate and up projections as one, through our
+    kernel from weights packed once (the same values: each output of the kernel is one fp32
+    chain over the input features, whichever other rows or columns are computed beside it).
+So its logits are bitwise those of transformers' forward with our kernel behind every
+`nn.Linear` (tests/test_lean_forward.py), and decoding returns the same tokens either way.
+
+Where it applies (`lean_decoder(model)`): a CPU model whose linears run on our kernel
+(prepack.backend == "kernel"), of a class whose layers are exactly Llama's (Llama, Qwen2 and
+Mistral without sliding windows; checked module by module), with sdpa or eager attention.
+Anything else runs transformers' forward. JACOBI_EXT_LEAN=0 switches it off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+from . import prepack
+
+_ATTR = "_jacobi_ext_lean_decoder"
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def _unsupported(model) -> str | None:
+    """Why `model` cannot run the lean forward (None: it can)."""
+    if type(model).__name__ not in SUPPORTED:
+        return f"{type(model).__name__} is not one of {SUPPORTED}"
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r} (sdpa or eager only)"
+    inner = getattr(model, "model", None)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, name):
+            return f"the model has no model.{name}"
+    if type(getattr(model, "lm_head", None)) is not nn.Linear:
+        return "lm_head is not an nn.Linear"
+    if type(inner.embed_tokens) is not nn.Embedding:
+        return "embed_tokens is not an nn.Embedding"
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        lins += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(m) is not nn.Linear for m in lins):
+            return f"layer {i} is not Llama-shaped (q/k/v/o and gate/up/down nn.Linear)"
+        if getattr(attn, "sliding_window", None) is not None:
+            return f"layer {i} uses a sliding window"
+        if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+            return f"layer {i} normalises q/k"
+        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm")):
+            return f"layer {i} lacks Llama's two norms"
+        if len(list(layer.children())) != 4 or len(list(attn.children())) != 4:
+            return f"layer {i} has modules beyond Llama's"
+    return None
+
+
+class _Packed:
+    """One linear of the lean forward (possibly several nn.Linear side by side along the
+    outputs), packed for our kernel; remade when any of its weights changes."""
+
+    __slots__ = ("mods", "stamp", "packed", "bias", "n", "splits")
+
+    def __init__(self, *mods: nn.Linear) -> None:
+        self.mods = mods
+        self.stamp = None
+        self.splits = [m.out_features for m in mods]
+        self.n = sum(self.splits)
+
+    def refresh(self) -> None:
+        stamp = tuple((m.weight, m.weight._version) for m in self.mods)
+        if self.stamp is not None and all(
+            a is b and v == w for (a, v), (b, w) in zip(stamp, self.stamp, strict=True)
+        ):
+            return
+        from .._native import ops
+
+        with torch.no_grad():
+            ws = [m.weight.detach() for m in self.mods]
+            self.packed = ops.cpu_linear_pack(ws[0] if len(ws) == 1 else torch.cat(ws))
+            bs = [m.bias for m in self.mods]
+            if all(b is None for b in bs):
+                self.bias = None
+            else:
+                self.bias = torch.cat(
+                    [
+                        b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                        for b, m in zip(bs, self.mods, strict=True)
+                    ]
+                )
+        self.stamp = stamp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.jacobi_ext.cpu_linear(x, self.packed, self.n, self.bias)
+
+
+class _Layer:
+    __slots__ = ("ln1", "ln2", "attn", "qkv", "o", "gate_up", "down", "act", "splits", "mlp_split")
+
+    def __init__(self, layer) -> None:
+        a, m = layer.self_attn, layer.mlp
+        self.ln1, self.ln2, self.attn = layer.input_layernorm, layer.post_attention_layernorm, a
+        self.qkv = _Packed(a.q_proj, a.k_proj, a.v_proj)
+        self.o = _Packed(a.o_proj)
+        self.gate_up = _Packed(m.gate_proj, m.up_proj)
+        self.down = _Packed(m.down_proj)
+        self.act = m.act_fn
+        self.splits = self.qkv.splits
+        self.mlp_split = m.gate_proj.out_features
+
+    def linears(self):
+        return (self.qkv, self.o, self.gate_up, self.down)
+
+
+class LeanDecoder:
+    """The lean forward of one model (see the module docstring)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        inner = model.model
+        self.inner = inner
+        self.layers = [_Layer(layer) for layer in inner.layers[: model.config.num_hidden_layers]]
+        self.head = _Packed(model.lm_head)
+        modeling = sys.modules[type(inner.layers[0].self_attn).__module__]
+        self.rotary = modeling.apply_rotary_pos_emb
+        impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        if impl == "eager":
+            self.attention = modeling.eager_attention_forward
+        else:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            self.attention = ALL_ATTENTION_FUNCTIONS[impl]
+        self.impl = impl
+
+    def refresh(self) -> None:
+        for layer in self.layers:
+            for lin in layer.linears():
+                lin.refresh()
+        self.head.refresh()
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache) -> torch.Tensor:
+        """Logits [B, Q, vocab] of tokens ids [B, Q] at positions pos [B, Q], attending through
+        `mask` (the attention function's format) to what the runtime's cache holds after this
+        step's K/V are written (cache.layers[i].update, as transformers' attention calls it)."""
+        inner = self.inner
+        h = inner.embed_tokens.forward(ids)
+        cos, sin = inner.rotary_emb.forward(h, pos)
+        B, Q = ids.shape
+        for i, L in enumerate(self.layers):
+            a = L.attn
+            residual = h
+            x = L.ln1.forward(h)
+            q, k, v = L.qkv(x).split(L.splits, dim=-1)
+            q = q.view(B, Q, -1, a.head_dim).transpose(1, 2)
+            k = k.view(B, Q, -1, a.head_dim).transpose(1, 2)
+            v = v.view(B, Q, -1, a.head_dim).transpose(1, 2)
+            q, k = self.rotary(q, k, cos, sin)
+            k, v = cache.layers[i].update(k, v)
+            out, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
+            h = residual + L.o(out.reshape(B, Q, -1).contiguous())
+            residual = h
+            x = L.ln2.forward(h)
+            g, u = L.gate_up(x).split((L.mlp_split, L.mlp_split), dim=-1)
+            h = residual + L.down(L.act(g) * u)
+        return self.head(inner.norm.forward(h))
+
+
+def lean_decoder(model) -> LeanDecoder | None:
+    """The model's lean forward, packed and up to date, or None where it does not apply."""
+    if os.environ.get("JACOBI_EXT_LEAN", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    if torch.is_grad_enabled() or prepack.backend(model) != "kernel":
+        return None  # (the runtime's forwards run under inference mode)
+    entry = model.__dict__.get(_ATTR)
+    if entry is None:
+        reason = _unsupported(model)
+        entry = LeanDecoder(model) if reason is None else reason
+        object.__setattr__(model, _ATTR, entry)
+    if isinstance(entry, str):
+        return None
+    entry.refresh()
+    return entry
+
+
+def why_not(model) -> str | None:
+    """Why the lean forward does not run for `model` (None: it does)."""
+    if os.environ.get("JACOBI_EXT_LEAN", "1").strip().lower() in ("0", "off", "false", "no"):
+        return "JACOBI_EXT_LEAN=0"
+    if prepack.backend(model) != "kernel":
+        return f"its linears do not run on the CPU kernel (backend {prepack.backend(model)})"
+    return _unsupported(model)

@@ -1,0 +1,111 @@
+"""Decoding through our CPU linear kernel (fp32 and bf16): the lean forward
+(jacobi_ext/decoding/lean.py) gives bitwise the logits of transformers' forward with the kernel
+behind every nn.Linear, and every method returns exactly our AR's tokens. (The float64 suites,
+test_decoding_lossless.py and test_decoding_batch.py, run on F.linear; these are the fp32/bf16
+runs on the kernel that decoding uses by default on a CPU.)"""
+
+import pytest
+import torch
+
+from jacobi_ext.decoding import lean, prepack
+from jacobi_ext.decoding.engine import generate
+from jacobi_ext.decoding.runtime import StaticRuntime
+from jacobi_ext.models import tiny_llama
+
+DTYPES = [torch.float32, torch.bfloat16]
+MODELS = [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")]
+
+
+def _model(family, attn, dtype, seed=0):
+    m = tiny_llama(
+        vocab_size=101, hidden_size=96, num_layers=2, num_heads=6, num_kv_heads=2, seed=seed,
+        family=family, attn_implementation=attn,
+    )  # fmt: skip
+    if family == "qwen2":  # Qwen2 has q/k/v biases: make them count
+        with torch.no_grad():
+            for layer in m.model.layers:
+                for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    p.bias.normal_(0, 1)
+    return m.to(dtype)
+
+
+def _logits(model, lean_env, monkeypatch, ids, pad, drafts):
+    """Logits of a prefill (prompts + drafts) and of one step after it, from a fresh runtime."""
+    monkeypatch.setenv("JACOBI_EXT_LEAN", lean_env)
+    B = ids.shape[0]
+    rt = StaticRuntime(model, B, 64, 16)
+    keep = lambda logits, pos: logits.clone()  # noqa: E731  (the rule sees the raw logits)
+    pre = rt.prefill(ids, pad, drafts, rule=keep)
+    assert bool(rt._lean) == (lean_env == "1")  # the path under test is the one that ran
+    q = 5
+    with torch.inference_mode():
+        rt.ids[:, :q] = torch.arange(q)[None] + 7
+        rt.seg[:, :q] = 0
+        rt.off[:, :q] = torch.arange(q)[None]
+        step = rt.forward(q, rt.scratch + ids.shape[1], rule=keep)
+    return pre, step
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family,attn", MODELS)
+def test_lean_logits_are_transformers_forward_bitwise(family, attn, dtype, monkeypatch):
+    model = _model(family, attn, dtype)
+    assert lean.why_not(model) is None
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 101, (2, 11), generator=g)
+    pad = torch.tensor([0, 3])  # the second prompt is left-padded
+    drafts = torch.randint(0, 101, (2, 4), generator=g)
+    pre_hf, step_hf = _logits(model, "0", monkeypatch, ids, pad, drafts)
+    pre_lean, step_lean = _logits(model, "1", monkeypatch, ids, pad, drafts)
+    assert torch.equal(pre_lean, pre_hf)
+    assert torch.equal(step_lean, step_hf)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_every_method_is_our_ar_on_the_kernel(family, dtype, monkeypatch):
+    """Lossless where the linears run on our kernel: jacobi, multiblock (with and without lookup
+    drafts) and a batch give exactly our AR's tokens; lean forward on and off agree too."""
+    assert prepack.kernel_available()
+    monkeypatch.setattr(prepack, "cpu_has_amx", lambda: False)  # the kernel, not a measurement
+    model = _model(family, "sdpa", dtype, seed=4)
+    assert prepack.backend(model) == "kernel"
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 101, (3, 9), generator=g)
+    ar = generate(model, ids, max_new_tokens=48, method="ar").tokens
+    runs = {
+        "jacobi n=8": dict(method="jacobi", block_size=8, lookup=False),
+        "jacobi n=16 lookup": dict(method="jacobi", block_size=16, lookup=True),
+        "multiblock": dict(method="multiblock", block_size=4, num_blocks=3, pool_size=2),
+    }
+    for name, kw in runs.items():
+        got = generate(model, ids, max_new_tokens=48, **kw).tokens
+        assert torch.equal(got, ar), name
+        one = generate(model, ids[1:2], max_new_tokens=48, **kw).tokens  # batch of one
+        assert torch.equal(one[0, : one.shape[1]], ar[1, : one.shape[1]]), name
+    monkeypatch.setenv("JACOBI_EXT_LEAN", "0")
+    assert torch.equal(generate(model, ids, max_new_tokens=48, method="ar").tokens, ar)
+
+
+def test_weights_changed_between_calls_are_repacked():
+    model = _model("llama", "sdpa", torch.float32)
+    ids = torch.randint(0, 101, (1, 6), generator=torch.Generator().manual_seed(3))
+    before = generate(model, ids, max_new_tokens=12, method="ar").tokens
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)  # in place: a new version
+        model.lm_head.weight.copy_(torch.roll(model.lm_head.weight, 1, dims=0))
+    after = generate(model, ids, max_new_tokens=12, method="ar").tokens
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)[:, ids.shape[1] :]
+    assert not torch.equal(before, after)
+    assert torch.equal(after[0, :2], plain[0, :2])  # the model's own greedy: the new weights
+
+
+def test_where_it_does_not_apply(monkeypatch):
+    """Other models, dtypes or switches run transformers' forward, with a reason."""
+    assert lean.why_not(tiny_llama().to(torch.float64)).startswith("its linears do not run")
+    m = tiny_llama()
+    m.model.layers[0].self_attn.q_norm = torch.nn.Identity()  # a Qwen3-like extra module
+    assert "normalises q/k" in lean.why_not(m)
+    monkeypatch.setenv("JACOBI_EXT_LEAN", "0")
+    assert lean.why_not(tiny_llama()) == "JACOBI_EXT_LEAN=0"
+    assert lean.lean_decoder(tiny_llama()) is None
