@@ -88,11 +88,18 @@ def test_controller_keeps_parallel_when_it_pays() -> None:
 
 
 def test_curve_is_measured_once_and_cached() -> None:
+    """A tuned call measures the few widths it needs (the quick curve); `full` (the tune
+    command, the demo's plot) measures every size once and replaces it."""
     model = tiny_llama(seed=0)
     c1 = tuning.step_curve(model)
-    assert c1.sizes == list(tuning.SIZES) and all(s > 0 for s in c1.seconds)
+    assert c1.sizes == list(tuning.QUICK_SIZES) and all(s > 0 for s in c1.seconds)
+    assert c1.context == tuning.QUICK_CONTEXT
     c2 = tuning.step_curve(model)
     assert c2 == c1  # read back from the profile, not re-measured
+    full = tuning.step_curve(model, full=True)
+    assert full.sizes == list(tuning.SIZES) and full.context == 256
+    assert tuning.step_curve(model) == full  # the full curve is what tuned calls use now
+    assert tuning.step_curve(model, full=True) == full  # and it is not measured again
 
 
 def test_tuned_generation_is_lossless_and_learns_acceptance() -> None:

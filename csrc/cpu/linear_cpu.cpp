@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
 #include <immintrin.h>
@@ -216,22 +217,33 @@ PackFormat linear_pack_format(LinearDType d) {
   return PackFormat::bf16_panels;
 }
 
-void linear_pack(LinearDType d, const void* w, int64_t ldw, int64_t N, int64_t K, void* packed) {
-  const PackFormat f = linear_pack_format(d);
+void linear_pack(LinearDType d, const void* const* rows, int64_t N, int64_t K, void* packed) {
+  const bool pairs = linear_pack_format(d) == PackFormat::bf16_pairs;
   const int64_t panels = (N + kNR - 1) / kNR;
-  const int64_t k_rows = f == PackFormat::bf16_pairs ? 2 * ((K + 1) / 2) : K;
-  auto body = [&](auto zero, const auto* src, auto* dst) {
+  const int64_t k_rows = pairs ? 2 * ((K + 1) / 2) : K;
+  // A panel is written in blocks of 16 k (kNR x 16 elements, in L1) from kNR source rows read
+  // front to back: contiguous reads, and the scattered writes stay in cache.
+  auto body = [&](auto zero, auto* dst) {
+    using T = std::remove_pointer_t<decltype(dst)>;
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      const T* src[kNR];
       for (int64_t p = p0; p < p1; ++p) {
-        auto* panel = dst + p * k_rows * kNR;
-        for (int64_t j = 0; j < kNR; ++j) {
+        T* panel = dst + p * k_rows * kNR;
+        for (int j = 0; j < kNR; ++j) {
           const int64_t n = p * kNR + j;
-          for (int64_t k = 0; k < k_rows; ++k) {
-            const auto v = (n < N && k < K) ? src[n * ldw + k] : zero;
-            if (f == PackFormat::bf16_pairs) {
-              panel[(k / 2) * 2 * kNR + 2 * j + (k % 2)] = v;
-            } else {
-              panel[k * kNR + j] = v;
+          src[j] = n < N ? static_cast<const T*>(rows[n]) : nullptr;
+        }
+        for (int64_t k0 = 0; k0 < k_rows; k0 += 16) {
+          const int64_t k1 = std::min<int64_t>(k0 + 16, k_rows);
+          for (int j = 0; j < kNR; ++j) {
+            const T* row = src[j];
+            for (int64_t k = k0; k < k1; ++k) {
+              const T v = (row != nullptr && k < K) ? row[k] : zero;
+              if (pairs) {
+                panel[(k / 2) * 2 * kNR + 2 * j + (k % 2)] = v;
+              } else {
+                panel[k * kNR + j] = v;
+              }
             }
           }
         }
@@ -239,10 +251,9 @@ void linear_pack(LinearDType d, const void* w, int64_t ldw, int64_t N, int64_t K
     });
   };
   if (d == LinearDType::f32) {
-    body(0.f, static_cast<const float*>(w), static_cast<float*>(packed));
+    body(0.f, static_cast<float*>(packed));
   } else {
-    body(c10::BFloat16(0.f), static_cast<const c10::BFloat16*>(w),
-         static_cast<c10::BFloat16*>(packed));
+    body(c10::BFloat16(0.f), static_cast<c10::BFloat16*>(packed));
   }
 }
 

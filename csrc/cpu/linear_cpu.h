@@ -53,9 +53,10 @@ struct LinearArgs {
 JACOBI_DECLARE_CPU_KERNEL(int linear_panel_width())
 // The layout pack() writes for a weight dtype on this CPU.
 JACOBI_DECLARE_CPU_KERNEL(::jacobi::cpu::PackFormat linear_pack_format(::jacobi::cpu::LinearDType d))
-// w: [N, K] row-major (ldw elements between rows) -> packed: [ceil(N / NR), k_rows, NR] elements,
-// k_rows = K (panels) or K rounded up to even (pairs).
-JACOBI_DECLARE_CPU_KERNEL(void linear_pack(::jacobi::cpu::LinearDType d, const void* w,
-                                           int64_t ldw, int64_t N, int64_t K, void* packed))
+// The weight W[N, K] given as its N rows (rows[n]: K contiguous elements; the rows of several
+// weights side by side pack their concatenation without materialising it) -> packed:
+// [ceil(N / NR), k_rows, NR] elements, k_rows = K (panels) or K rounded up to even (pairs).
+JACOBI_DECLARE_CPU_KERNEL(void linear_pack(::jacobi::cpu::LinearDType d, const void* const* rows,
+                                           int64_t N, int64_t K, void* packed))
 // y = x W^T (+ bias), threads from torch's pool (at::parallel_for over panels).
 JACOBI_DECLARE_CPU_KERNEL(void linear_packed(const ::jacobi::cpu::LinearArgs& args))

@@ -83,6 +83,9 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // output is one fp32 chain over k in order, so a row's result does not depend on the others.
   // bias: [N], float32 or x's dtype. cpu_linear_info names the ISA, layout and NR in use.
   m.def("cpu_linear_pack(Tensor weight) -> Tensor");
+  // The same for the concatenation of weights [N_i, K] along the output features (fused q/k/v,
+  // gate/up), without materialising it.
+  m.def("cpu_linear_pack_cat(Tensor[] weights) -> Tensor");
   m.def("cpu_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
   m.def("cpu_linear_info(ScalarType dtype) -> str");
 }

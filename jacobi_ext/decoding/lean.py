@@ -87,8 +87,7 @@ class _Packed:
         from .._native import ops
 
         with torch.no_grad():
-            ws = [m.weight.detach() for m in self.mods]
-            self.packed = ops.cpu_linear_pack(ws[0] if len(ws) == 1 else torch.cat(ws))
+            self.packed = ops.cpu_linear_pack_cat([m.weight.detach() for m in self.mods])
             bs = [m.bias for m in self.mods]
             if all(b is None for b in bs):
                 self.bias = None

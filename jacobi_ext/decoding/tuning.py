@@ -132,12 +132,32 @@ class StepCurve:
         return k
 
 
+#: What a tuned call measures when it finds no curve for this model: the widths that decide the
+#: choice (one token, a small block, the usual one, a wide one), over a cache of QUICK_CONTEXT
+#: tokens, two rounds. ~0.3 s for SmolLM2-135M on a 2-core CPU, against ~7.5 s for the full
+#: curve (SIZES, 5 rounds) that `jacobi-forcing tune` and the demo's plot measure. A first tuned
+#: call should not wait seconds for its answer (issue 36: the first tuned call on a fresh cache
+#: within 1.3x of the same call warm).
+QUICK_SIZES = (1, 4, 16, 64)
+QUICK_CONTEXT = 128
+QUICK_REPEATS = 2
+
+
 @torch.inference_mode()
 def measure_step_curve(
-    model, sizes=SIZES, context: int = 256, repeats: int = 5, progress: bool = False
+    model,
+    sizes=SIZES,
+    context: int = 256,
+    repeats: int = 5,
+    progress: bool = False,
+    reduce=statistics.median,
+    warmup: bool = True,
 ) -> StepCurve:
     """Time one decoding step of q new tokens over a cache of `context` tokens, for each q, as
-    the engine runs it (StepProbe: the static runtime; CUDA graph replay on GPUs)."""
+    the engine runs it (StepProbe: the static runtime; CUDA graph replay on GPUs). One warm-up
+    call per size (`warmup`), then `repeats` rounds, reduced per size by `reduce` (median; the
+    quick curve takes the min of its two rounds instead of warming up: a first call's one-off
+    costs and a burst of load from another process only ever add)."""
     from .runtime import StepProbe
 
     p = next(model.parameters())
@@ -153,7 +173,7 @@ def measure_step_curve(
             torch.cuda.synchronize(dev)
         return time.perf_counter() - t0
 
-    for q in sizes:  # warm-up
+    for q in sizes if warmup else ():
         one(q)
     # Rounds visit every size in turn, so a burst of load from another process lands on one
     # sample of each size rather than on all samples of one size; medians drop such samples.
@@ -166,11 +186,19 @@ def measure_step_curve(
     for _ in rounds:
         for q in sizes:
             times[q].append(one(q))
-    secs = monotone([statistics.median(times[q]) for q in sizes])
+    secs = monotone([reduce(times[q]) for q in sizes])
     hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
     return StepCurve(
         list(sizes), secs, context, str(dev), str(p.dtype), torch.get_num_threads(), hw
     )
+
+
+def measure_quick_curve(model) -> StepCurve:
+    """The few widths a tuned call needs (QUICK_SIZES), cheaply: see QUICK_SIZES."""
+    return measure_step_curve(
+        model, sizes=QUICK_SIZES, context=QUICK_CONTEXT, repeats=QUICK_REPEATS, reduce=min,
+        warmup=False,
+    )  # fmt: skip
 
 
 def monotone(seconds: list[float]) -> list[float]:
@@ -204,12 +232,19 @@ def save_profile(model, profile: dict) -> None:
     tmp.replace(path)  # atomic: an interrupted write never leaves a broken profile
 
 
-def step_curve(model, remeasure: bool = False, progress: bool = False) -> StepCurve:
-    """The cached curve for this model / device / dtype / threads, measured on first use."""
+def step_curve(
+    model, remeasure: bool = False, progress: bool = False, full: bool = False
+) -> StepCurve:
+    """The cached curve for this model / device / dtype / threads, measured on first use: the
+    quick curve (a few widths, ~0.3 s) for a tuned call, the full one (every size in SIZES,
+    seconds) with `full` (`jacobi-forcing tune`, the demo's plot), which then replaces the quick
+    one in the profile."""
     prof = load_profile(model)
     if "curve" in prof and not remeasure:
-        return StepCurve(**prof["curve"])
-    curve = measure_step_curve(model, progress=progress)
+        curve = StepCurve(**prof["curve"])
+        if not full or list(curve.sizes) == list(SIZES):
+            return curve
+    curve = measure_step_curve(model, progress=progress) if full else measure_quick_curve(model)
     prof["curve"] = asdict(curve)
     save_profile(model, prof)
     return curve
