@@ -1,13 +1,20 @@
-"""bf16 linears on a CPU with AVX512-BF16 / AMX: `F.linear` against oneDNN-packed weights
-(jacobi_ext/decoding/prepack.py), per layer shape and for a whole decoding step.
+"""The CPU decode path at the roofline (issue 36): our linear kernel against `F.linear`, alone and
+in a whole decoding step, fp32 and bf16, side by side in one run.
 
-SmolLM2-135M-Instruct's shapes (576 -> 576 / 192 / 1536, 1536 -> 576, the 49 152-row LM head)
-at 1 and 16 rows, and the runtime's step (StepProbe: 256 tokens of context) at widths 1, 4 and
-16 with packing on and off. The two variants of one case run in the same benchmark, alternating
-(A, B, A, B, ...), so load swings hit both; the medians and their ratio go into extra_info.
+1. The kernel alone (`torch.ops.jacobi_ext.cpu_linear`, weights packed once) against
+   `F.linear` on SmolLM2-135M's MLP shape 1536 x 576, over enough distinct weights to be beyond
+   the cache (212 MB), at M = 1, 4, 16, 64 rows; beside the machine's read bandwidth (`x.sum()`
+   over the same bytes) and GEMM peak (`torch.mm` 2048^2) measured in the same run. extra_info:
+   GB/s and GFLOP/s of both, and the kernel's share of the bandwidth (M = 1) and of the GEMM peak.
+2. The runtime's step (StepProbe: 256 tokens of context) at widths 1, 4, 16, 64 in three
+   configurations, alternating: "before" (JACOBI_EXT_CPU_LINEAR=0: fp32 `F.linear`, bf16
+   oneDNN-packed weights, transformers' forward), "kernel" (our kernel behind every nn.Linear,
+   transformers' forward) and "kernel+lean" (the default: our kernel and the lean forward);
+   beside the roofline floor max(weight bytes / read bandwidth, FLOPs / peak), the peak being the
+   faster of the library GEMM and our kernel at 256 rows (jacobi_ext.decoding.roofline's rule).
 
-    pytest bench/bench_cpu_linear.py --benchmark-json=out/cpu_linear.json
-    JACOBI_BENCH_QUICK=1 pytest bench/bench_cpu_linear.py     # tiny model, seconds
+    pytest bench/bench_cpu_linear.py -o python_files='bench_*.py' --benchmark-json=cpu_linear.json
+    JACOBI_BENCH_QUICK=1 pytest bench/bench_cpu_linear.py -o python_files='bench_*.py'  # seconds
 """
 
 from __future__ import annotations
@@ -22,80 +29,171 @@ import torch
 from jacobi_ext.decoding import prepack
 
 QUICK = os.environ.get("JACOBI_BENCH_QUICK", "") not in ("", "0")
-ROUNDS = 3 if QUICK else int(os.environ.get("JACOBI_BENCH_ROUNDS", "15"))
+ROUNDS = 3 if QUICK else int(os.environ.get("JACOBI_BENCH_ROUNDS", "11"))
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-pytestmark = pytest.mark.skipif(
-    not prepack.available(), reason="oneDNN bf16 packing needs a CPU with AVX512-BF16 / AMX"
-)
+pytestmark = pytest.mark.skipif(not prepack.kernel_available(), reason="no CPU linear kernel")
 
 
-def _alternate(a, b, rounds=ROUNDS) -> tuple[float, float]:
-    """Medians (seconds) of a() and b() run alternately, after one warm-up call each."""
-    a(), b()
-    ta, tb = [], []
+def _interleaved(fns: dict, rounds=ROUNDS) -> dict[str, float]:
+    """Median seconds of each fn, run round-robin (A, B, C, A, B, C, ...) after one warm-up
+    call each, so load swings from other processes hit all of them alike."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
     for _ in range(rounds):
-        for f, ts in ((a, ta), (b, tb)):
+        for k, f in fns.items():
             t0 = time.perf_counter()
             f()
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
-
-
-def _record(benchmark, plain: float, packed: float, **info) -> None:
-    benchmark.extra_info.update(
-        plain_ms=round(plain * 1e3, 3),
-        packed_ms=round(packed * 1e3, 3),
-        speedup=round(plain / packed, 3),
-        **info,
-    )
-
-
-SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
-
-
-@pytest.mark.parametrize("rows", [1, 16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_linear(benchmark, shape, rows):
-    out_f, in_f = (max(8, s // 64) for s in shape) if QUICK else shape
-    lin = torch.nn.Linear(in_f, out_f, bias=False).to(torch.bfloat16)
-    x = torch.randn(1, rows, in_f).to(torch.bfloat16)
-    packed_forward = prepack._PackedLinear(lin)  # what a packed step calls in place of forward
-    assert packed_forward.refresh()  # makes the packed copy
-
-    def packed():
-        return packed_forward(x)
-
-    with torch.inference_mode():
-        assert torch.equal(packed(), torch.nn.functional.linear(x, lin.weight))
-        plain, pk = _alternate(lambda: torch.nn.functional.linear(x, lin.weight), packed)
-        benchmark.pedantic(packed, rounds=1, iterations=1)
-    _record(benchmark, plain, pk, shape=[out_f, in_f], rows=rows)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 @pytest.fixture(scope="module")
-def bf16_model():
+def peaks():
+    """The machine's read bandwidth (GB/s) and, per dtype, compute peak (GFLOP/s) this run: the
+    library GEMM (`torch.mm` 2048^2) and our kernel at 256 rows of a 1536 x 576 weight in cache;
+    the floor takes the faster (as jacobi_ext.decoding.roofline does: a floor must be a floor)."""
+    from jacobi_ext._native import ops
+
+    n = (1 << 20) if QUICK else (212 << 20) // 4
+    x = torch.randn(n)
+    t = _interleaved({"sum": lambda: x.sum()})["sum"]
+    out = {"read_gbps": x.numel() * 4 / t / 1e9}
+    size = 256 if QUICK else 2048
+    for name, dt in DTYPES.items():
+        a, b = torch.randn(size, size).to(dt), torch.randn(size, size).to(dt)
+        w = torch.randn(1536, 576).to(dt)
+        p, xs = ops.cpu_linear_pack(w), torch.randn(256, 576).to(dt)
+        t = _interleaved(
+            {
+                "mm": lambda a=a, b=b: a @ b,
+                "kernel": lambda p=p, xs=xs: ops.cpu_linear(xs, p, 1536),
+            },
+            rounds=3 if QUICK else 5,
+        )
+        out[f"gemm_gflops_{name}"] = 2 * size**3 / t["mm"] / 1e9
+        out[f"kernel_gflops_{name}"] = 2 * 256 * 1536 * 576 / t["kernel"] / 1e9
+        out[f"peak_gflops_{name}"] = max(out[f"gemm_gflops_{name}"], out[f"kernel_gflops_{name}"])
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_linear(benchmark, peaks, dtype, rows):
+    """One call per weight over all of them: the weights stream from memory on every call."""
+    from jacobi_ext._native import ops
+
+    dt = DTYPES[dtype]
+    out_f, in_f = (96, 64) if QUICK else (1536, 576)
+    total = (1 << 20) if QUICK else 212 << 20  # bytes of weights, beyond any cache
+    count = max(2, total // (out_f * in_f * dt.itemsize))
+    ws = [torch.randn(out_f, in_f).to(dt) for _ in range(count)]
+    packed = [ops.cpu_linear_pack(w) for w in ws]
+    x = torch.randn(rows, in_f).to(dt)
+    for w, p in zip(ws[:2], packed[:2], strict=True):  # the same product (another sum order)
+        torch.testing.assert_close(
+            ops.cpu_linear(x, p, out_f), torch.nn.functional.linear(x, w), rtol=2e-2, atol=2e-1
+        )
+
+    def f_linear():
+        for w in ws:
+            torch.nn.functional.linear(x, w)
+
+    def kernel():
+        for p in packed:
+            ops.cpu_linear(x, p, out_f)
+
+    t = _interleaved({"F.linear": f_linear, "kernel": kernel})
+    benchmark.pedantic(kernel, rounds=1, iterations=1)
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    flops = 2 * rows * sum(w.numel() for w in ws)
+    peak = peaks[f"gemm_gflops_{dtype}"]  # the issue's yardstick: the library GEMM's peak
+    info = {"dtype": dtype, "rows": rows, "weights_mb": round(nbytes / 1e6, 1)}
+    for k, s in t.items():
+        info[f"{k}_ms"] = round(s * 1e3, 3)
+        info[f"{k}_gbps"] = round(nbytes / s / 1e9, 1)
+        info[f"{k}_gflops"] = round(flops / s / 1e9, 1)
+    info.update(
+        speedup=round(t["F.linear"] / t["kernel"], 2),
+        read_gbps=round(peaks["read_gbps"], 1),
+        gemm_gflops=round(peak, 1),
+        kernel_share_of_read_bw=round(nbytes / t["kernel"] / 1e9 / peaks["read_gbps"], 3),
+        kernel_share_of_gemm_peak=round(flops / t["kernel"] / 1e9 / peak, 3),
+        kernel_peak_gflops=round(peaks[f"kernel_gflops_{dtype}"], 1),
+        # the floor of this call: the weights read once, or the FLOPs at the GEMM peak
+        kernel_vs_floor=round(
+            t["kernel"] / max(nbytes / (peaks["read_gbps"] * 1e9), flops / (peak * 1e9)), 2
+        ),
+        threads=torch.get_num_threads(),
+    )
+    benchmark.extra_info.update(info)
+
+
+@pytest.fixture(scope="module")
+def models():
     from jacobi_ext.models import load_model, tiny_llama
 
-    if QUICK:
-        return tiny_llama(vocab_size=128, seed=0).to(torch.bfloat16)
-    return load_model(os.environ.get("JACOBI_BENCH_MODEL") or None, dtype=torch.bfloat16)[0]
+    out = {}
+    for name, dt in DTYPES.items():
+        if QUICK:
+            out[name] = tiny_llama(vocab_size=128, seed=0).to(dt)
+        else:
+            out[name] = load_model(os.environ.get("JACOBI_BENCH_MODEL") or None, dtype=dt)[0]
+    return out
 
 
-@pytest.mark.parametrize("width", [1, 4, 16])
-def test_decoding_step(benchmark, bf16_model, width, monkeypatch):
-    """The runtime's step at `width` new tokens over 256 of context, packing on and off."""
+CONFIGS = {  # name -> environment of the runtime's forward
+    "before": {"JACOBI_EXT_CPU_LINEAR": "0", "JACOBI_EXT_LEAN": "0"},
+    "kernel": {"JACOBI_EXT_CPU_LINEAR": "kernel", "JACOBI_EXT_LEAN": "0"},
+    "kernel+lean": {"JACOBI_EXT_CPU_LINEAR": "kernel", "JACOBI_EXT_LEAN": "1"},
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_decoding_step(benchmark, peaks, models, dtype, monkeypatch):
+    """The runtime's step at widths 1, 4, 16, 64 over 256 tokens of context, per configuration,
+    all interleaved in one run; with the roofline floor of each width."""
+    from jacobi_ext.decoding import roofline
     from jacobi_ext.decoding.runtime import StepProbe
 
-    probe = StepProbe(bf16_model, context=32 if QUICK else 256, max_q=16)
+    model = models[dtype]
+    context = 32 if QUICK else 256
+    widths = (1, 4, 16, 64)
+    probes = {}
+    for name, env in CONFIGS.items():
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        probes[name] = StepProbe(model, context=context, max_q=max(widths))  # path fixed here
 
-    def run(env):
+    def call(name, q):
         def f():
-            monkeypatch.setenv("JACOBI_EXT_CPU_PREPACK", env)
-            return probe(width)
+            for k, v in CONFIGS[name].items():
+                os.environ[k] = v
+            return probes[name](q)
 
         return f
 
-    assert torch.equal(run("0")(), run("1")())  # the same targets, bit for bit
-    plain, pk = _alternate(run("0"), run("1"))
-    benchmark.pedantic(run("1"), rounds=1, iterations=1)
-    _record(benchmark, plain, pk, width=width, threads=torch.get_num_threads())
+    targets = {name: call(name, 16)() for name in CONFIGS}
+    if dtype == "fp32":  # the kernel sums in another order than MKL: compare the two kernels'
+        assert torch.equal(targets["kernel"], targets["kernel+lean"])
+    fns = {f"{name} q={q}": call(name, q) for q in widths for name in CONFIGS}
+    t = _interleaved(fns)
+    benchmark.pedantic(call("kernel+lean", 1), rounds=1, iterations=1)
+    cost = roofline.model_cost(model)
+    m = roofline.Machine(
+        read_gbps=peaks["read_gbps"], peak_gflops=peaks[f"peak_gflops_{dtype}"], dtype=dtype,
+        threads=torch.get_num_threads(), hardware="this run", device="cpu",
+    )  # fmt: skip
+    info = {"dtype": dtype, "context": context, "weight_mb": round(cost.weight_bytes / 1e6, 1)}
+    for q in widths:
+        floor = roofline.floor_seconds(m, cost, q, context)
+        info[f"floor_ms q={q}"] = round(floor * 1e3, 2)
+        for name in CONFIGS:
+            s = t[f"{name} q={q}"]
+            info[f"{name}_ms q={q}"] = round(s * 1e3, 2)
+            info[f"{name}_x_floor q={q}"] = round(s / floor, 2)
+    for name in CONFIGS:
+        info[f"{name} t16/t1"] = round(t[f"{name} q=16"] / t[f"{name} q=1"], 2)
+    info.update(read_gbps=round(peaks["read_gbps"], 1), gemm_gflops=round(m.peak_gflops, 1))
+    benchmark.extra_info.update(info)

@@ -22,8 +22,8 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
     if suite == "bench_cpu_linear.py":
         from jacobi_ext.decoding import prepack
 
-        if not prepack.available():
-            pytest.skip("oneDNN bf16 packing needs a CPU with AVX512-BF16 / AMX")
+        if not prepack.kernel_available():
+            pytest.skip("this build has no CPU linear kernel")
     out = tmp_path / "bench.json"
     env = dict(os.environ, JACOBI_BENCH_QUICK="1", JACOBI_EXT_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(
