@@ -75,14 +75,21 @@ def test_decoding_loop_overhead(benchmark, bench_model):
 
 
 @pytest.mark.parametrize("q", [1, 2, 4, 8, 16, 32, 64, 128, 256])
-def test_forward_latency_vs_tokens(benchmark, bench_model, q):
+def test_forward_latency_vs_tokens(benchmark, bench_model, q, record_property):
     """The roofline this library tunes to: one decoding step of q new tokens over a 256-token
-    cache, run as the engine runs it (static runtime; a CUDA graph replay on GPUs)."""
+    cache, run as the engine runs it (static runtime; a CUDA graph replay on GPUs), beside the
+    floor this machine allows (jacobi_ext.decoding.roofline: max(weight bytes / read bandwidth,
+    FLOPs / compute peak), both measured here and cached; the summary prints the table)."""
+    from jacobi_ext.decoding import roofline
     from jacobi_ext.decoding.runtime import StepProbe
 
     model, _, _, _ = bench_model
     probe = StepProbe(model, context=256, max_q=q)
-    dev = next(model.parameters()).device
+    p = next(model.parameters())
+    dev = p.device
+    machine = roofline.machine(dev, p.dtype)
+    cost = roofline.model_cost(model)
+    floor = roofline.floor_seconds(machine, cost, q, 256)
 
     def fwd():
         probe(q)
@@ -90,4 +97,15 @@ def test_forward_latency_vs_tokens(benchmark, bench_model, q):
             torch.cuda.synchronize(dev)
 
     benchmark.pedantic(fwd, rounds=7, iterations=1, warmup_rounds=1)
-    benchmark.extra_info.update(tokens=q)
+    info = dict(
+        tokens=q,
+        read_gbps=round(machine.read_gbps, 2),
+        peak_gflops=round(machine.peak_gflops, 1),
+        weight_bytes=cost.weight_bytes,
+        floor_ms=1e3 * floor,
+    )
+    measured = benchmark.stats.stats.median if benchmark.stats is not None else None
+    if measured is not None:  # no stats under --benchmark-disable
+        info["x_floor"] = round(measured / floor, 3)
+    benchmark.extra_info.update(info)
+    record_property("roofline", dict(info, machine=machine.describe(), seconds=measured))

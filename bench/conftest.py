@@ -34,6 +34,32 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["torch_version"] = torch.__version__
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The forward-latency benchmark's roofline (bench_verify.py): the machine's ceilings, the
+    model's weight bytes, and per width the floor beside the measured time."""
+    rows = [
+        dict(r.user_properties)["roofline"]
+        for r in terminalreporter.stats.get("passed", [])
+        if r.when == "call" and "roofline" in dict(r.user_properties)
+    ]
+    if not rows:
+        return
+    rows.sort(key=lambda e: e["tokens"])
+    tr = terminalreporter
+    tr.section("roofline: forward latency vs its floor")
+    tr.write_line(rows[0]["machine"])
+    tr.write_line(
+        f"model: {rows[0]['weight_bytes'] / 1e6:.1f} MB of weights read per forward; "
+        "floor = max(bytes / bandwidth, FLOPs(q) / peak), cache of 256"
+    )
+    tr.write_line(f"{'tokens':>7} {'median ms':>10} {'floor ms':>9} {'x floor':>8}")
+    for e in rows:
+        s = e.get("seconds")
+        measured = f"{1e3 * s:10.2f}" if s is not None else f"{'-':>10}"
+        ratio = f"{1e3 * s / e['floor_ms']:8.2f}" if s is not None else f"{'-':>8}"
+        tr.write_line(f"{e['tokens']:>7} {measured} {e['floor_ms']:9.2f} {ratio}")
+
+
 @pytest.fixture(scope="session")
 def quick() -> bool:
     return QUICK

@@ -162,7 +162,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jacobi_ext.decoding import tuning
+    from jacobi_ext.decoding import roofline, tuning
 
     console = Console()
     with console.status("loading model"):
@@ -170,6 +170,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     curve = tuning.step_curve(model, remeasure=args.remeasure, progress=True)
     prof = tuning.load_profile(model)
     rho = args.rho if args.rho is not None else prof.get("rho", tuning.PRIOR_RHO)
+    # The roofline (issue 36 §3): what this machine allows each width to cost.
+    p = next(model.parameters())
+    with console.status("measuring read bandwidth and compute peak"):
+        machine = roofline.machine(p.device, p.dtype)
+    cost = roofline.model_cost(model)
+    console.print(machine.describe())
+    console.print(
+        f"model: {cost.weight_bytes / 1e6:.1f} MB of weights read per forward, "
+        f"{2 * cost.linear_params / 1e6:.0f} MFLOP per token in its linears; "
+        "floor t_min(q) = max(bytes / bandwidth, FLOPs(q) / peak)"
+    )
     t = Table(
         title=f"forward time vs new tokens ({curve.hardware}, {curve.dtype}, "
         f"{curve.threads} threads, cache {curve.context})"
@@ -177,8 +188,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     t.add_column("tokens", justify="right")
     t.add_column("ms", justify="right")
     t.add_column("x one token", justify="right")
-    for q, s in zip(curve.sizes, curve.seconds, strict=True):
-        t.add_row(str(q), f"{1e3 * s:.1f}", f"{s / curve.seconds[0]:.2f}")
+    t.add_column("floor ms", justify="right")
+    t.add_column("x floor", justify="right")
+    rows = roofline.roofline_rows(curve, machine, cost, sizes=curve.sizes)
+    for (q, _, floor_ms, ratio), s in zip(rows, curve.seconds, strict=True):
+        t.add_row(
+            str(q),
+            f"{1e3 * s:.1f}",
+            f"{s / curve.seconds[0]:.2f}",
+            f"{floor_ms:.1f}",
+            f"{ratio:.2f}",
+        )
     console.print(t)
     console.print(f"knee (within 25% of one token): {curve.knee()} tokens")
     src = (
@@ -211,7 +231,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.plot:
         from jacobi_ext.plots import plot_step_curve
 
-        path = plot_step_curve(curve, args.plot)
+        floor = roofline.floor_curve(machine, cost, curve)
+        path = plot_step_curve(curve, args.plot, floor=floor)
         console.print(f"curve written to {path}")
     return 0
 

@@ -66,7 +66,7 @@ def run_demo(args) -> int:
 
     from jacobi_ext.cli import sampling_kwargs
     from jacobi_ext.data import humaneval_input_ids, load_humaneval
-    from jacobi_ext.decoding import generate, tuning
+    from jacobi_ext.decoding import generate, roofline, tuning
     from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
     from jacobi_ext.models import DTYPE_NAMES, load_model
     from jacobi_ext.plots import plot_step_curve
@@ -87,7 +87,11 @@ def run_demo(args) -> int:
     shown = distilled if distilled is not None else "base"
     model, tok = models[shown]
     curve = tuning.step_curve(model, progress=True)
-    png = plot_step_curve(curve, out_dir / "forward_latency_vs_tokens.png")
+    param = next(model.parameters())  # the roofline floor beside the measured curve
+    floor = roofline.floor_curve(
+        roofline.machine(param.device, param.dtype), roofline.model_cost(model), curve
+    )
+    png = plot_step_curve(curve, out_dir / "forward_latency_vs_tokens.png", floor=floor)
     problems = load_humaneval(args.prompts)
     # Under --do-sample the baseline is transformers' sampling with the same filters, and each
     # model's reference is our own AR sample (the same noise: the parallel rows must equal it).
@@ -195,6 +199,7 @@ def run_demo(args) -> int:
                     "seconds": curve.seconds,
                     "hardware": curve.hardware,
                     "dtype": curve.dtype,
+                    "floor": floor,
                 },
             },
             indent=1,

@@ -117,7 +117,7 @@ def _plt():
 
 def figure_forward_latency(benches, path: Path) -> Path | None:
     pts = sorted(
-        (b["extra_info"]["tokens"], _median(b))
+        (b["extra_info"]["tokens"], _median(b), b["extra_info"].get("floor_ms"))
         for b in benches
         if b["name"].startswith("test_forward_latency_vs_tokens")
     )
@@ -126,8 +126,12 @@ def figure_forward_latency(benches, path: Path) -> Path | None:
     from jacobi_ext.decoding.tuning import StepCurve
     from jacobi_ext.plots import plot_step_curve
 
-    curve = StepCurve([q for q, _ in pts], [s for _, s in pts], 256, "", "", 0, "")
-    return plot_step_curve(curve, path, title="forward latency vs parallel tokens (cache of 256)")
+    curve = StepCurve([q for q, _, _ in pts], [s for _, s, _ in pts], 256, "", "", 0, "")
+    # The roofline floor the benchmark recorded beside each width (older runs have none).
+    floor = [f / 1e3 for _, _, f in pts] if all(f is not None for _, _, f in pts) else None
+    return plot_step_curve(
+        curve, path, title="forward latency vs parallel tokens (cache of 256)", floor=floor
+    )
 
 
 def figure_sweep(benches, path: Path) -> Path | None:
@@ -282,11 +286,11 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
                 f"- host loop outside the model forward: **{100 * e['loop_share']:.1f}%** "
                 f"of step time ({e['per_step_overhead_ms']:.2f} ms per step; target <= 5%)"
             )
-    fwd = sorted(
-        (b["extra_info"]["tokens"], _median(b))
-        for b in benches
-        if b["name"].startswith("test_forward_latency_vs_tokens")
+    fwd_b = sorted(
+        (b for b in benches if b["name"].startswith("test_forward_latency_vs_tokens")),
+        key=lambda b: b["extra_info"]["tokens"],
     )
+    fwd = [(b["extra_info"]["tokens"], _median(b)) for b in fwd_b]
     if fwd:
         out += [
             "",
@@ -297,6 +301,19 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
             "| ms | " + " | ".join(f"{1e3 * s:.1f}" for _, s in fwd) + " |",
             "| x one token | " + " | ".join(f"{s / fwd[0][1]:.2f}" for _, s in fwd) + " |",
         ]
+        floors = [b["extra_info"].get("floor_ms") for b in fwd_b]
+        if all(f is not None for f in floors):  # the roofline the benchmark recorded
+            e = fwd_b[0]["extra_info"]
+            out += [
+                "| floor ms | " + " | ".join(f"{f:.1f}" for f in floors) + " |",
+                "| x floor | "
+                + " | ".join(f"{1e3 * s / f:.2f}" for (_, s), f in zip(fwd, floors, strict=True))
+                + " |",
+                "",
+                f"Floor t_min(q) = max(weight bytes / read bandwidth, FLOPs(q) / compute peak): "
+                f"{e['weight_bytes'] / 1e6:.1f} MB of weights, read {e['read_gbps']:.1f} GB/s, "
+                f"peak {e['peak_gflops']:.0f} GFLOP/s (this machine, as the run recorded them).",
+            ]
     sweep = [b for b in benches if b["name"].startswith("test_sweep[")]
     if sweep:
         refs = {
