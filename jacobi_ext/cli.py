@@ -167,7 +167,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     console = Console()
     with console.status("loading model"):
         model, _ = _load(args)
-    curve = tuning.step_curve(model, remeasure=args.remeasure, progress=True)
+    curve = tuning.step_curve(model, remeasure=args.remeasure, progress=True, full=True)
     prof = tuning.load_profile(model)
     rho = args.rho if args.rho is not None else prof.get("rho", tuning.PRIOR_RHO)
     # The roofline (issue 36 §3): what this machine allows each width to cost.

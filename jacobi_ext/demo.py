@@ -86,7 +86,7 @@ def run_demo(args) -> int:
             models[distilled] = load_model(distilled, dtype=dtype, device=args.device)
     shown = distilled if distilled is not None else "base"
     model, tok = models[shown]
-    curve = tuning.step_curve(model, progress=True)
+    curve = tuning.step_curve(model, progress=True, full=True)
     param = next(model.parameters())  # the roofline floor beside the measured curve
     floor = roofline.floor_curve(
         roofline.machine(param.device, param.dtype), roofline.model_cost(model), curve

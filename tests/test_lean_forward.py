@@ -29,9 +29,10 @@ def _model(family, attn, dtype, seed=0):
     return m.to(dtype)
 
 
-def _logits(model, lean_env, monkeypatch, ids, pad, drafts):
+def _logits(model, lean_env, monkeypatch, ids, pad, drafts, fused="0"):
     """Logits of a prefill (prompts + drafts) and of one step after it, from a fresh runtime."""
     monkeypatch.setenv("JACOBI_EXT_LEAN", lean_env)
+    monkeypatch.setenv("JACOBI_EXT_FUSED", fused)
     B = ids.shape[0]
     rt = StaticRuntime(model, B, 64, 16)
     keep = lambda logits, pos: logits.clone()  # noqa: E731  (the rule sees the raw logits)
@@ -48,7 +49,9 @@ def _logits(model, lean_env, monkeypatch, ids, pad, drafts):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family,attn", MODELS)
-def test_lean_logits_are_transformers_forward_bitwise(family, attn, dtype, monkeypatch):
+def test_lean_logits_match_transformers_forward(family, attn, dtype, monkeypatch):
+    """With the model's own attention and norms (JACOBI_EXT_FUSED=0) the lean forward is
+    transformers' forward bit for bit; with our fused attention and RMSNorm, to rounding."""
     model = _model(family, attn, dtype)
     assert lean.why_not(model) is None
     g = torch.Generator().manual_seed(1)
@@ -59,13 +62,20 @@ def test_lean_logits_are_transformers_forward_bitwise(family, attn, dtype, monke
     pre_lean, step_lean = _logits(model, "1", monkeypatch, ids, pad, drafts)
     assert torch.equal(pre_lean, pre_hf)
     assert torch.equal(step_lean, step_hf)
+    pre_fused, step_fused = _logits(model, "1", monkeypatch, ids, pad, drafts, fused="1")
+    tol = dict(rtol=0, atol=0.02 * float(pre_hf.abs().max())) if dtype == torch.bfloat16 else {}
+    real = torch.ones_like(pre_hf[..., 0], dtype=torch.bool)
+    real[1, :3] = False  # padding queries see only themselves: their logits are not used
+    torch.testing.assert_close(pre_fused[real], pre_hf[real], **tol)
+    torch.testing.assert_close(step_fused, step_hf, **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_every_method_is_our_ar_on_the_kernel(family, dtype, monkeypatch):
-    """Lossless where the linears run on our kernel: jacobi, multiblock (with and without lookup
-    drafts) and a batch give exactly our AR's tokens; lean forward on and off agree too."""
+    """Lossless where the linears run on our kernel (and attention and norms on our fused ops):
+    jacobi, multiblock (with and without lookup drafts) and a batch give exactly our AR's
+    tokens."""
     assert prepack.kernel_available()
     monkeypatch.setattr(prepack, "cpu_has_amx", lambda: False)  # the kernel, not a measurement
     model = _model(family, "sdpa", dtype, seed=4)
@@ -83,8 +93,11 @@ def test_every_method_is_our_ar_on_the_kernel(family, dtype, monkeypatch):
         assert torch.equal(got, ar), name
         one = generate(model, ids[1:2], max_new_tokens=48, **kw).tokens  # batch of one
         assert torch.equal(one[0, : one.shape[1]], ar[1, : one.shape[1]]), name
+    # Without the fused ops the lean forward is transformers' (bitwise): the same tokens.
+    monkeypatch.setenv("JACOBI_EXT_FUSED", "0")
+    unfused = generate(model, ids, max_new_tokens=48, method="ar").tokens
     monkeypatch.setenv("JACOBI_EXT_LEAN", "0")
-    assert torch.equal(generate(model, ids, max_new_tokens=48, method="ar").tokens, ar)
+    assert torch.equal(generate(model, ids, max_new_tokens=48, method="ar").tokens, unfused)
 
 
 def test_weights_changed_between_calls_are_repacked():

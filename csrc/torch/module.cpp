@@ -88,6 +88,12 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def("cpu_linear_pack_cat(Tensor[] weights) -> Tensor");
   m.def("cpu_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
   m.def("cpu_linear_info(ScalarType dtype) -> str");
+  // The small ops of a CPU decoding step, fused (csrc/cpu/decode_cpu.h), float32 or bfloat16,
+  // each row computed alone (no dependence on the other rows of the call):
+  // attention of q [B, Hq, Q, D] over k, v [B, Hkv, W, D] (Hq % Hkv == 0) where mask [B, 1, Q, W]
+  // (bool) allows, out [B, Q, Hq, D]; and transformers' RMSNorm of x [..., n] with weight [n].
+  m.def("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def("cpu_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 namespace {

@@ -11,8 +11,14 @@ forward walks the layers in one loop and calls the model's own pieces directly:
   - the q, k, v projections as one linear and the gate and up projections as one, through our
     kernel from weights packed once (the same values: each output of the kernel is one fp32
     chain over the input features, whichever other rows or columns are computed beside it).
-So its logits are bitwise those of transformers' forward with our kernel behind every
-`nn.Linear` (tests/test_lean_forward.py), and decoding returns the same tokens either way.
+  - by default, attention and RMSNorm through our fused CPU ops (csrc/cpu/decode_cpu.h:
+    torch's SDPA cost ~55 us a call at one query row and ~120 us at 16, for a few hundred
+    thousand FLOPs; an RMSNorm, seven ATen ops). Like the linear kernel, they compute each row
+    alone, so a token's hidden state does not depend on how many tokens the step feeds.
+With JACOBI_EXT_FUSED=0 (the model's own attention function and norms) its logits are bitwise
+those of transformers' forward with our kernel behind every `nn.Linear`; with the fused ops they
+agree to rounding (tests/test_lean_forward.py), and every decoding method returns exactly the
+tokens of our AR either way.
 
 Where it applies (`lean_decoder(model)`): a CPU model whose linears run on our kernel
 (prepack.backend == "kernel"), of a class whose layers are exactly Llama's (Llama, Qwen2 and
@@ -47,6 +53,8 @@ def _unsupported(model) -> str | None:
             return f"the model has no model.{name}"
     if type(getattr(model, "lm_head", None)) is not nn.Linear:
         return "lm_head is not an nn.Linear"
+    if not (hasattr(inner.norm, "variance_epsilon") and hasattr(inner.norm, "weight")):
+        return "the final norm is not Llama's RMSNorm"
     if type(inner.embed_tokens) is not nn.Embedding:
         return "embed_tokens is not an nn.Embedding"
     for i, layer in enumerate(inner.layers):
@@ -59,8 +67,9 @@ def _unsupported(model) -> str | None:
             return f"layer {i} uses a sliding window"
         if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
             return f"layer {i} normalises q/k"
-        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm")):
-            return f"layer {i} lacks Llama's two norms"
+        norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+        if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
+            return f"layer {i} lacks Llama's two RMSNorms"
         if len(list(layer.children())) != 4 or len(list(attn.children())) != 4:
             return f"layer {i} has modules beyond Llama's"
     return None
@@ -122,6 +131,10 @@ class _Layer:
         return (self.qkv, self.o, self.gate_up, self.down)
 
 
+def _off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "off", "false", "no")
+
+
 class LeanDecoder:
     """The lean forward of one model (see the module docstring)."""
 
@@ -141,8 +154,11 @@ class LeanDecoder:
 
             self.attention = ALL_ATTENTION_FUNCTIONS[impl]
         self.impl = impl
+        self.fused = True
 
     def refresh(self) -> None:
+        """Repack what changed; read JACOBI_EXT_FUSED (at each prefill: a call's steps agree)."""
+        self.fused = not _off("JACOBI_EXT_FUSED")
         for layer in self.layers:
             for lin in layer.linears():
                 lin.refresh()
@@ -154,31 +170,47 @@ class LeanDecoder:
         `mask` (the attention function's format) to what the runtime's cache holds after this
         step's K/V are written (cache.layers[i].update, as transformers' attention calls it)."""
         inner = self.inner
+        fused = self.fused
+        ops = torch.ops.jacobi_ext
+        norm = _fused_norm if fused else _module_norm
+        if fused and mask.dtype != torch.bool:  # eager attention's additive mask: 0 = visible
+            mask = mask == 0
         h = inner.embed_tokens.forward(ids)
         cos, sin = inner.rotary_emb.forward(h, pos)
         B, Q = ids.shape
         for i, L in enumerate(self.layers):
             a = L.attn
             residual = h
-            x = L.ln1.forward(h)
+            x = norm(L.ln1, h)
             q, k, v = L.qkv(x).split(L.splits, dim=-1)
             q = q.view(B, Q, -1, a.head_dim).transpose(1, 2)
             k = k.view(B, Q, -1, a.head_dim).transpose(1, 2)
             v = v.view(B, Q, -1, a.head_dim).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
             k, v = cache.layers[i].update(k, v)
-            out, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
+            if fused:
+                out = ops.cpu_decode_attention(q, k, v, mask, a.scaling)  # [B, Q, H, D]
+            else:
+                out, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
             h = residual + L.o(out.reshape(B, Q, -1).contiguous())
             residual = h
-            x = L.ln2.forward(h)
+            x = norm(L.ln2, h)
             g, u = L.gate_up(x).split((L.mlp_split, L.mlp_split), dim=-1)
             h = residual + L.down(L.act(g) * u)
-        return self.head(inner.norm.forward(h))
+        return self.head(norm(inner.norm, h))
+
+
+def _fused_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.jacobi_ext.cpu_rms_norm(x, norm.weight, norm.variance_epsilon)
+
+
+def _module_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    return norm.forward(x)
 
 
 def lean_decoder(model) -> LeanDecoder | None:
     """The model's lean forward, packed and up to date, or None where it does not apply."""
-    if os.environ.get("JACOBI_EXT_LEAN", "1").strip().lower() in ("0", "off", "false", "no"):
+    if _off("JACOBI_EXT_LEAN"):
         return None
     if torch.is_grad_enabled() or prepack.backend(model) != "kernel":
         return None  # (the runtime's forwards run under inference mode)
@@ -195,7 +227,7 @@ def lean_decoder(model) -> LeanDecoder | None:
 
 def why_not(model) -> str | None:
     """Why the lean forward does not run for `model` (None: it does)."""
-    if os.environ.get("JACOBI_EXT_LEAN", "1").strip().lower() in ("0", "off", "false", "no"):
+    if _off("JACOBI_EXT_LEAN"):
         return "JACOBI_EXT_LEAN=0"
     if prepack.backend(model) != "kernel":
         return f"its linears do not run on the CPU kernel (backend {prepack.backend(model)})"

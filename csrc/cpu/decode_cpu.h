@@ -1,0 +1,63 @@
+// The small ops of a CPU decoding step, fused: attention of a few query rows over the KV cache,
+// and RMSNorm. Torch-free interface; kernels in decode_cpu.cpp (compiled per ISA, isa.h).
+//
+// Why: with the linears at the memory roofline (linear_cpu.h), a one-token step of SmolLM2-135M
+// spent ~1.7 ms in 30 calls of torch's SDPA (~55 us each, for ~0.4 MFLOP) and ~1 ms in 61
+// RMSNorms of seven ATen ops each, against ~9 ms of weights to read.
+//
+// Both compute each output row alone, in a fixed order (keys in slot order; features in order),
+// so a row's result never depends on the other rows of the call, like the linear's: a token's
+// hidden state is the same bits in a 1-token and a 64-token step.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/isa.h"
+#include "cpu/linear_cpu.h"
+
+namespace jacobi::cpu {
+
+struct DecodeAttnArgs {
+  LinearDType dtype;       // of q, k, v, out (fp32 accumulation)
+  int64_t B, Hq, Hkv, Q, W, D;
+  const void* q;           // [B, Hq, Q, D], strides sq (elements; D contiguous)
+  int64_t sq_b, sq_h, sq_q;
+  const void* k;           // [B, Hkv, W, D], strides sk
+  int64_t sk_b, sk_h, sk_w;
+  const void* v;           // [B, Hkv, W, D], strides sv
+  int64_t sv_b, sv_h, sv_w;
+  const bool* mask;        // [B, Q, W] contiguous: query i may see slot j
+  float scale;
+  void* out;               // [B, Q, Hq, D] contiguous (the layout the output projection reads)
+  float* scratch;          // threads * W floats
+};
+
+// Keys per row of the transposed key block: W rounded up to this (every ISA's vector width
+// divides it), so the scratch size does not depend on the ISA.
+constexpr int64_t kKeyPad = 16;
+
+// fp32 scratch (floats) decode_attention needs: Kt and V per (batch, kv head), and per thread
+// the scores of 4 rows, their queries and outputs.
+inline int64_t decode_attention_scratch_floats(int64_t B, int64_t Hkv, int64_t W, int64_t D,
+                                               int64_t threads) {
+  const int64_t ldk = (W + kKeyPad - 1) / kKeyPad * kKeyPad;
+  return B * Hkv * (D * ldk + W * D) + threads * (4 * ldk + 8 * D);
+}
+
+struct RmsNormArgs {
+  LinearDType dtype;  // of x, weight and y
+  int64_t rows, n;
+  const void* x;      // [rows, n] contiguous
+  const void* weight; // [n]
+  float eps;
+  void* y;            // [rows, n] contiguous
+};
+
+}  // namespace jacobi::cpu
+
+// out[b, i, h] = softmax_j(scale * q[b, h, i] . k[b, h / G, j] over mask[b, i, j]) v[b, h / G, j]
+// (G = Hq / Hkv). Rows that see no slot get zeros. Threads from torch's pool.
+JACOBI_DECLARE_CPU_KERNEL(void decode_attention(const ::jacobi::cpu::DecodeAttnArgs& args))
+// y = weight * (x * rsqrt(mean(x^2) + eps)), transformers' RMSNorm: the normalised row is
+// rounded to the dtype before the weight multiplies it (float32 statistics throughout).
+JACOBI_DECLARE_CPU_KERNEL(void rms_norm(const ::jacobi::cpu::RmsNormArgs& args))
