@@ -7,6 +7,8 @@ gets its backward through ``torch.library.register_autograd``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._native import ops
@@ -248,6 +250,91 @@ def _gumbel_argmax_fake(logits, keys, positions, temperature, top_k, top_p, min_
 @torch.library.register_fake("jacobi_ext::debug_gumbel_noise")
 def _debug_gumbel_noise_fake(keys, positions, vocab, uniform):
     return positions.new_empty(tuple(positions.shape) + (vocab,), dtype=torch.float64)
+
+
+# ---- the CPU decode-shaped linear (csrc/cpu/linear_cpu.h) ---------------------------------------
+_LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def cpu_linear_layout(dtype: torch.dtype) -> tuple[str, int]:
+    """(pack format, NR) of the CPU linear kernel of this process for a weight dtype, as
+    ``cpu_linear_info`` names them ("avx512 bf16_pairs NR=32" -> ("bf16_pairs", 32)). Both are
+    fixed once per process (the ISA is chosen at start), so the answer is cached."""
+    _isa, fmt, nr = ops.cpu_linear_info(dtype).split()
+    return fmt, int(nr.removeprefix("NR="))
+
+
+def cpu_linear_packed_shape(dtype: torch.dtype, N, K) -> tuple:
+    """The shape ``cpu_linear_pack`` gives an [N, K] weight on this CPU: [ceil(N / NR), k_rows,
+    NR], k_rows = K, or K rounded up to even for the bf16 pairs of AVX512-BF16."""
+    fmt, nr = cpu_linear_layout(dtype)
+    k_rows = (K + 1) // 2 * 2 if fmt == "bf16_pairs" else K
+    return ((N + nr - 1) // nr, k_rows, nr)
+
+
+def _check_linear_dtype(dtype: torch.dtype, name: str) -> None:
+    if dtype not in _LINEAR_DTYPES:
+        raise ValueError(
+            f"{name} must be float32 or bfloat16 (the CPU linear kernel's dtypes), got {dtype}; "
+            "other dtypes run through torch.nn.functional.linear"
+        )
+
+
+@torch.library.register_fake("jacobi_ext::cpu_linear_pack_cat")
+def _cpu_linear_pack_cat_fake(weights):
+    if not weights:
+        raise ValueError("cpu_linear_pack_cat needs at least one weight")
+    first = weights[0]
+    for i, w in enumerate(weights):
+        name = "weight" if len(weights) == 1 else f"weights[{i}]"
+        if w.dim() != 2:
+            raise ValueError(
+                f"{name} must be 2-D [out_features, in_features], got shape {tuple(w.shape)}"
+            )
+        _check_linear_dtype(w.dtype, name)
+        if w.dtype != first.dtype:
+            raise ValueError(f"{name} has dtype {w.dtype}, weights[0] {first.dtype}")
+        if w.shape[1] != first.shape[1]:
+            raise ValueError(
+                f"{name} has {w.shape[1]} input features, weights[0] has {first.shape[1]}"
+            )
+    N = sum(w.shape[0] for w in weights)
+    return first.new_empty(cpu_linear_packed_shape(first.dtype, N, first.shape[1]))
+
+
+@torch.library.register_fake("jacobi_ext::cpu_linear_pack")
+def _cpu_linear_pack_fake(weight):
+    return _cpu_linear_pack_cat_fake([weight])
+
+
+@torch.library.register_fake("jacobi_ext::cpu_linear")
+def _cpu_linear_fake(x, packed, out_features, bias=None):
+    # The checks of csrc/torch/linear_ops.cpp on metadata; y is x's shape with N last, x's dtype.
+    if x.dim() < 1:
+        raise ValueError("x must be [..., in_features], got a 0-d tensor")
+    _check_linear_dtype(x.dtype, "x")
+    if packed.dtype != x.dtype:
+        raise ValueError(
+            f"packed has dtype {packed.dtype} but x has {x.dtype}; pack the weight in x's dtype"
+        )
+    if not packed.is_contiguous():
+        raise ValueError("packed must be contiguous (call .contiguous())")
+    N, K = out_features, x.shape[-1]
+    if N < 0:
+        raise ValueError(f"out_features must be >= 0, got {N}")
+    want = cpu_linear_packed_shape(x.dtype, N, K)
+    if tuple(packed.shape) != want:
+        raise ValueError(
+            f"packed has shape {tuple(packed.shape)} but a {N} x {K} weight packs to {want} on "
+            "this CPU: pack it with cpu_linear_pack(weight) in this process, for this x"
+        )
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"bias must be [out_features={N}], got shape {tuple(bias.shape)}")
+        if bias.dtype not in (torch.float32, x.dtype):
+            raise ValueError(f"bias must be float32 or x's dtype ({x.dtype}), got {bias.dtype}")
+    return x.new_empty((*x.shape[:-1], N))
 
 
 def _attn_setup_context(ctx, inputs, output):

@@ -109,9 +109,11 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
                       bias->scalar_type());
   }
   const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
-  const at::Tensor x2 = x.reshape({-1, K});
+  // M from the leading dims, not reshape({-1, K}): that cannot infer M when K is 0.
+  int64_t M = 1;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) M *= x.size(i);
+  const at::Tensor x2 = x.reshape({M, K});
   const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
-  const int64_t M = xc.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x.options());
