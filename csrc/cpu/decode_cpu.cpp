@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace jacobi::cpu::JACOBI_ISA {
@@ -23,7 +24,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int kVL = Vec::size();
-constexpr int kRows = 4;  // query rows sharing each load of Kt / V (decode_cpu.h's scratch size)
+constexpr int kRows = kDecodeRows;  // query rows sharing each load of Kt / V (independent chains)
 static_assert(kKeyPad % kVL == 0, "the key padding must hold whole vectors");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -52,15 +53,15 @@ inline void score_tile(const float* q, int64_t D, const float* kt, int64_t ldk, 
   for (int r = 0; r < R; ++r) acc[r].store(s + r * lds + j0);
 }
 
-// out[r][:] = sum_j p[r][j] * V[j][:], j in slot order (only where p > 0: masked slots are 0).
+// out[r][:] = sum_j p[r][j] * V[j][:] (rows of V ldv apart), j in slot order (only where p > 0: masked slots are 0).
 template <int R>
-inline void pv_tile(const float* p, int64_t lds, const float* v, int64_t W, int64_t D,
-                    int64_t d0, float* out) {
+inline void pv_tile(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t W,
+                    int64_t D, int64_t d0, float* out) {
   const int64_t n = std::min<int64_t>(kVL, D - d0);
   Vec acc[R];
   for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
   for (int64_t j = 0; j < W; ++j) {
-    const Vec vv = Vec::loadu(v + j * D + d0, n);
+    const Vec vv = Vec::loadu(v + j * ldv + d0, n);
     for (int r = 0; r < R; ++r) {
       const float pr = p[r * lds + j];
       if (pr != 0.f) acc[r] = at::vec::fmadd(Vec(pr), vv, acc[r]);
@@ -69,35 +70,60 @@ inline void pv_tile(const float* p, int64_t lds, const float* v, int64_t W, int6
   for (int r = 0; r < R; ++r) acc[r].store(out + r * D + d0, n);
 }
 
-template <typename T>
-void attention(const DecodeAttnArgs& a) {
+// The attention of DecodeAttnArgs, with each query row given by load_q(b, h, i, dst): dst[0, D)
+// = the row in fp32 (before the scale).
+template <typename T, typename LoadQ>
+void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   const int64_t G = a.Hq / a.Hkv, D = a.D, W = a.W, Q = a.Q;
   const int64_t ldk = (W + kKeyPad - 1) / kKeyPad * kKeyPad;  // a multiple of kVL too
   const int64_t rows_per_group = G * Q;  // the query rows that read one kv head
   const int64_t chunks = (rows_per_group + kRows - 1) / kRows;
-  const T* qp = static_cast<const T*>(a.q);
   const T* kp = static_cast<const T*>(a.k);
   const T* vp = static_cast<const T*>(a.v);
   T* outp = static_cast<T*>(a.out);
-  // Pass 1: Kt [D, ldk] and V [W, D] in fp32 per (b, kv head).
+  // Pass 1: Kt [D, ldk] in fp32 per (b, kv head), by 16 x 16 register transposes; V read in
+  // place when fp32 (rows sv_w apart), else widened to fp32 [W, D].
   const int64_t groups = a.B * a.Hkv;
+  constexpr bool kF32 = std::is_same_v<T, float>;
   float* kt_all = a.scratch;
   float* v_all = kt_all + groups * D * ldk;
   float* tmp_all = v_all + groups * W * D;  // per thread: scores kRows x ldk, q kRows x D, out
   const int64_t tmp_per_thread = kRows * ldk + 2 * kRows * D;
+  const int64_t ldv = kF32 ? a.sv_w : D;
+  auto v_rows = [&](int64_t g) -> const float* {
+    if constexpr (kF32) {
+      return vp + (g / a.Hkv) * a.sv_b + (g % a.Hkv) * a.sv_h;
+    } else {
+      return v_all + g * W * D;
+    }
+  };
   const int64_t grain1 = std::max<int64_t>(1, 16384 / std::max<int64_t>(W * D, 1));
   at::parallel_for(0, groups, grain1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float blk[16 * 16];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g / a.Hkv, h = g % a.Hkv;
       float* kt = kt_all + g * D * ldk;
-      float* vf = v_all + g * W * D;
-      for (int64_t j = 0; j < W; ++j) {
-        const T* kr = kp + b * a.sk_b + h * a.sk_h + j * a.sk_w;
-        for (int64_t d = 0; d < D; ++d) kt[d * ldk + j] = to_f(kr[d]);
-        load_row(vp + b * a.sv_b + h * a.sv_h + j * a.sv_w, vf + j * D, D);
+      const T* kb = kp + b * a.sk_b + h * a.sk_h;
+      for (int64_t j0 = 0; j0 < W; j0 += 16) {
+        const int jn = static_cast<int>(std::min<int64_t>(16, W - j0));
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          const int dn = static_cast<int>(std::min<int64_t>(16, D - d0));
+          if constexpr (kF32) {
+            at::vec::transpose_mxn<float>(kb + j0 * a.sk_w + d0, a.sk_w, kt + d0 * ldk + j0, ldk,
+                                          jn, dn);
+          } else {
+            for (int j = 0; j < jn; ++j) load_row(kb + (j0 + j) * a.sk_w + d0, blk + j * 16, dn);
+            at::vec::transpose_mxn<float>(blk, 16, kt + d0 * ldk + j0, ldk, jn, dn);
+          }
+        }
       }
       for (int64_t d = 0; d < D; ++d)
         for (int64_t j = W; j < ldk; ++j) kt[d * ldk + j] = 0.f;
+      if constexpr (!kF32) {
+        float* vf = v_all + g * W * D;
+        for (int64_t j = 0; j < W; ++j)
+          load_row(vp + b * a.sv_b + h * a.sv_h + j * a.sv_w, vf + j * D, D);
+      }
     }
   });
   // Pass 2: per (b, kv head, chunk of kRows query rows).
@@ -116,12 +142,16 @@ void attention(const DecodeAttnArgs& a) {
       // row r of the group: query head hk * G + r / Q, position r % Q
       for (int r = 0; r < rows; ++r) {
         const int64_t h = hk * G + (r0 + r) / Q, i = (r0 + r) % Q;
-        const T* qr = qp + b * a.sq_b + h * a.sq_h + i * a.sq_q;
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_f(qr[d]) * a.scale;
+        load_q(b, h, i, qf + r * D);
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
       }
       const float* kt = kt_all + g * D * ldk;
       for (int64_t j0 = 0; j0 < ldk; j0 += kVL) {
         switch (rows) {
+          case 8: score_tile<8>(qf, D, kt, ldk, j0, s, ldk); break;
+          case 7: score_tile<7>(qf, D, kt, ldk, j0, s, ldk); break;
+          case 6: score_tile<6>(qf, D, kt, ldk, j0, s, ldk); break;
+          case 5: score_tile<5>(qf, D, kt, ldk, j0, s, ldk); break;
           case 4: score_tile<4>(qf, D, kt, ldk, j0, s, ldk); break;
           case 3: score_tile<3>(qf, D, kt, ldk, j0, s, ldk); break;
           case 2: score_tile<2>(qf, D, kt, ldk, j0, s, ldk); break;
@@ -157,13 +187,17 @@ void attention(const DecodeAttnArgs& a) {
         const Vec vinv(inv);
         for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) * vinv).store(sr + j);
       }
-      const float* vf = v_all + g * W * D;
+      const float* vf = v_rows(g);
       for (int64_t d0 = 0; d0 < D; d0 += kVL) {
         switch (rows) {
-          case 4: pv_tile<4>(s, ldk, vf, W, D, d0, of); break;
-          case 3: pv_tile<3>(s, ldk, vf, W, D, d0, of); break;
-          case 2: pv_tile<2>(s, ldk, vf, W, D, d0, of); break;
-          default: pv_tile<1>(s, ldk, vf, W, D, d0, of); break;
+          case 8: pv_tile<8>(s, ldk, vf, ldv, W, D, d0, of); break;
+          case 7: pv_tile<7>(s, ldk, vf, ldv, W, D, d0, of); break;
+          case 6: pv_tile<6>(s, ldk, vf, ldv, W, D, d0, of); break;
+          case 5: pv_tile<5>(s, ldk, vf, ldv, W, D, d0, of); break;
+          case 4: pv_tile<4>(s, ldk, vf, ldv, W, D, d0, of); break;
+          case 3: pv_tile<3>(s, ldk, vf, ldv, W, D, d0, of); break;
+          case 2: pv_tile<2>(s, ldk, vf, ldv, W, D, d0, of); break;
+          default: pv_tile<1>(s, ldk, vf, ldv, W, D, d0, of); break;
         }
       }
       for (int r = 0; r < rows; ++r) {
@@ -175,37 +209,140 @@ void attention(const DecodeAttnArgs& a) {
   });
 }
 
+// transformers' apply_rotary_pos_emb on one row: dst = x * cos + rotate_half(x) * sin, every
+// product and the sum rounded to T (this file is compiled with -ffp-contract=off: no fusing).
+template <typename T>
+inline void rotate_row(const T* x, const T* cos, const T* sin, int64_t D, T* dst) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const T rh = d < half ? static_cast<T>(-to_f(x[d + half])) : x[d - half];
+    const T a = static_cast<T>(to_f(x[d]) * to_f(cos[d]));
+    const T b = static_cast<T>(to_f(rh) * to_f(sin[d]));
+    dst[d] = static_cast<T>(to_f(a) + to_f(b));
+  }
+}
+
+template <typename T>
+void rope_attn(const RopeAttnArgs& a) {
+  const int64_t D = a.D, Q = a.Q, row = (a.Hq + 2 * a.Hkv) * D;
+  const T* qkv = static_cast<const T*>(a.qkv);
+  const T* cs = static_cast<const T*>(a.cos);
+  const T* sn = static_cast<const T*>(a.sin);
+  T* kc = static_cast<T*>(a.k_cache);
+  T* vc = static_cast<T*>(a.v_cache);
+  // k rotated and v copied into the cache (small: Q rows of Hkv heads).
+  for (int64_t b = 0; b < a.B; ++b)
+    for (int64_t i = 0; i < Q; ++i) {
+      const T* src = qkv + (b * Q + i) * row;
+      const T* c = cs + (b * Q + i) * D;
+      const T* sv = sn + (b * Q + i) * D;
+      for (int64_t h = 0; h < a.Hkv; ++h) {
+        const int64_t at = ((b * a.Hkv + h) * a.capacity + a.slots[i]) * D;
+        rotate_row(src + (a.Hq + h) * D, c, sv, D, kc + at);
+        std::copy(src + (a.Hq + a.Hkv + h) * D, src + (a.Hq + a.Hkv + h + 1) * D, vc + at);
+      }
+    }
+  const int64_t cache_h = a.capacity * D, cache_b = a.Hkv * cache_h;
+  DecodeAttnArgs d{a.dtype, a.B, a.Hq, a.Hkv, Q, a.W, D,
+                   nullptr, 0, 0, 0,
+                   kc, cache_b, cache_h, D,
+                   vc, cache_b, cache_h, D,
+                   a.mask, a.scale, a.out, a.scratch};
+  attention<T>(d, [&](int64_t b, int64_t h, int64_t i, float* dst) {
+    T rot[512];  // head dims up to 512 (the op checks)
+    rotate_row(qkv + (b * Q + i) * row + h * D, cs + (b * Q + i) * D, sn + (b * Q + i) * D, D,
+               rot);
+    for (int64_t k = 0; k < D; ++k) dst[k] = to_f(rot[k]);
+  });
+}
+
 template <typename T>
 void rms(const RmsNormArgs& a) {
   const T* x = static_cast<const T*>(a.x);
+  const T* res = static_cast<const T*>(a.residual);
   const T* w = static_cast<const T*>(a.weight);
+  T* hout = static_cast<T*>(a.h);
   T* y = static_cast<T*>(a.y);
   const int64_t n = a.n;
   at::parallel_for(0, a.rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)),
                    [&](int64_t r0, int64_t r1) {
+                     std::vector<T> hbuf(hout == nullptr && res != nullptr ? n : 0);
                      for (int64_t r = r0; r < r1; ++r) {
                        const T* xr = x + r * n;
+                       const T* hr = xr;
+                       if (res != nullptr) {  // h = residual + x, rounded to T
+                         T* hw = hout != nullptr ? hout + r * n : hbuf.data();
+                         const T* rr = res + r * n;
+                         for (int64_t i = 0; i < n; ++i)
+                           hw[i] = static_cast<T>(to_f(rr[i]) + to_f(xr[i]));
+                         hr = hw;
+                       } else if (hout != nullptr) {
+                         std::copy(xr, xr + n, hout + r * n);
+                       }
                        T* yr = y + r * n;
                        double ss = 0.0;  // in double: the mean of squares, order-robust
                        for (int64_t i = 0; i < n; ++i) {
-                         const float v = to_f(xr[i]);
+                         const float v = to_f(hr[i]);
                          ss += static_cast<double>(v) * v;
                        }
                        const float var = static_cast<float>(ss / static_cast<double>(n));
                        const float inv = 1.f / std::sqrt(var + a.eps);
                        for (int64_t i = 0; i < n; ++i) {
-                         const T normed = static_cast<T>(to_f(xr[i]) * inv);
+                         const T normed = static_cast<T>(to_f(hr[i]) * inv);
                          yr[i] = static_cast<T>(to_f(w[i]) * to_f(normed));
                        }
                      }
                    });
 }
 
+template <typename T>
+void silu_mul_impl(const SiluMulArgs& a) {
+  const T* gu = static_cast<const T*>(a.gu);
+  T* out = static_cast<T*>(a.out);
+  const int64_t n = a.n;
+  at::parallel_for(0, a.rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)),
+                   [&](int64_t r0, int64_t r1) {
+                     std::vector<float> act(n);
+                     const Vec one(1.f);
+                     for (int64_t r = r0; r < r1; ++r) {
+                       const T* g = gu + r * 2 * n;
+                       const T* u = g + n;
+                       T* o = out + r * n;
+                       load_row(g, act.data(), n);
+                       for (int64_t i = 0; i < n; i += kVL) {
+                         const int64_t c = std::min<int64_t>(kVL, n - i);
+                         const Vec gv = Vec::loadu(act.data() + i, c);
+                         (gv / (one + gv.neg().exp_u20())).store(act.data() + i, c);
+                       }
+                       for (int64_t i = 0; i < n; ++i)  // silu rounded to T, then times up
+                         o[i] = static_cast<T>(to_f(static_cast<T>(act[i])) * to_f(u[i]));
+                     }
+                   });
+}
+
 }  // namespace
 
+template <typename T>
+void plain_attention(const DecodeAttnArgs& a) {
+  const T* qp = static_cast<const T*>(a.q);
+  attention<T>(a, [&](int64_t b, int64_t h, int64_t i, float* dst) {
+    load_row(qp + b * a.sq_b + h * a.sq_h + i * a.sq_q, dst, a.D);
+  });
+}
+
 void decode_attention(const DecodeAttnArgs& a) {
-  if (a.dtype == LinearDType::f32) return attention<float>(a);
-  return attention<c10::BFloat16>(a);
+  if (a.dtype == LinearDType::f32) return plain_attention<float>(a);
+  return plain_attention<c10::BFloat16>(a);
+}
+
+void rope_attention(const RopeAttnArgs& a) {
+  if (a.dtype == LinearDType::f32) return rope_attn<float>(a);
+  return rope_attn<c10::BFloat16>(a);
+}
+
+void silu_mul(const SiluMulArgs& a) {
+  if (a.dtype == LinearDType::f32) return silu_mul_impl<float>(a);
+  return silu_mul_impl<c10::BFloat16>(a);
 }
 
 void rms_norm(const RmsNormArgs& a) {

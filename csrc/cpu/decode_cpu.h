@@ -35,22 +35,55 @@ struct DecodeAttnArgs {
 // Keys per row of the transposed key block: W rounded up to this (every ISA's vector width
 // divides it), so the scratch size does not depend on the ISA.
 constexpr int64_t kKeyPad = 16;
+// Query rows of one kv head computed together (their score and output chains interleave).
+constexpr int kDecodeRows = 8;
 
 // fp32 scratch (floats) decode_attention needs: Kt and V per (batch, kv head), and per thread
-// the scores of 4 rows, their queries and outputs.
+// the scores of kDecodeRows rows, their queries and outputs.
 inline int64_t decode_attention_scratch_floats(int64_t B, int64_t Hkv, int64_t W, int64_t D,
                                                int64_t threads) {
   const int64_t ldk = (W + kKeyPad - 1) / kKeyPad * kKeyPad;
-  return B * Hkv * (D * ldk + W * D) + threads * (4 * ldk + 8 * D);
+  return B * Hkv * (D * ldk + W * D) + threads * (kDecodeRows * ldk + 2 * kDecodeRows * D);
 }
+
+// Rotary embedding, K/V cache write and attention in one call (the lean forward's attention
+// block). qkv [B, Q, (Hq + 2 Hkv) D] is the fused projection's output; rows i of q and k are
+// rotated as transformers' apply_rotary_pos_emb does (q * cos + rotate_half(q) * sin, each
+// product and the sum rounded to the dtype), k and v written to the cache at slot slots[i],
+// then the queries attend slots [0, W) of the cache where mask allows.
+struct RopeAttnArgs {
+  LinearDType dtype;
+  int64_t B, Hq, Hkv, Q, D;
+  const void* qkv;     // [B, Q, (Hq + 2 Hkv) * D] contiguous
+  const void* cos;     // [B, Q, D] contiguous, the dtype
+  const void* sin;     // [B, Q, D] contiguous, the dtype
+  void* k_cache;       // [B, Hkv, capacity, D] contiguous
+  void* v_cache;       // [B, Hkv, capacity, D] contiguous
+  int64_t capacity;
+  const int64_t* slots;  // [Q]: the cache slot query i's k and v go to
+  int64_t W;             // slots attended: [0, W)
+  const bool* mask;      // [B, Q, W]
+  float scale;
+  void* out;             // [B, Q, Hq, D] contiguous
+  float* scratch;        // decode_attention_scratch_floats(B, Hkv, W, D, threads) + B*Hq*Q*D
+};
 
 struct RmsNormArgs {
   LinearDType dtype;  // of x, weight and y
   int64_t rows, n;
-  const void* x;      // [rows, n] contiguous
-  const void* weight; // [n]
+  const void* x;         // [rows, n] contiguous
+  const void* residual;  // [rows, n] contiguous, or nullptr: then h = x
+  const void* weight;    // [n]
   float eps;
-  void* y;            // [rows, n] contiguous
+  void* h;               // [rows, n]: residual + x (rounded to the dtype), or nullptr
+  void* y;               // [rows, n]: the norm of h
+};
+
+struct SiluMulArgs {
+  LinearDType dtype;
+  int64_t rows, n;  // gu [rows, 2n] contiguous -> out [rows, n]
+  const void* gu;
+  void* out;
 };
 
 }  // namespace jacobi::cpu
@@ -58,6 +91,9 @@ struct RmsNormArgs {
 // out[b, i, h] = softmax_j(scale * q[b, h, i] . k[b, h / G, j] over mask[b, i, j]) v[b, h / G, j]
 // (G = Hq / Hkv). Rows that see no slot get zeros. Threads from torch's pool.
 JACOBI_DECLARE_CPU_KERNEL(void decode_attention(const ::jacobi::cpu::DecodeAttnArgs& args))
-// y = weight * (x * rsqrt(mean(x^2) + eps)), transformers' RMSNorm: the normalised row is
-// rounded to the dtype before the weight multiplies it (float32 statistics throughout).
+JACOBI_DECLARE_CPU_KERNEL(void rope_attention(const ::jacobi::cpu::RopeAttnArgs& args))
+// h = residual + x (if residual), y = weight * (h * rsqrt(mean(h^2) + eps)), transformers'
+// RMSNorm: the normalised row is rounded to the dtype before the weight multiplies it.
 JACOBI_DECLARE_CPU_KERNEL(void rms_norm(const ::jacobi::cpu::RmsNormArgs& args))
+// out = silu(gu[:, :n]) * gu[:, n:], silu(g) = g / (1 + exp(-g)) rounded to the dtype first.
+JACOBI_DECLARE_CPU_KERNEL(void silu_mul(const ::jacobi::cpu::SiluMulArgs& args))

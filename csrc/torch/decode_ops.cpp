@@ -1,9 +1,13 @@
-// cpu_decode_attention / cpu_rms_norm: argument checks, output allocation and the hand-off to
+// cpu_decode_attention, cpu_rope_attention, cpu_rms_norm, cpu_add_rms_norm, cpu_silu_mul:
+// argument checks, output allocation and the hand-off to
 // the fused small ops of a decoding step (csrc/cpu/decode_cpu.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include <tuple>
+#include <vector>
 
 #include "checks.h"
 #include "cpu/decode_cpu.h"
@@ -63,7 +67,8 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& k, const 
   return out;
 }
 
-at::Tensor cpu_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm_into(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                         double eps, at::Tensor* h_out) {
   const LinearDType d = small_op_dtype(x, "x");
   TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be on the CPU, got ", x.device());
   ck::rank(weight, "weight", 1, "[features]");
@@ -71,13 +76,104 @@ at::Tensor cpu_rms_norm(const at::Tensor& x, const at::Tensor& weight, double ep
                     weight.scalar_type(), ", x has ", x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() >= 1 && weight.size(0) == x.size(-1), "weight has ", weight.size(0),
                     " features, x's last dim ", x.dim() ? x.size(-1) : 0);
+  at::Tensor rc;
+  if (residual != nullptr) {
+    TORCH_CHECK_VALUE(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                      "residual must have x's shape ", x.sizes(), " and dtype ", x.scalar_type(),
+                      ", got ", residual->sizes(), " ", residual->scalar_type());
+    rc = residual->contiguous();
+  }
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
+  if (h_out != nullptr) *h_out = at::empty(x.sizes(), x.options());
   const int64_t n = x.size(-1);
-  cpu::RmsNormArgs a{d, n ? xc.numel() / n : 0, n, xc.data_ptr(), wc.data_ptr(),
-                     static_cast<float>(eps), y.data_ptr()};
+  cpu::RmsNormArgs a{d, n ? xc.numel() / n : 0, n, xc.data_ptr(),
+                     residual ? rc.data_ptr() : nullptr, wc.data_ptr(), static_cast<float>(eps),
+                     h_out ? h_out->data_ptr() : nullptr, y.data_ptr()};
   if (a.rows > 0) JACOBI_CPU_DISPATCH(rms_norm, a);
   return y;
+}
+
+at::Tensor cpu_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_into(x, nullptr, weight, eps, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                    const at::Tensor& weight, double eps) {
+  at::Tensor h;
+  at::Tensor y = rms_norm_into(x, &residual, weight, eps, &h);
+  return {h, y};
+}
+
+at::Tensor cpu_silu_mul(const at::Tensor& gu) {
+  const LinearDType d = small_op_dtype(gu, "gu");
+  TORCH_CHECK_VALUE(gu.device().is_cpu(), "gu must be on the CPU, got ", gu.device());
+  TORCH_CHECK_VALUE(gu.dim() >= 1 && gu.size(-1) % 2 == 0,
+                    "gu must be [..., 2 n] (gate then up), got ", gu.sizes());
+  const at::Tensor c = gu.contiguous();
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  const int64_t n = shape.back() / 2;
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, gu.options());
+  cpu::SiluMulArgs a{d, n ? out.numel() / n : 0, n, c.data_ptr(), out.data_ptr()};
+  if (a.rows > 0) JACOBI_CPU_DISPATCH(silu_mul, a);
+  return out;
+}
+
+at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                              const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                              at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
+                              const at::Tensor& mask, double scale) {
+  const LinearDType d = small_op_dtype(qkv, "qkv");
+  ck::rank(qkv, "qkv", 3, "[B, Q, (heads + 2 kv_heads) * D]");
+  ck::rank(k_cache, "k_cache", 4, "[B, kv_heads, capacity, D]");
+  TORCH_CHECK_VALUE(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, "heads (", heads,
+                    ") must be a positive multiple of kv_heads (", kv_heads, ")");
+  const int64_t B = qkv.size(0), Q = qkv.size(1), D = k_cache.size(3), cap = k_cache.size(2);
+  TORCH_CHECK_VALUE(qkv.size(2) == (heads + 2 * kv_heads) * D, "qkv's last dim is ",
+                    qkv.size(2), ", expected (heads + 2 kv_heads) * D = ",
+                    (heads + 2 * kv_heads) * D);
+  TORCH_CHECK_VALUE(D % 2 == 0 && D <= 512, "head dim must be even and <= 512, got ", D);
+  for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
+    TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef({B, kv_heads, cap, D}), name, " must be [",
+                      B, ", ", kv_heads, ", ", cap, ", ", D, "], got ", t->sizes());
+    TORCH_CHECK_VALUE(t->scalar_type() == qkv.scalar_type() && t->is_contiguous() &&
+                          t->device().is_cpu(),
+                      name, " must be a contiguous CPU tensor of qkv's dtype");
+  }
+  for (auto [t, name] : {std::pair{&cos, "cos"}, {&sin, "sin"}}) {
+    TORCH_CHECK_VALUE(t->numel() == B * Q * D && t->size(-1) == D, name, " must be [B, Q, D] = [",
+                      B, ", ", Q, ", ", D, "], got ", t->sizes());
+    TORCH_CHECK_VALUE(t->scalar_type() == qkv.scalar_type(), name, " must have qkv's dtype");
+  }
+  ck::dtype(slots, "slots", at::kLong);
+  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) >= Q, "slots must be [>= Q] int64");
+  TORCH_CHECK_VALUE(attend >= 1 && attend <= cap, "attend must be in [1, capacity = ", cap,
+                    "], got ", attend);
+  ck::dtype(mask, "mask", at::kBool);
+  TORCH_CHECK_VALUE(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == 1 &&
+                        mask.size(2) == Q && mask.size(3) == attend,
+                    "mask must be [B, 1, Q, attend] = [", B, ", 1, ", Q, ", ", attend, "], got ",
+                    mask.sizes());
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < Q; ++i)
+    TORCH_CHECK_VALUE(sp[i] >= 0 && sp[i] < cap, "slots[", i, "] = ", sp[i],
+                      " is outside the cache [0, ", cap, ")");
+  const at::Tensor qc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  const at::Tensor mc = mask.contiguous();
+  at::Tensor out = at::empty({B, Q, heads, D}, qkv.options());
+  if (out.numel() == 0) return out;
+  const int64_t threads = at::get_num_threads();
+  at::Tensor scratch =
+      at::empty({cpu::decode_attention_scratch_floats(B, kv_heads, attend, D, threads)},
+                qkv.options().dtype(at::kFloat));
+  cpu::RopeAttnArgs a{d, B, heads, kv_heads, Q, D, qc.data_ptr(), cc.data_ptr(), sc.data_ptr(),
+                      k_cache.data_ptr(), v_cache.data_ptr(), cap, sp, attend,
+                      mc.data_ptr<bool>(), static_cast<float>(scale), out.data_ptr(),
+                      scratch.data_ptr<float>()};
+  JACOBI_CPU_DISPATCH(rope_attention, a);
+  return out;
 }
 
 }  // namespace
@@ -85,6 +181,9 @@ at::Tensor cpu_rms_norm(const at::Tensor& x, const at::Tensor& weight, double ep
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("cpu_decode_attention", &cpu_decode_attention);
   m.impl("cpu_rms_norm", &cpu_rms_norm);
+  m.impl("cpu_add_rms_norm", &cpu_add_rms_norm);
+  m.impl("cpu_silu_mul", &cpu_silu_mul);
+  m.impl("cpu_rope_attention", &cpu_rope_attention);
 }
 
 }  // namespace jacobi::ops

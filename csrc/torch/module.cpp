@@ -94,6 +94,18 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // (bool) allows, out [B, Q, Hq, D]; and transformers' RMSNorm of x [..., n] with weight [n].
   m.def("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("cpu_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // h = residual + x and its RMSNorm, in one pass; silu(gate) * up of gu [..., 2n] (gate then up).
+  m.def("cpu_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
+        "(Tensor h, Tensor y)");
+  m.def("cpu_silu_mul(Tensor gu) -> Tensor");
+  // The attention block of a decoding step from the fused q/k/v projection qkv [B, Q, (heads +
+  // 2 kv_heads) D]: q and k rotated by cos, sin [B, Q, D] as transformers' apply_rotary_pos_emb
+  // does, k and v written into the caches [B, kv_heads, capacity, D] at slots[i] (in place),
+  // then attention over cache slots [0, attend) where mask [B, 1, Q, attend] allows.
+  // Returns [B, Q, heads, D].
+  m.def("cpu_rope_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int attend, Tensor mask, "
+        "float scale) -> Tensor");
 }
 
 namespace {

@@ -11,10 +11,13 @@ forward walks the layers in one loop and calls the model's own pieces directly:
   - the q, k, v projections as one linear and the gate and up projections as one, through our
     kernel from weights packed once (the same values: each output of the kernel is one fp32
     chain over the input features, whichever other rows or columns are computed beside it).
-  - by default, attention and RMSNorm through our fused CPU ops (csrc/cpu/decode_cpu.h:
-    torch's SDPA cost ~55 us a call at one query row and ~120 us at 16, for a few hundred
-    thousand FLOPs; an RMSNorm, seven ATen ops). Like the linear kernel, they compute each row
-    alone, so a token's hidden state does not depend on how many tokens the step feeds.
+  - by default (in the runtime's cache), the rest of a layer through our fused CPU ops
+    (csrc/cpu/decode_cpu.h): rotary + cache write + attention in one call, the residual add with
+    the RMSNorm after it, SiLU times up. torch's SDPA cost ~55 us a call at one query row and
+    ~120 us at 16 for a few hundred thousand FLOPs, an RMSNorm seven ATen ops, and each ATen op
+    a few microseconds of dispatch: ~25 calls per layer become 8. Like the linear kernel, these
+    ops compute each row alone, so a token's hidden state does not depend on how many tokens
+    the step feeds.
 With JACOBI_EXT_FUSED=0 (the model's own attention function and norms) its logits are bitwise
 those of transformers' forward with our kernel behind every `nn.Linear`; with the fused ops they
 agree to rounding (tests/test_lean_forward.py), and every decoding method returns exactly the
@@ -114,7 +117,9 @@ class _Packed:
 
 
 class _Layer:
-    __slots__ = ("ln1", "ln2", "attn", "qkv", "o", "gate_up", "down", "act", "splits", "mlp_split")
+    __slots__ = (
+        "ln1", "ln2", "attn", "qkv", "o", "gate_up", "down", "act", "silu", "splits", "mlp_split",
+    )  # fmt: skip
 
     def __init__(self, layer) -> None:
         a, m = layer.self_attn, layer.mlp
@@ -124,6 +129,7 @@ class _Layer:
         self.gate_up = _Packed(m.gate_proj, m.up_proj)
         self.down = _Packed(m.down_proj)
         self.act = m.act_fn
+        self.silu = type(m.act_fn).__name__ in ("SiLU", "SiLUActivation")
         self.splits = self.qkv.splits
         self.mlp_split = m.gate_proj.out_features
 
@@ -168,44 +174,69 @@ class LeanDecoder:
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache) -> torch.Tensor:
         """Logits [B, Q, vocab] of tokens ids [B, Q] at positions pos [B, Q], attending through
         `mask` (the attention function's format) to what the runtime's cache holds after this
-        step's K/V are written (cache.layers[i].update, as transformers' attention calls it)."""
+        step's K/V are written (at the runtime's write slots)."""
+        if self.fused and all(hasattr(layer, "_rt") for layer in cache.layers):
+            return self._fused(ids, pos, mask, cache)
         inner = self.inner
-        fused = self.fused
-        ops = torch.ops.jacobi_ext
-        norm = _fused_norm if fused else _module_norm
-        if fused and mask.dtype != torch.bool:  # eager attention's additive mask: 0 = visible
-            mask = mask == 0
         h = inner.embed_tokens.forward(ids)
         cos, sin = inner.rotary_emb.forward(h, pos)
         B, Q = ids.shape
         for i, L in enumerate(self.layers):
             a = L.attn
             residual = h
-            x = norm(L.ln1, h)
+            x = L.ln1.forward(h)
             q, k, v = L.qkv(x).split(L.splits, dim=-1)
             q = q.view(B, Q, -1, a.head_dim).transpose(1, 2)
             k = k.view(B, Q, -1, a.head_dim).transpose(1, 2)
             v = v.view(B, Q, -1, a.head_dim).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
             k, v = cache.layers[i].update(k, v)
-            if fused:
-                out = ops.cpu_decode_attention(q, k, v, mask, a.scaling)  # [B, Q, H, D]
-            else:
-                out, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
+            out, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
             h = residual + L.o(out.reshape(B, Q, -1).contiguous())
             residual = h
-            x = norm(L.ln2, h)
+            x = L.ln2.forward(h)
             g, u = L.gate_up(x).split((L.mlp_split, L.mlp_split), dim=-1)
             h = residual + L.down(L.act(g) * u)
-        return self.head(norm(inner.norm, h))
+        return self.head(inner.norm.forward(h))
 
+    def _fused(self, ids, pos, mask, cache) -> torch.Tensor:
+        """The same forward on our fused CPU ops: per layer eight calls (norm with the residual
+        add, q/k/v, rotary + cache write + attention, o, norm, gate/up, silu * up, down)."""
+        ops = torch.ops.jacobi_ext
+        inner = self.inner
+        if mask.dtype != torch.bool:  # eager attention's additive mask: 0 = visible
+            mask = mask == 0
+        h = inner.embed_tokens.forward(ids)
+        cos, sin = inner.rotary_emb.forward(h, pos)
+        B, Q = ids.shape
+        rt = cache.layers[0]._rt  # the runtime: where this step's K/V go, how far to attend
+        slots, attend = rt.write_slots, rt.attend
+        n = len(self.layers)
+        first = self.layers[0].ln1
+        x = ops.cpu_rms_norm(h, first.weight, first.variance_epsilon)
+        for i, L in enumerate(self.layers):
+            a, layer = L.attn, cache.layers[i]
+            qkv = L.qkv(x)
+            if not layer.is_initialized:  # the cache's buffers, made on first use
+                kv = qkv.new_empty(B, L.splits[1] // a.head_dim, 1, a.head_dim)
+                layer.lazy_initialization(kv, kv)
+            out = ops.cpu_rope_attention(
+                qkv, L.splits[0] // a.head_dim, L.splits[1] // a.head_dim, cos, sin, layer.keys,
+                layer.values, slots, attend, mask, a.scaling,
+            )  # fmt: skip
+            h, x = ops.cpu_add_rms_norm(
+                L.o(out.view(B, Q, -1)), h, L.ln2.weight, L.ln2.variance_epsilon
+            )
+            gu = L.gate_up(x)
+            m = ops.cpu_silu_mul(gu) if L.silu else self._act_mul(L, gu)
+            norm = self.layers[i + 1].ln1 if i + 1 < n else inner.norm
+            h, x = ops.cpu_add_rms_norm(L.down(m), h, norm.weight, norm.variance_epsilon)
+        return self.head(x)
 
-def _fused_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.jacobi_ext.cpu_rms_norm(x, norm.weight, norm.variance_epsilon)
-
-
-def _module_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    return norm.forward(x)
+    @staticmethod
+    def _act_mul(L, gu: torch.Tensor) -> torch.Tensor:
+        g, u = gu.split((L.mlp_split, L.mlp_split), dim=-1)
+        return L.act(g) * u
 
 
 def lean_decoder(model) -> LeanDecoder | None:
