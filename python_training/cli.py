@@ -280,11 +280,38 @@ def _sampling(args: argparse.Namespace) -> dict | None:
     return kw
 
 
+def _check_prompts(command: str, prompts: str, checker: str | None = None) -> bool:
+    """Whether ``--prompts`` (a prompt set, or a JSONL file read and checked here, before any
+    model loads) is usable; if not, the reason is printed as the command's error."""
+    import sys
+
+    from .evaluate import PROMPT_SETS, _is_prompt_file, read_prompt_file
+
+    try:
+        if prompts in PROMPT_SETS:
+            if checker == "answer" or (prompts == "code-heldout" and checker == "tests"):
+                raise ValueError(f"{prompts} has no answers to check with --checker {checker}")
+        elif _is_prompt_file(prompts):
+            read_prompt_file(prompts, checker)
+        else:
+            raise ValueError(
+                f"--prompts {prompts!r} is neither a prompt set ({', '.join(PROMPT_SETS)}) nor a "
+                "JSONL file"
+            )
+    except (ValueError, FileNotFoundError, UnicodeDecodeError, OSError) as e:
+        print(f"jacobi-forcing {command}: error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from jacobi_ext.models import load_model
 
     from .evaluate import evaluate, format_summary
 
+    checker = None if args.checker == "auto" else args.checker
+    if not _check_prompts("eval", args.prompts, checker):
+        return 2
     _threads(args)
     model, tok = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
     s = evaluate(
@@ -292,7 +319,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, pool_size=args.pool_size, timeout=args.timeout,
         label=args.label or str(args.model or "base"), prompts=args.prompts,
-        sampling=_sampling(args),
+        sampling=_sampling(args), checker=checker,
     )  # fmt: skip
     print(format_summary(s))
     return 0
@@ -301,13 +328,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 _EVAL_DEFAULT = ["greedy", "jacobi", "multiblock"]
 
 
+_PROMPTS_HELP = (
+    "humaneval (default), code-heldout (the held-out package split of the shipped prompt "
+    "corpus: no tests, no pass@1) or a JSONL file of your own prompts, one JSON object a line: "
+    "prompt (or messages, a chat), optional id, optional answer / tests "
+    "(docs/eval_your_prompts.md)"
+)
+
+
 def _add_eval(sub) -> None:
-    from .evaluate import METHODS, PROMPT_SETS
+    from .checkers import CHECKERS
+    from .evaluate import METHODS
 
     p = sub.add_parser(
         "eval",
-        help="HumanEval (or the held-out prompt split): TPF, tokens/s, speedup over transformers "
-        "greedy, pass@1 (resumable)",
+        help="HumanEval, the held-out prompt split or your own JSONL prompts: TPF, tokens/s, "
+        "speedup over transformers greedy, accuracy (pass@1 or answer match; resumable)",
     )
     p.add_argument("--results", required=True, help="JSONL results file (appended / resumed)")
     p.add_argument("--model", default=None, help="checkpoint (default SmolLM2-135M-Instruct)")
@@ -316,10 +352,12 @@ def _add_eval(sub) -> None:
         help="default: greedy jacobi multiblock (-tuned: block size chosen by the tuner; "
         "multiblock-nolookup: without the context-lookup row; ar-lookup: AR with lookup drafts)",
     )  # fmt: skip
+    p.add_argument("--prompts", default="humaneval", metavar="SET_OR_FILE", help=_PROMPTS_HELP)
     p.add_argument(
-        "--prompts", default="humaneval", choices=PROMPT_SETS,
-        help="humaneval (default) or code-heldout: the held-out package split of the shipped "
-        "prompt corpus (no tests: no pass@1)",
+        "--checker", default="auto", choices=["auto", *CHECKERS],
+        help="how a prompt file's outputs are checked: auto (default: each line by its fields, "
+        "tests -> pass@1 of the Python tests, answer -> exact match of the final answer), or "
+        "one checker for every line (none: TPF and speed only, also skips HumanEval's tests)",
     )  # fmt: skip
     p.add_argument("--limit", type=int, default=None, help="problems (default all)")
     p.add_argument("--offset", type=int, default=0)
@@ -341,6 +379,8 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 
     from .fidelity import fidelity, reference_rows
 
+    if not _check_prompts("fidelity", args.prompts):
+        return 2
     _threads(args)
     rows = reference_rows(args.reference, args.method)
     rows = rows[args.offset :][: args.limit]  # limit None: all
@@ -360,8 +400,6 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
 
 
 def _add_fidelity(sub) -> None:
-    from .evaluate import PROMPT_SETS
-
     p = sub.add_parser(
         "fidelity",
         help="how close a (distilled) model stays to the base: the base's greedy answers "
@@ -373,8 +411,10 @@ def _add_fidelity(sub) -> None:
     )  # fmt: skip
     p.add_argument("--method", default="greedy", help="which rows of --reference (default greedy)")
     p.add_argument("--model", default=None, help="checkpoint or adapter (default the base)")
-    p.add_argument("--prompts", default="humaneval", choices=PROMPT_SETS,
-                   help="the prompt set --reference was decoded on")  # fmt: skip
+    p.add_argument(
+        "--prompts", default="humaneval", metavar="SET_OR_FILE",
+        help="the prompt set or JSONL file --reference was decoded on: " + _PROMPTS_HELP,
+    )  # fmt: skip
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON with the summary and every task's scores")
