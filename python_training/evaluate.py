@@ -168,6 +168,12 @@ def _problems(prompts: str, tokenizer, checker: str | None = None) -> list[dict]
             for r in read_prompt_file(prompts, checker)]  # fmt: skip
 
 
+def prompt_input_ids(prompts: str, tokenizer) -> list[torch.Tensor]:
+    """The [1, P] input ids of every prompt of a set (``humaneval``, ``code-heldout``) or JSONL
+    prompt file, formatted as ``evaluate`` decodes them: for a benchmark's prompt option."""
+    return [p["input_ids"] for p in _problems(prompts, tokenizer, "none")]
+
+
 def _is_prompt_file(prompts: str) -> bool:
     return str(prompts).endswith((".jsonl", ".jsonl.gz")) or Path(prompts).is_file()
 

@@ -288,6 +288,8 @@ def test_chat_and_plain_prompts_are_formatted_like_collect(tiny, tmp_path):
     want = Prompt("x", text="What is 2 + 2?").input_ids(tok)
     assert all(p["input_ids"].tolist() == want.tolist() for p in probs)
     assert "What is 2 + 2?" in tok.decode(want[0])
+    ids = ev.prompt_input_ids(str(tmp_path / "c.jsonl"), tok)  # a benchmark's prompt option
+    assert [x.tolist() for x in ids] == [want.tolist()] * 3
 
 
 def test_cli_eval_and_fidelity_on_a_prompt_file(tiny, tmp_path, monkeypatch, capsys):
