@@ -171,3 +171,25 @@ def test_a_tuned_call_records_its_mode_speed() -> None:
         assert prof["tuned_calls"] == call and prof["modes"][mode]["speedup"] > 0
     # after a parallel call, the next one measured AR with lookup (or the curve chose AR twice)
     assert tuning.AR_LOOKUP in prof["modes"]
+
+
+def test_steps_tuned_calls_run_refine_the_curve() -> None:
+    """A tuned call's own step times (forward + verification) refine the probe's curve: the
+    observed widths take their observed time, the others the probe's scaled alike."""
+    model = tiny_llama(seed=5)
+    probe = tuning.step_curve(model)
+    tuning.remember_step_times(model, [16, 16, 16, 2], [0.02, 0.03, 0.025, 9.0])
+    prof = tuning.load_profile(model)
+    assert set(prof["observed"]) == {"16"}  # a width seen fewer than 3 times does not count
+    curve = tuning.step_curve(model)
+    assert 16 in curve.sizes and curve.time(16) == pytest.approx(0.025)
+    scale = 0.025 / probe.time(16)
+    assert curve.time(1) == pytest.approx(min(probe.time(1) * scale, 0.025))
+    assert tuning.step_curve(model, full=True).sizes == list(tuning.SIZES)  # as measured
+
+
+def test_tuned_generate_records_its_step_times() -> None:
+    model = tiny_llama(vocab_size=64, seed=6)
+    ids = torch.randint(0, 64, (1, 7))
+    generate(model, ids, max_new_tokens=40, method="jacobi", block_size=None)
+    assert tuning.load_profile(model).get("observed")

@@ -307,6 +307,10 @@ def generate(
     results, stats = decode(model, prompts, cfg, gen, streamer, recorders, keys)
     if streamer is not None:
         streamer.end()
+    if cost_ratio is not None or lookup_cost is not None:
+        from .tuning import remember_step_times  # the curve learns from the steps it priced
+
+        remember_step_times(model, stats.widths, stats.step_seconds)
     if cost_ratio is not None and sampling is None:
         # (Only greedy acceptance is remembered: a sampled call converges later, and its own
         # controller falls back to AR when its acceptance does not pay.)

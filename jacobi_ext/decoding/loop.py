@@ -47,6 +47,7 @@ class DecodeStats:
     warmup_seconds: float = 0.0
     graph_replays: int = 0
     widths: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)  # each step, device step to host
 
 
 def _sync(dev) -> None:
@@ -138,11 +139,13 @@ def decode(
                 s.recorder.before_forward(bs.main_row(s.b, s.main_len))
         Q = rt.width(max(pl.q for pl in plans.values()))
         stats.host_seconds += time.perf_counter() - th
+        ts = time.perf_counter()
         packed = bs.run(plans, Q, max(hi_host))  # the whole step, on the device
         stats.forwards += 1
         stats.widths.append(Q)
         rows = packed.tolist()  # the step's one device -> host copy
         tv = time.perf_counter()
+        stats.step_seconds.append(tv - ts)
         for s in active:
             row = rows[s.b]
             hi_host[s.b] += row[1]

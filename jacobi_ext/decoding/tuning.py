@@ -132,14 +132,14 @@ class StepCurve:
         return k
 
 
-#: What a tuned call measures when it finds no curve for this model: the widths that decide the
-#: choice (one token, a small block, the usual one, a wide one), over a cache of QUICK_CONTEXT
-#: tokens, two rounds. ~0.3 s for SmolLM2-135M on a 2-core CPU, against ~7.5 s for the full
-#: curve (SIZES, 5 rounds) that `jacobi-forcing tune` and the demo's plot measure. A first tuned
-#: call should not wait seconds for its answer (issue 36: the first tuned call on a fresh cache
-#: within 1.3x of the same call warm).
-QUICK_SIZES = (1, 4, 16, 64)
-QUICK_CONTEXT = 128
+#: What a tuned call measures when it finds no curve for this model: one token, the usual block,
+#: a wide one, over a cache of QUICK_CONTEXT tokens, two rounds (~0.2 s for SmolLM2-135M on a
+#: 2-core CPU, against ~4-7 s for the full curve, SIZES x 5 rounds, that `jacobi-forcing tune`
+#: and the demo's plot measure). A first tuned call should not wait seconds for its answer
+#: (issue 36: the first tuned call on a fresh cache within 1.3x of the same call warm). The
+#: steps that tuned calls then run are timed and refine the curve (remember_step_times).
+QUICK_SIZES = (1, 16, 64)
+QUICK_CONTEXT = 64
 QUICK_REPEATS = 2
 
 
@@ -236,18 +236,58 @@ def step_curve(
     model, remeasure: bool = False, progress: bool = False, full: bool = False
 ) -> StepCurve:
     """The cached curve for this model / device / dtype / threads, measured on first use: the
-    quick curve (a few widths, ~0.3 s) for a tuned call, the full one (every size in SIZES,
+    quick curve (a few widths, ~0.2 s) for a tuned call, the full one (every size in SIZES,
     seconds) with `full` (`jacobi-forcing tune`, the demo's plot), which then replaces the quick
-    one in the profile."""
+    one in the profile. Where tuned calls have timed their own steps (remember_step_times), the
+    curve is refined by them (`refined`), except with `full` (what was measured, as measured)."""
     prof = load_profile(model)
     if "curve" in prof and not remeasure:
         curve = StepCurve(**prof["curve"])
         if not full or list(curve.sizes) == list(SIZES):
-            return curve
+            return curve if full else refined(curve, prof.get("observed", {}))
     curve = measure_step_curve(model, progress=progress) if full else measure_quick_curve(model)
     prof["curve"] = asdict(curve)
+    if remeasure:
+        prof.pop("observed", None)
     save_profile(model, prof)
     return curve
+
+
+#: Steps of one width a call must have run before its median time counts.
+MIN_OBSERVED_STEPS = 3
+
+
+def remember_step_times(model, widths: list[int], seconds: list[float]) -> None:
+    """Blend the median time of the steps a call ran at each width into the model's profile
+    (per width, recent calls counting most). These are whole steps as decoding runs them
+    (forward, verification, bookkeeping), timed where the tuner's probe times the forward
+    alone, so `refined` uses their ratios to each other and to the probe, not their size."""
+    by: dict[int, list[float]] = {}
+    for w, s in zip(widths, seconds, strict=True):
+        by.setdefault(int(w), []).append(s)
+    by = {w: v for w, v in by.items() if len(v) >= MIN_OBSERVED_STEPS}
+    if not by:
+        return
+    prof = load_profile(model)
+    obs = prof.setdefault("observed", {})
+    for w, v in by.items():
+        old = obs.get(str(w), {"seconds": 0.0, "weight": 0.0})
+        val, wt = _blend(old["seconds"], old["weight"], statistics.median(v), len(v), cap=200.0)
+        obs[str(w)] = {"seconds": val, "weight": wt}
+    save_profile(model, prof)
+
+
+def refined(curve: StepCurve, observed: dict) -> StepCurve:
+    """The probe's curve corrected by the step times tuned calls observed: at an observed width,
+    the observed time; elsewhere the probe's time scaled by the median ratio observed / probe
+    over the observed widths (the host work a real step adds, in proportion)."""
+    pts = {int(w): o["seconds"] for w, o in observed.items() if o.get("weight", 0) > 0}
+    if not pts:
+        return curve
+    scale = statistics.median(s / curve.time(w) for w, s in pts.items())
+    sizes = sorted(set(curve.sizes) | set(pts))
+    secs = [pts[q] if q in pts else curve.time(q) * scale for q in sizes]
+    return replace(curve, sizes=sizes, seconds=monotone(secs))
 
 
 def _blend(old: float, w_old: float, new: float, weight: float, cap: float) -> tuple[float, float]:
