@@ -11,9 +11,9 @@ twice on the first prompt (first call: the quick curve is measured inside it).
 
 One JSON line per (prompt, method), appended and fsync'ed: rerunning resumes.
 
-    python side_by_side.py --model smollm2-jf --prompts humaneval --limit 24 --out jf-humaneval.jsonl
-    python side_by_side.py --model smollm2-jf --prompts code-heldout --limit 24 --out jf-heldout.jsonl
-    python side_by_side.py --prompts humaneval --limit 24 --out base-humaneval.jsonl   # base model
+    python side_by_side.py --model smollm2-jf --prompts humaneval --out jf-humaneval.jsonl
+    python side_by_side.py --model smollm2-jf --prompts code-heldout --out jf-heldout.jsonl
+    python side_by_side.py --prompts humaneval --out base-humaneval.jsonl   # the base model
     python side_by_side.py --table jf-humaneval.jsonl jf-heldout.jsonl base-humaneval.jsonl
 """
 
