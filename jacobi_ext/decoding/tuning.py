@@ -133,14 +133,15 @@ class StepCurve:
 
 
 #: What a tuned call measures when it finds no curve for this model: one token, the usual block,
-#: a wide one, over a cache of QUICK_CONTEXT tokens, two rounds (~0.2 s for SmolLM2-135M on a
-#: 2-core CPU, against ~4-7 s for the full curve, SIZES x 5 rounds, that `jacobi-forcing tune`
-#: and the demo's plot measure). A first tuned call should not wait seconds for its answer
-#: (issue 36: the first tuned call on a fresh cache within 1.3x of the same call warm). The
-#: steps that tuned calls then run are timed and refine the curve (remember_step_times).
+#: a wide one, over a cache of QUICK_CONTEXT tokens, one round after a one-token warm-up call
+#: (~0.15 s for SmolLM2-135M on a 2-core CPU, against ~4-7 s for the full curve, SIZES x 5
+#: rounds, that `jacobi-forcing tune` and the demo's plot measure). A first tuned call should
+#: not wait seconds for its answer (issue 36: the first tuned call on a fresh cache within 1.3x
+#: of the same call warm). The steps tuned calls then run are timed and refine the curve
+#: (remember_step_times).
 QUICK_SIZES = (1, 16, 64)
 QUICK_CONTEXT = 64
-QUICK_REPEATS = 2
+QUICK_REPEATS = 1
 
 
 @torch.inference_mode()
@@ -151,13 +152,12 @@ def measure_step_curve(
     repeats: int = 5,
     progress: bool = False,
     reduce=statistics.median,
-    warmup: bool = True,
+    warmup=True,
 ) -> StepCurve:
     """Time one decoding step of q new tokens over a cache of `context` tokens, for each q, as
     the engine runs it (StepProbe: the static runtime; CUDA graph replay on GPUs). One warm-up
-    call per size (`warmup`), then `repeats` rounds, reduced per size by `reduce` (median; the
-    quick curve takes the min of its two rounds instead of warming up: a first call's one-off
-    costs and a burst of load from another process only ever add)."""
+    call per size (`warmup`: True; or a tuple of the sizes to warm up), then `repeats` rounds,
+    reduced per size by `reduce` (median)."""
     from .runtime import StepProbe
 
     p = next(model.parameters())
@@ -173,7 +173,7 @@ def measure_step_curve(
             torch.cuda.synchronize(dev)
         return time.perf_counter() - t0
 
-    for q in sizes if warmup else ():
+    for q in sizes if warmup is True else (warmup or ()):
         one(q)
     # Rounds visit every size in turn, so a burst of load from another process lands on one
     # sample of each size rather than on all samples of one size; medians drop such samples.
@@ -197,7 +197,7 @@ def measure_quick_curve(model) -> StepCurve:
     """The few widths a tuned call needs (QUICK_SIZES), cheaply: see QUICK_SIZES."""
     return measure_step_curve(
         model, sizes=QUICK_SIZES, context=QUICK_CONTEXT, repeats=QUICK_REPEATS, reduce=min,
-        warmup=False,
+        warmup=(1,),
     )  # fmt: skip
 
 
