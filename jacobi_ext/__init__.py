@@ -6,7 +6,11 @@ Public API (filled in by the layers below; see README):
     jacobi_ext.hf.jacobi_layout             attn_implementation="jacobi" for transformers models
     generate                                Jacobi / multi-block decoding, same output as greedy
     jacobi_ext.models.load_model            the default model (SmolLM2-135M-Instruct), offline
+    CUSTOM_GENERATE                         model.generate(..., custom_generate=CUSTOM_GENERATE,
+                                            trust_remote_code=True): Jacobi decoding in HF
 """
+
+import os as _os
 
 from . import _hf_hook
 from ._native import BUILT_WITH_TORCH, CPU_ISA, CUDA_ARCHS, WITH_CUDA, cuda_note
@@ -17,12 +21,16 @@ from .layout import BlockTable, JacobiLayout
 # attn_implementation="jacobi" for transformers models, registered without importing transformers.
 _hf_hook.install()
 
+# The folder holding `custom_generate/generate.py` (transformers' custom generation method).
+CUSTOM_GENERATE: str = _os.path.dirname(_os.path.abspath(__file__))
+
 __all__ = [
     "__version__",
     "BUILT_WITH_TORCH",
     "CPU_ISA",
     "WITH_CUDA",
     "BlockTable",
+    "CUSTOM_GENERATE",
     "GenerateResult",
     "JacobiLayout",
     "block_attention",
