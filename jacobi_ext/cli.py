@@ -283,6 +283,67 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_demo)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from jacobi_ext.export import export
+
+    settings = {
+        "jacobi_method": args.method,
+        "jacobi_block_size": args.block_size,
+        "jacobi_num_blocks": args.num_blocks,
+        "jacobi_pool_size": args.pool_size,
+        "jacobi_lookup": args.lookup,
+    }
+    try:
+        path, seconds = export(
+            args.model,
+            args.out,
+            dtype=DTYPE_NAMES[args.dtype],
+            device=args.device,
+            settings=settings,
+            measure_prompts=args.measure,
+            measure_new_tokens=args.measure_tokens,
+            overwrite=args.force,
+        )
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:
+        print(f"jacobi-forcing export: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path} in {seconds:.1f} s")
+    print(
+        "use it: AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True).generate(...)"
+        "\n        transformers serve DIR --trust-remote-code   (pip install 'jacobi_ext[serve]')"
+    )
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a model as a Hugging Face folder (merged safetensors, tokenizer, "
+        "generation_config with our settings, custom_generate/, model card) whose generate is "
+        "Jacobi decoding; serve it with `transformers serve DIR --trust-remote-code`",
+    )
+    p.add_argument("--out", required=True, help="the folder to write (must be empty or absent)")
+    p.add_argument("--force", action="store_true", help="replace --out if it is not empty")
+    p.add_argument("--method", default="multiblock", choices=["ar", "jacobi", "multiblock"])
+    p.add_argument("--block-size", type=int, default=None, help='default: "auto" (tuned)')
+    p.add_argument("--num-blocks", type=int, default=None, help="default: the engine's (2)")
+    p.add_argument("--pool-size", type=int, default=None, help="default: the engine's (4)")
+    p.add_argument(
+        "--lookup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="context-lookup drafts (default: on for multiblock and tuned settings)",
+    )
+    p.add_argument(
+        "--measure", type=int, default=0, metavar="N",
+        help="measure AR and the folder's settings on N HumanEval prompts for the model card "
+        "(default 0: no measurement)",
+    )  # fmt: skip
+    p.add_argument("--measure-tokens", type=int, default=128, help="new tokens per prompt")
+    _add_model_args(p)
+    p.set_defaults(handler=_cmd_export)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from jacobi_ext.report import cmd_bench
 
@@ -333,6 +394,7 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_generate,
     _add_tune,
     *_training_registrars(),
+    _add_export,
     _add_bench,
     _add_info,
 ]

@@ -1,0 +1,231 @@
+"""`jacobi-forcing export` (issue 37 §2) and `transformers serve` in front of the exported folder
+(§3), with a tiny random model and a tiny offline tokenizer; the real model only under `slow`."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from hf_fixtures import tiny_chat_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+import jacobi_ext
+from jacobi_ext.cli import main as cli_main
+from jacobi_ext.export import export_model
+
+SETTINGS = {"jacobi_method": "multiblock", "jacobi_block_size": 4}
+CHAT = [{"role": "user", "content": "Write a haiku about parallel decoding."}]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    model, tok = tiny_chat_model(dtype=torch.float32)
+    out = tmp_path_factory.mktemp("tiny_export") / "model"
+    return export_model(model, tok, out, source="tiny-test", settings=SETTINGS)
+
+
+def _chat_ids(tok):
+    return tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt",
+                                   return_dict=True)  # fmt: skip
+
+
+def test_folder_layout(exported):
+    names = {p.name for p in exported.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "README.md",
+            "tokenizer.json", "tokenizer_config.json", "custom_generate"} <= names  # fmt: skip
+    assert sorted(p.name for p in (exported / "custom_generate").iterdir()) == [
+        "generate.py",
+        "requirements.txt",
+    ]
+    gc = json.loads((exported / "generation_config.json").read_text())
+    assert gc["jacobi_method"] == "multiblock" and gc["jacobi_block_size"] == 4
+    assert gc["eos_token_id"] == 2 and gc["pad_token_id"] == 0
+    card = (exported / "README.md").read_text()
+    assert card.startswith("---\n") and "- custom_generate" in card
+    assert "jacobi_block_size" in card and "trust_remote_code=True" in card
+    assert "quantization_config" not in (exported / "config.json").read_text()
+
+
+def test_from_pretrained_generate_is_jacobi(exported, tmp_path, monkeypatch):
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("JACOBI_EXT_GENERATE_LOG", str(log))
+    tok = AutoTokenizer.from_pretrained(exported)
+    model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    enc = _chat_ids(tok)
+    ids = enc["input_ids"]
+    positional = model.generate(ids, max_new_tokens=40)
+    keyword = model.generate(input_ids=ids, max_new_tokens=40)
+    ours = jacobi_ext.generate(model, ids, max_new_tokens=40, method="multiblock", block_size=4)
+    assert torch.equal(positional, keyword)
+    assert torch.equal(positional[0, ids.shape[1] :], ours.tokens[0])
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 2 and all(c["method"].startswith("multiblock") for c in calls)
+    # lossless: transformers' own generate on the same weights gives the same tokens
+    plain = AutoModelForCausalLM.from_pretrained(exported)
+    assert torch.equal(plain.generate(ids, max_new_tokens=40, do_sample=False), positional)
+
+
+def test_explicit_generation_config_falls_back_to_transformers(exported, tmp_path, monkeypatch):
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("JACOBI_EXT_GENERATE_LOG", str(log))
+    model = AutoModelForCausalLM.from_pretrained(
+        exported, trust_remote_code=True, generation_config=GenerationConfig(max_new_tokens=9)
+    )
+    ids = _chat_ids(AutoTokenizer.from_pretrained(exported))["input_ids"]
+    out = model.generate(ids, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 9
+    assert not log.exists()  # transformers' own generate ran, not ours
+
+
+def test_cli_export(tmp_path, capsys):
+    model, tok = tiny_chat_model(dtype=torch.float32, family="qwen2")
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    tok.save_pretrained(src)
+    out = tmp_path / "out"
+    args = ["export", "--model", str(src), "--out", str(out), "--method", "jacobi",
+            "--block-size", "6", "--no-lookup"]  # fmt: skip
+    assert cli_main(args) == 0
+    assert "wrote" in capsys.readouterr().out
+    gc = json.loads((out / "generation_config.json").read_text())
+    keys = (gc["jacobi_method"], gc["jacobi_block_size"], gc["jacobi_lookup"])
+    assert keys == ("jacobi", 6, False)
+    assert "jacobi_num_blocks" not in gc  # unset: the engine's default
+    assert cli_main(args) == 1  # the folder is not empty: refused without --force
+    assert "--force" in capsys.readouterr().err
+    assert cli_main([*args, "--force"]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    ids = torch.randint(3, 99, (1, 7))
+    ref = jacobi_ext.generate(loaded, ids, max_new_tokens=20, method="jacobi", block_size=6)
+    assert torch.equal(loaded.generate(ids, max_new_tokens=20)[0, 7:], ref.tokens[0])
+
+
+# --- transformers serve -------------------------------------------------------------------
+
+SERVE_MISSING = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(folder: Path, env: dict):
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder),
+        "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    log: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited ({proc.returncode}):\n{proc.stdout.read()}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError("server did not answer /health in 120 s") from None
+                time.sleep(0.2)
+        yield port, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # uvicorn's graceful shutdown
+            try:
+                out, _ = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+        else:
+            out = proc.stdout.read()
+        log.append(out)
+
+
+@pytest.mark.skipif(
+    bool(SERVE_MISSING),
+    reason=f"transformers serve needs {', '.join(SERVE_MISSING)}: pip install 'jacobi_ext[serve]'",
+)
+def test_transformers_serve_openai_client(exported, tmp_path):
+    from openai import OpenAI
+
+    calls = tmp_path / "calls.jsonl"
+    env = dict(os.environ, JACOBI_EXT_GENERATE_LOG=str(calls), HF_HUB_OFFLINE="1")
+    tok = AutoTokenizer.from_pretrained(exported)
+    model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    enc = _chat_ids(tok)
+    n_new = 48
+    want_ids = model.generate(**enc, max_new_tokens=n_new)[0, enc["input_ids"].shape[1] :]
+    want = tok.decode(want_ids, skip_special_tokens=True)
+    assert want
+    calls.unlink(missing_ok=True)  # the reference call above is logged too
+
+    with _server(exported, env) as (port, log):
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        t0 = time.perf_counter()
+        reply = client.chat.completions.create(
+            model=str(exported), messages=CHAT, max_tokens=n_new, timeout=60
+        )
+        t_plain = time.perf_counter() - t0
+        assert reply.choices[0].message.content == want
+        assert reply.usage.completion_tokens == len(want_ids)
+        t0 = time.perf_counter()
+        chunks = client.chat.completions.create(
+            model=str(exported), messages=CHAT, max_tokens=n_new, stream=True, timeout=60
+        )
+        pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        t_stream = time.perf_counter() - t0
+        assert "".join(pieces) == want
+        assert sum(1 for p in pieces if p) > 1  # it did stream
+    out = log[0]
+    assert "Application shutdown complete" in out and "Finished server process" in out
+    with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    # Both answers came from our decoding (one JSON line per generate call).
+    records = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert len(records) == 2 and all(r["method"].startswith("multiblock") for r in records)
+    print(f"serve: non-streaming {t_plain * 1e3:.0f} ms, streaming {t_stream * 1e3:.0f} ms")
+
+
+# --- the real model ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_export_default_gguf_model(tmp_path):
+    """The default model is loaded from GGUF, which refuses save_pretrained: the export rebuilds
+    a plain model. The folder decodes the same tokens as load_model's model."""
+    from jacobi_ext.models import load_model
+
+    ref_model, tok = load_model()
+    t0 = time.perf_counter()
+    path = export_model(ref_model, tok, tmp_path / "smollm2", settings={"jacobi_block_size": 8})
+    print(f"export of SmolLM2-135M-Instruct (after its load): {time.perf_counter() - t0:.1f} s")
+    assert (path / "model.safetensors").stat().st_size > 400e6  # fp32, tied head once
+    ids = _chat_ids(tok)["input_ids"]
+    ref = jacobi_ext.generate(ref_model, ids, max_new_tokens=48, method="multiblock", block_size=8)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    out = model.generate(ids, max_new_tokens=48)
+    assert torch.equal(out[0, ids.shape[1] :], ref.tokens[0])
