@@ -197,8 +197,8 @@ model's own greedy choice. The output is token for token what greedy decoding gi
 (with `do_sample=True`, exactly autoregressive sampling under the same seed), in fewer
 forward passes. It ships as a transformers
 [custom generation method](https://huggingface.co/docs/transformers/generation_strategies#custom-generation-methods)
-(`custom_generate/generate.py`), which calls the installed `jacobi_ext` (`pip install jacobi_ext`,
-a compiled extension; see `custom_generate/requirements.txt`).
+(`custom_generate/generate.py`), which calls the installed `jacobi_ext` (a compiled extension,
+installed from its repository with `bash install.sh`; see `custom_generate/requirements.txt`).
 
 ## Use
 
@@ -218,7 +218,8 @@ print(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
 - Without `trust_remote_code=True` (or with an explicit `generation_config=` argument to
   `from_pretrained`) the model decodes with transformers' own `generate`: same tokens, one
   forward per token.
-- Serve it with an OpenAI-compatible endpoint: `pip install 'jacobi_ext[serve]'`, then
+- Serve it with an OpenAI-compatible endpoint: `pip install 'transformers[serving]'` (or
+  jacobi_ext's `serve` extra), then
   `transformers serve THIS_FOLDER --trust-remote-code` (not `--continuous-batching`, whose
   loop does not call `generate`).
 - Refused with a `ValueError` (not lossless with these methods): `num_beams > 1`,
@@ -279,6 +280,8 @@ def export_model(
     generation_config keys (JACOBI_KEYS). `measure_prompts` > 0 measures AR against those settings
     on that many HumanEval prompts for the model card."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a folder")
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force)")

@@ -127,9 +127,15 @@ def test_settings_from_generation_config(tmp_path, monkeypatch):
     assert torch.equal(out, _hf_greedy(model, ids, max_new_tokens=12))
     # a keyword wins over the config's key
     model.generate(ids, generation_config=gc, jacobi_method="ar", **CG)
+    # a passed config without our keys falls back to the model's (as transformers serve passes
+    # a request's config)
+    model.generation_config.jacobi_method = "jacobi"
+    model.generation_config.jacobi_block_size = 3
+    model.generate(ids, generation_config=GenerationConfig(max_new_tokens=7), **CG)
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [c["method"] for c in calls] == ["jacobi", "ar"]
+    assert [c["method"] for c in calls] == ["jacobi", "ar", "jacobi"]
     assert calls[0]["block_size"] == 6 and calls[0]["new_tokens"] == 12
+    assert calls[2]["block_size"] == 3 and calls[2]["new_tokens"] == 7
 
 
 def test_max_length_and_context():

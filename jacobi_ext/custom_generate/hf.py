@@ -118,8 +118,8 @@ def _refuse(name: str, what: str) -> None:
     raise ValueError(
         f"{name} is not supported: {what} cannot be combined with lossless Jacobi decoding, "
         "which commits exactly the tokens of greedy decoding (or of sampling with per-position "
-        "filters: temperature, top_k, top_p, min_p). Leave it unset, or call transformers' own "
-        "generate (load the model without trust_remote_code, or pass generation_config=)"
+        "filters: temperature, top_k, top_p, min_p). Leave it unset, or use transformers' own "
+        "generate (without custom_generate=, or a model loaded without trust_remote_code)"
     )
 
 
@@ -186,9 +186,10 @@ def generate(*args, model=None, **kwargs):
             ours[arg] = kwargs.pop(key) if key in kwargs else kwargs.pop(arg)
             kwargs.pop(arg, None)
 
+    model_gc = getattr(model, "generation_config", None)
     base = kwargs.pop("generation_config", None)
     if base is None:
-        base = getattr(model, "generation_config", None) or GenerationConfig()
+        base = model_gc or GenerationConfig()
     gc = copy.deepcopy(base)
     explicit = {k: v for k, v in kwargs.items() if hasattr(gc, k)}
     unknown = sorted(k for k in kwargs if not hasattr(gc, k))
@@ -199,9 +200,15 @@ def generate(*args, model=None, **kwargs):
         )
     for k, v in explicit.items():
         setattr(gc, k, v)
+    # A generation_config passed in (transformers serve passes the request's) falls back to the
+    # model's for what it leaves unset: our keys, EOS and pad (transformers' use_model_defaults).
     for key, arg in JACOBI_KEYS.items():
-        if arg not in ours and getattr(gc, key, None) is not None:
-            ours[arg] = getattr(gc, key)
+        for source in (gc, model_gc):
+            if arg not in ours and getattr(source, key, None) is not None:
+                ours[arg] = getattr(source, key)
+    for name in ("eos_token_id", "pad_token_id"):
+        if getattr(gc, name, None) is None and getattr(model_gc, name, None) is not None:
+            setattr(gc, name, getattr(model_gc, name))
     if ours.get("block_size") == "auto":
         ours["block_size"] = None
 
