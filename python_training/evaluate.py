@@ -180,7 +180,7 @@ def _is_prompt_file(prompts: str) -> bool:
 
 # The fields a prompt file's line may hold. Exactly one of the prompt fields: ``prompt`` (or
 # ``question``, GSM8K's name, or ``text``, collect's name) is one user message, ``messages`` a
-# chat; ``meta`` is anything of the user's own, carried along and never read.
+# chat; ``meta`` is anything of the user's own, accepted and never read.
 PROMPT_FIELDS = ("prompt", "question", "text", "messages")
 CHECK_FIELDS = ("checker", "answer", "tests", "entry_point")
 FIELDS = ("id", *PROMPT_FIELDS, *CHECK_FIELDS, "meta")
