@@ -311,22 +311,21 @@ def generate(
         from .tuning import remember_step_times  # the curve learns from the steps it priced
 
         remember_step_times(model, stats.widths, stats.step_seconds)
-    if cost_ratio is not None and sampling is None:
-        # (Only greedy acceptance is remembered: a sampled call converges later, and its own
-        # controller falls back to AR when its acceptance does not pay.)
-        from .tuning import (
-            AR_LOOKUP,
-            PARALLEL,
-            estimate_rho,
-            remember_acceptance,
-            remember_mode_speed,
-        )
+    if sampling is None and n > 1:
+        # Every greedy parallel call, tuned or not, tells the tuner the model's acceptance (a
+        # fixed `jacobi` n=16 call before the first tuned one, as in the demo, informs it). Only
+        # greedy acceptance is remembered: a sampled call converges later, and its own controller
+        # falls back to AR when its acceptance does not pay.
+        from .tuning import estimate_rho, remember_acceptance
 
         window = n + (K - 1) * n // 2  # as tuning.predict credits K blocks
         for r in results:
             if r.mean_accepted_parallel is not None:  # None unless parallel steps ran
                 rho = estimate_rho(r.mean_accepted_parallel, window)
                 remember_acceptance(model, rho, weight=len(r.accepted))
+    if cost_ratio is not None and sampling is None:
+        from .tuning import AR_LOOKUP, PARALLEL, remember_mode_speed
+
         cost = sum(r.cost or 0.0 for r in results)
         if lookup and cost > 0:  # the race of tuning.choose_settings: its speed over plain AR
             committed = sum(len(r.tokens) for r in results)

@@ -133,14 +133,14 @@ class StepCurve:
 
 
 #: What a tuned call measures when it finds no curve for this model: one token, the usual block,
-#: a wide one, over a cache of QUICK_CONTEXT tokens, one round after a one-token warm-up call
-#: (~0.15 s for SmolLM2-135M on a 2-core CPU, against ~4-7 s for the full curve, SIZES x 5
+#: a wide one, over a cache of QUICK_CONTEXT tokens, one forward each after the probe's prefill
+#: (~0.1 s for SmolLM2-135M on a 2-core CPU, against ~4-7 s for the full curve, SIZES x 5
 #: rounds, that `jacobi-forcing tune` and the demo's plot measure). A first tuned call should
 #: not wait seconds for its answer (issue 36: the first tuned call on a fresh cache within 1.3x
 #: of the same call warm). The steps tuned calls then run are timed and refine the curve
 #: (remember_step_times).
 QUICK_SIZES = (1, 16, 64)
-QUICK_CONTEXT = 64
+QUICK_CONTEXT = 8
 QUICK_REPEATS = 1
 
 
@@ -197,7 +197,7 @@ def measure_quick_curve(model) -> StepCurve:
     """The few widths a tuned call needs (QUICK_SIZES), cheaply: see QUICK_SIZES."""
     return measure_step_curve(
         model, sizes=QUICK_SIZES, context=QUICK_CONTEXT, repeats=QUICK_REPEATS, reduce=min,
-        warmup=(1,),
+        warmup=(),
     )  # fmt: skip
 
 
