@@ -19,9 +19,8 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
-from side_by_side import _prompts
+from side_by_side import _prompts, _text
 
 
 def run(args) -> None:
@@ -52,15 +51,21 @@ def run(args) -> None:
             for _ in range(4):
                 t0 = time.perf_counter()
                 r = generate(model, ids, max_new_tokens=args.max_new_tokens)
-                calls.append({"s": time.perf_counter() - t0, "mode": r.method,
-                              "n": r.block_size, "tokens": r.new_tokens})
+                calls.append(
+                    {
+                        "s": time.perf_counter() - t0,
+                        "mode": r.method,
+                        "n": r.block_size,
+                        "tokens": r.new_tokens,
+                    }
+                )
             f.write(json.dumps({"id": pid, "calls": calls, "probe_s": probe[-1]}) + "\n")
             print(pid, [round(c["s"], 2) for c in calls], [c["mode"] for c in calls], flush=True)
 
 
 def table(paths) -> None:
     for path in paths:
-        rows = [json.loads(x) for x in Path(path).read_text().splitlines()]
+        rows = [json.loads(x) for x in _text(path).splitlines()]
         ratios, firsts, warms, probes = [], 0.0, 0.0, []
         for r in rows:
             first, rest = r["calls"][0], r["calls"][1:]
@@ -70,9 +75,11 @@ def table(paths) -> None:
             firsts += first["s"]
             warms += warm
             probes.append(r["probe_s"])
-        print(f"{path}: {len(rows)} prompts; first / warm (same mode): median "
-              f"{statistics.median(ratios):.2f}, max {max(ratios):.2f}, total "
-              f"{firsts / warms:.2f}; quick probe median {statistics.median(probes):.3f} s")
+        print(
+            f"{path}: {len(rows)} prompts; first / warm (same mode): median "
+            f"{statistics.median(ratios):.2f}, max {max(ratios):.2f}, total "
+            f"{firsts / warms:.2f}; quick probe median {statistics.median(probes):.3f} s"
+        )
 
 
 def main() -> None:

@@ -128,9 +128,17 @@ def run(args) -> None:
             print(pid, flush=True)
 
 
+def _text(path) -> str:
+    """A results file's text (gzipped where its name ends in .gz, as committed)."""
+    import gzip
+
+    data = Path(path).read_bytes()
+    return (gzip.decompress(data) if str(path).endswith(".gz") else data).decode()
+
+
 def table(paths) -> None:
     for path in paths:
-        rows = [json.loads(x) for x in Path(path).read_text().splitlines()]
+        rows = [json.loads(x) for x in _text(path).splitlines()]
         first = [r for r in rows if r["id"] == "first-call"]
         by = {}
         for r in rows:
