@@ -56,6 +56,25 @@ def stream_indices(layout: JacobiLayout) -> tuple[torch.Tensor, ...]:
     return noisy, clean, inv, order
 
 
+class _PermuteTokens(torch.autograd.Function):
+    """x.index_select(2, perm) whose backward is the gather by the inverse permutation
+    (exact and cheap, where index_select's own backward would scatter-add into zeros). Used
+    here and by ``attention`` (its ordered path on devices without an ordered kernel)."""
+
+    @staticmethod
+    def forward(x, perm, inv):
+        return x.index_select(2, perm)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inv,) = ctx.saved_tensors
+        return grad.index_select(2, inv), None, None
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient. The gradient of a stream's output
     arrives as a slice of the packed gradient (``cat``'s backward narrows along the tokens), and
@@ -97,8 +116,6 @@ def streams_attention(
 ) -> torch.Tensor:
     """Two causal SDPA calls in stream order; q [B, Hq, S, D], k/v [B, Hkv, S, D] (GQA kept:
     SDPA's enable_gqa, k/v never repeated here). The caller has checked the layout and shapes."""
-    from .attention import _PermuteTokens  # (attention imports this module)
-
     P = layout.prompt_len
     noisy, clean, inv, order = _indices(layout, q.device)
     gqa = q.shape[1] != k.shape[1]

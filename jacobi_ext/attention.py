@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from . import ops as _ops
-from ._attn_streams import is_two_stream, streams_attention
+from ._attn_streams import _PermuteTokens, is_two_stream, streams_attention
 from ._native import ops
 from .layout import BlockTable, JacobiLayout, StreamPlan, table_mask_mod
 
@@ -57,24 +57,6 @@ SM90_TILE = 128
 #: (docs/results/h100-2026-11-26, h200-2026-11-26), and the sm90 forward with the sm80 backward
 #: is no match for them either (its backward is the sm80 one).
 MEASURED_FASTEST: dict[tuple[int, str, int], str] = {(9, "noisy_context", 128): "streams"}
-
-
-class _PermuteTokens(torch.autograd.Function):
-    """x.index_select(2, perm) whose backward is the gather by the inverse permutation
-    (exact and cheap, where index_select's own backward would scatter-add into zeros)."""
-
-    @staticmethod
-    def forward(x, perm, inv):
-        return x.index_select(2, perm)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[2])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inv,) = ctx.saved_tensors
-        return grad.index_select(2, inv), None, None
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
