@@ -26,7 +26,8 @@ Rules:
 
 The built corpus ships in the repo (``python_training/data/code_prompts.jsonl.gz`` and its
 manifest); ``jacobi-forcing prompts build`` rebuilds it, ``load_prompts("code")`` /
-``load_prompts("code-heldout")`` read it.
+``load_prompts("code-heldout")`` read it (``prompts.load_corpus``: reading needs nothing of this
+module).
 """
 
 from __future__ import annotations
@@ -43,15 +44,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .prompts import (
+    CORPUS,
+    CORPUS_DIR,
     Prompt,
     _norm,
-    check_no_humaneval_overlap,
     humaneval_index,
     humaneval_overlap,
 )
 
-CORPUS_DIR = Path(__file__).parent / "data"
-CORPUS = CORPUS_DIR / "code_prompts.jsonl.gz"
 MANIFEST = CORPUS_DIR / "code_prompts.manifest.json"
 MIN_DOC_CHARS = 40
 MAX_DOC_CHARS = 1200
@@ -253,16 +253,3 @@ def write_corpus(rows: list[dict], manifest: dict, path: Path = CORPUS) -> None:
     path.with_name(path.name.replace(".jsonl.gz", ".manifest.json")).write_text(
         json.dumps(manifest, indent=1) + "\n"
     )
-
-
-def load_corpus(split: str | None = "train", path: Path = CORPUS) -> list[Prompt]:
-    """The shipped corpus as Prompts (``split``: "train", "heldout" or None for both)."""
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} is missing: rebuild it with `jacobi-forcing prompts build`"
-        )
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    prompts = [Prompt(r["id"], code=r["prompt"]) for r in rows if split in (None, r["split"])]
-    check_no_humaneval_overlap(prompts)
-    return prompts

@@ -30,6 +30,11 @@ import torch
 
 from jacobi_ext.data import INSTRUCTION, load_humaneval
 
+#: The shipped corpus of installed-code prompts: built by ``prompt_corpus`` (``jacobi-forcing
+#: prompts build``), read here (``load_corpus``).
+CORPUS_DIR = Path(__file__).parent / "data"
+CORPUS = CORPUS_DIR / "code_prompts.jsonl.gz"
+
 # Pure-Python stdlib modules whose public functions have readable signatures and docstrings.
 STDLIB_MODULES = (
     "base64", "bisect", "calendar", "colorsys", "copy", "csv", "dataclasses", "datetime",
@@ -165,8 +170,6 @@ def load_prompts(source: str | None = None, limit: int | None = None) -> list[Pr
     ``None`` / ``"stdlib"``: the 661 stdlib prompts built at import time;
     anything else: a JSONL file."""
     if source in ("code", "code-heldout"):
-        from .prompt_corpus import load_corpus
-
         prompts = load_corpus("heldout" if source == "code-heldout" else "train")
     elif source in (None, "stdlib"):
         prompts = stdlib_prompts()
@@ -180,6 +183,19 @@ def load_prompts(source: str | None = None, limit: int | None = None) -> list[Pr
         prompts = load_jsonl(source)
         check_no_humaneval_overlap(prompts)
     return prompts[:limit] if limit is not None else prompts
+
+
+def load_corpus(split: str | None = "train", path: Path = CORPUS) -> list[Prompt]:
+    """The shipped corpus as Prompts (``split``: "train", "heldout" or None for both)."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: rebuild it with `jacobi-forcing prompts build`"
+        )
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    prompts = [Prompt(r["id"], code=r["prompt"]) for r in rows if split in (None, r["split"])]
+    check_no_humaneval_overlap(prompts)
+    return prompts
 
 
 def _norm(s: str) -> str:
