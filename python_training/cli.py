@@ -1,7 +1,8 @@
 """The distillation subcommands of ``jacobi-forcing``: collect, train, distill, eval, gpu-run.
 
-Registered by ``jacobi_ext.cli``; heavy imports (torch models, transformers, accelerate) happen
-inside the handlers so ``--help`` stays instant.
+``REGISTRARS`` reaches ``jacobi_ext.cli`` through the entry point ``training`` of the group
+``jacobi_forcing.commands`` (pyproject.toml): jacobi_ext imports nothing from here. Heavy imports
+(torch models, transformers, accelerate) happen inside the handlers so ``--help`` stays instant.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from jacobi_ext.cli_args import add_sampling_args, sampling_kwargs
 
 _DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -271,8 +274,6 @@ def _add_distill(sub) -> None:
 
 def _sampling(args: argparse.Namespace) -> dict | None:
     """eval's sampling options (a fixed seed, 0 unless given: rows must be reproducible)."""
-    from jacobi_ext.cli import sampling_kwargs
-
     if not args.do_sample:
         return None
     kw = sampling_kwargs(args)
@@ -368,8 +369,6 @@ def _add_eval(sub) -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per test run")
     p.add_argument("--label", default=None)
     _add_runtime_args(p)
-    from jacobi_ext.cli import add_sampling_args
-
     add_sampling_args(p)
     p.set_defaults(handler=_cmd_eval)
 

@@ -3,6 +3,7 @@ training configs (unknown keys are errors, so a typo in a recipe fails here, not
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,20 @@ RECIPES = sorted((Path(__file__).parents[1] / "python_training" / "recipes").glo
 
 
 COMMANDS = ["collect", "train", "distill", "eval", "fidelity", "distill-report"]
+# Every subcommand, in the order `jacobi-forcing --help` lists them: python_training's come
+# through the entry point of pyproject.toml, between tune and export.
+ORDER = ["demo", "generate", "tune", "prompts", "collect", "train", "distill", "eval", "fidelity",
+         "distill-report", "gpu-run", "export", "bench", "info"]  # fmt: skip
+
+
+def test_help_lists_every_command_in_order(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    # One line per command, its name indented by 4 (wrapped help lines are indented further).
+    listed = re.findall(r"^ {4}([a-z][\w-]*)", out[out.index("commands:") :], re.M)
+    assert listed == ORDER, out
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
