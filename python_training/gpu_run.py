@@ -1,12 +1,13 @@
 """One short run of a one-stage distillation recipe on a GPU machine: collect, train and evaluate
-in calls of bounded time (``--minutes``), each resumable, everything in one output folder
-(``recipes/smollm2_gpu.toml``; python_training/README.md "GPU recipe" has the device calls).
+as jobs with a time limit (``--minutes``), each resumable, everything in one output folder
+(``recipes/smollm2_gpu.toml``; docs/training.md "On a GPU machine" has the jobs step by step).
 
     python -m python_training.gpu_run --recipe R.toml --phase all --minutes 9 --pack "$OUT"
 
-A call runs the phases it is given until its budget is spent and stops at a safe point; the same
-command goes on from there: collection by prompt id (in chunks of batches), training in chunks
-(``stop_after_minutes`` + checkpoints), evaluation by the rows already in its JSONL files.
+($OUT: the job's output folder, what comes back from the machine.) A job runs the phases it is
+given until its time is spent and stops at a safe point; the same command goes on from there:
+collection by prompt id (in chunks of batches), training in chunks (``stop_after_minutes`` +
+checkpoints), evaluation by the rows already in its JSONL files.
 
 The output folder has ``distill.py``'s layout, so ``distill`` and ``distill-report`` read it too::
 
@@ -15,13 +16,15 @@ The output folder has ``distill.py``'s layout, so ``distill`` and ``distill-repo
                                    train_state.json), final/ (merged); TRAINED
     eval/                          curve.jsonl, curve.png, training_curves.png,
                                    humaneval_final.jsonl, humaneval_base.jsonl; EVALUATED
-    calls.jsonl, summary.json      what each call did and its seconds; the results so far
+    calls.jsonl, summary.json      what each job did per phase and its seconds; the results so far
 
-``--pack DIR`` writes what a device call brings back through $OUT (at most 8 files of 16 MiB):
-summary.json, the curve's PNG and ``state.tar.gz.NNN``: the folder without checkpoints,
-snapshots and the merged model, in parts. ``--restore DIR`` unpacks such parts into an output
-folder that has no run yet (a fresh machine); training then goes on from the adapter's
-train_state.json (its optimizer moments restart), and the merged model is rebuilt from it.
+``--pack DIR`` writes the results to take away from the machine into DIR (e.g. the job's output
+folder): summary.json, the curve's PNG and ``state.tar.gz.NNN``: the folder without checkpoints,
+snapshots and the merged model, cut into parts of ``--part-mib`` (default 15 MiB); where the job's
+output is limited, ``--max-files`` / ``--max-total-mib`` make the pack refuse to go over (default:
+no limit). ``--restore DIR`` unpacks such parts into an output folder that has no run yet (a
+fresh machine); training then goes on from the adapter's train_state.json (its optimizer moments
+restart), and the merged model is rebuilt from it.
 """
 
 from __future__ import annotations
@@ -42,21 +45,22 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PHASES = ("collect", "train", "eval")
-# The driver's settings, an optional [run] table: seconds kept at the end of a call for packing;
+# The driver's settings, an optional [run] table: seconds kept at the end of a job for packing;
 # prompts per collect() call (batches × collect_batch_size); the allowance for the trainer's
 # model and data load (its own clock starts after it); the least training time worth a load;
-# HumanEval problems per evaluate() call; the size of a state part.
+# HumanEval problems per evaluate() call; the size of a state part; the most files and MiB the
+# packed results may take (None: no limit).
 RUN_DEFAULTS = dict(reserve_seconds=40.0, collect_chunk_batches=4, train_load_seconds=45.0,
-                    min_train_seconds=60.0, humaneval_slice=8, part_mib=15.0)  # fmt: skip
+                    min_train_seconds=60.0, humaneval_slice=8, part_mib=15.0, max_files=None,
+                    max_total_mib=None)  # fmt: skip
 EVAL_DEFAULTS = dict(dtype="float32", block_size=16, max_new_tokens=256, curve_prompts=16,
                      humaneval_limit=64, humaneval_methods=["ar", "jacobi", "multiblock"],
                      base_methods=["ar"])  # fmt: skip
-MAX_FILES, MAX_TOTAL_MIB = 8, 64  # the device tool's $OUT: 8 files, 16 MiB each, 64 together
 PACK_EXCLUDE = ("checkpoints", "snapshots", "final")
 
 
 class Budget:
-    """Seconds left in this call; ``clock`` can be replaced, so tests end a budget on cue."""
+    """Seconds left in this job; ``clock`` can be replaced, so tests end a budget on cue."""
 
     def __init__(self, minutes: float | None, clock=time.monotonic):
         self.clock = clock
@@ -128,7 +132,7 @@ class Run:
         if (self.sdir / "COLLECTED").exists():
             return {"done": True, "did": "nothing (collected already)"}
         if not self.time_for(0):
-            return {"stopped": "no time left in this call"}
+            return {"stopped": "no time left in this job"}
         if st.get("shipped_trajectories"):
             _seed_from_shipped(Path(st["shipped_trajectories"]), self.tdir)
         pcfg = self.recipe.get("prompts", {})
@@ -218,8 +222,8 @@ class Run:
         units = [("curve", points[0]), ("curve", final), ("humaneval", final, "final"),
                  ("humaneval", points[0], "base")]  # fmt: skip
         units += [("curve", p) for p in points[1:] if p is not final]
-        # Seconds of the last curve point / HumanEval slice of this call; until one was timed, a
-        # guess for the GPU recipe's sizes (unmeasured), so a call does not start one it cannot
+        # Seconds of the last curve point / HumanEval slice of this job; until one was timed, a
+        # guess for the GPU recipe's sizes (unmeasured), so a job does not start one it cannot
         # finish.
         took = {"curve": 60.0, "slice": 30.0} if self.device != "cpu" else {}
         loaded: list = [None, None]  # (model key, (model, tokenizer)): one model at a time
@@ -364,9 +368,11 @@ def summarize_run(run: Run) -> dict:
     }  # fmt: skip
 
 
-def pack(out: Path, dest: Path, part_mib: float = 15.0) -> list[Path]:
-    """summary.json, the curve's PNG and the state in parts into ``dest`` (a device call's
-    $OUT); refuses to go over the tool's limits rather than lose files silently."""
+def pack(out: Path, dest: Path, part_mib: float = 15.0, max_files: int | None = None,
+         max_total_mib: float | None = None) -> list[Path]:  # fmt: skip
+    """summary.json, the curve's PNG and the state in parts of ``part_mib`` into ``dest`` (e.g.
+    the job's output folder); over ``max_files`` files or ``max_total_mib`` MiB (where the job's
+    output is limited; None: no limit) it raises rather than lose files silently."""
     import shutil
 
     from .gpu_carry import pack_tree
@@ -382,17 +388,20 @@ def pack(out: Path, dest: Path, part_mib: float = 15.0) -> list[Path]:
 
     files += pack_tree(out, dest, int(part_mib * 2**20), skip)
     total = sum(f.stat().st_size for f in files) / 2**20
-    if len(files) > MAX_FILES or total > MAX_TOTAL_MIB:
+    if (max_files is not None and len(files) > max_files) or (
+        max_total_mib is not None and total > max_total_mib
+    ):
         raise RuntimeError(
-            f"the packed run is {len(files)} files, {total:.1f} MiB: over what a device call "
-            f"brings back ({MAX_FILES} files, {MAX_TOTAL_MIB} MiB)"
+            f"the packed run is {len(files)} files, {total:.1f} MiB: over the limit set for the "
+            f"results (max_files {max_files}, max_total_mib {max_total_mib}; larger --part-mib "
+            "parts make fewer files)"
         )
     return files
 
 
 def restore(src: Path, out: Path) -> bool:
-    """Unpack a packed state from ``src`` into ``out``, unless ``out`` already holds a run (a
-    warm machine's own state is newer than any packed copy of it)."""
+    """Unpack a packed state from ``src`` into ``out``, unless ``out`` already holds a run (on a
+    machine that kept its disk, that state is newer than any packed copy of it)."""
     from .gpu_carry import unpack_tree
 
     if any(Path(out).glob("stage-*")):
@@ -423,7 +432,8 @@ def run(recipe: dict, phases=PHASES, out=None, minutes=None, pack_dir=None, rest
         summary = summarize_run(r)
         (r.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         if pack_dir:
-            pack(r.out, Path(pack_dir), recipe["run"]["part_mib"])
+            rc = recipe["run"]
+            pack(r.out, Path(pack_dir), rc["part_mib"], rc["max_files"], rc["max_total_mib"])
     r.say(f"next: {summary['next']}")
     return summary
 
@@ -431,14 +441,33 @@ def run(recipe: dict, phases=PHASES, out=None, minutes=None, pack_dir=None, rest
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "gpu-run",
-        help="a one-stage recipe in calls of bounded time on one GPU: collect, train, eval "
-        "(resumable; one output folder; see python_training/README.md 'GPU recipe')",
+        help="a one-stage recipe on one GPU as jobs with a time limit: collect, train, eval "
+        "(resumable; one output folder; see docs/training.md 'On a GPU machine')",
     )
     p.add_argument("--recipe", required=True, help="TOML recipe (recipes/smollm2_gpu.toml)")
     p.add_argument("--phase", default="all", choices=[*PHASES, "all"])
     p.add_argument("--out", default=None, help="the output folder (default: the recipe's out)")
-    p.add_argument("--minutes", type=float, default=9.0, help="this call's budget (default 9)")
-    p.add_argument("--pack", default=None, help="write summary + state parts here ($OUT)")
+    p.add_argument(
+        "--minutes", type=float, default=9.0,
+        help="this job's time limit, packing included (default 9)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pack", default=None, metavar="DIR",
+        help="write summary.json, the curve and the run's state in parts here (e.g. the job's "
+        "output folder)",
+    )  # fmt: skip
+    p.add_argument(
+        "--part-mib", type=float, default=None,
+        help="the size of a state part (default: the recipe's [run] part_mib, else 15)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-files", type=int, default=None,
+        help="refuse a pack of more files (default: the recipe's [run] max_files, else no limit)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-total-mib", type=float, default=None,
+        help="refuse a pack of more MiB (default: the recipe's [run] max_total_mib, else no limit)",
+    )  # fmt: skip
     p.add_argument("--restore", default=None, help="unpack a packed state from here first")
     p.add_argument(
         "--set",
@@ -455,6 +484,9 @@ def _cmd(args) -> int:
     recipe = load_recipe(args.recipe)
     for a in args.set:
         set_key(recipe, a)
+    for key in ("part_mib", "max_files", "max_total_mib"):
+        if getattr(args, key) is not None:
+            recipe.setdefault("run", {})[key] = getattr(args, key)
     phases = PHASES if args.phase == "all" else (args.phase,)
     run(recipe, phases, args.out, args.minutes, args.pack, args.restore, args.progress)
     return 0

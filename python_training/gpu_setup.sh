@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Makes a bare GPU machine of the device tool ready for python_training/gpu_run.py, and runs it:
+# Makes a GPU machine that may be offline (Python and torch, nothing of ours) ready for
+# python_training/gpu_run.py, and runs it:
 #   bash python_training/gpu_setup.sh                   setup only (stash, install, build)
 #   bash python_training/gpu_setup.sh run ARGS...       setup, then gpu_run.py ARGS
-# Safe at the start of every call: what is done is skipped. It
-# 1. keeps what this call carried (.gpu/p1, .gpu/p2, ... from `python python_training/gpu_carry.py
-#    prepare`; .gpu/state, a packed run) in runs/gpu-env, an ignored folder that a warm machine
-#    keeps between calls, so a later call need not carry it again;
+# Safe at the start of every job: what is done is skipped. It
+# 1. keeps the wheelhouse parts this job brought (.gpu/p1, .gpu/p2, ... from `python
+#    python_training/gpu_carry.py prepare`; .gpu/state, a packed run) in runs/gpu-env, an ignored
+#    folder that stays while the machine keeps its disk, so a later job need not bring them again;
 # 2. installs every wheel whose pieces are all there into runs/gpu-env/site (gpu_carry.py
 #    assemble: sha256-checked, pip --no-index --no-deps);
 # 3. builds jacobi_ext's extension against the machine's torch once per source state (CUDA on,
 #    bf16 kernels for sm_90a: H100/H200) and puts _C next to the sources, as an in-place build;
 # 4. with `run`: checks that everything is there, then runs gpu_run.py from the repo root with
-#    --restore runs/gpu-env/state when a packed run was carried.
-# The machine is bare again once given back (30 s idle): a part it lacks is named in the error.
+#    --restore runs/gpu-env/state when a packed run came along.
+# A fresh machine (or one whose disk was wiped) starts bare: a part it lacks is named in the error.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ENV="${JF_GPU_ENV:-$ROOT/runs/gpu-env}"
@@ -72,8 +73,8 @@ echo "== setup: $((SECONDS - t0)) s"
 [ "${1:-}" = "run" ] || exit 0
 shift
 if [ "$missing" -ne 0 ] || ! [ -f "$ENV/built-$src_hash" ]; then
-  echo "gpu_setup: this machine lacks pieces (above: \"missing\"): carry those .gpu/pN folders" \
-    "(a machine given back starts bare: carry from .gpu/p1 again)" >&2
+  echo "gpu_setup: this machine lacks pieces (above: \"missing\"): bring those .gpu/pN folders" \
+    "(a fresh machine starts bare: bring them from .gpu/p1 again)" >&2
   exit 3
 fi
 cd "$ROOT"

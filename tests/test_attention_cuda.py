@@ -196,8 +196,9 @@ def reference(q, k, v, mask, scale):
 
 def skip_unless_compiled(dtype: torch.dtype, head_dim: int) -> None:
     """A reduced kernel set (CMake JACOBI_EXT_CUDA_KERNELS=ci: bf16 only; gate: bf16 at head dim
-    128), which a short GPU lease builds to save compile time, leaves these kernels out by design:
-    the op then raises its "compiled ... for bfloat16 only" error, tested on its own."""
+    128), which a GPU job with a short time limit builds to save compile time, leaves these
+    kernels out by design: the op then raises its "compiled ... for bfloat16 only" error, tested
+    on its own."""
     kernel_set = jacobi_ext._native.CUDA_KERNEL_SET
     if kernel_set in ("ci", "gate") and dtype != torch.bfloat16:
         pytest.skip(f"this build's CUDA kernel set is {kernel_set!r}: bfloat16 only")

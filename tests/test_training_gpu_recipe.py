@@ -1,10 +1,10 @@
 """The GPU recipe (recipes/smollm2_gpu.toml) and its driver (python_training/gpu_run.py), dry-run
 on the CPU: the same recipe with a few overrides (device cpu, float32, a tiny random Llama with
-SmolLM2's tokenizer, 6 prompts, 6 steps) runs every phase end to end into one folder; a call whose
-budget runs out, a crash mid-training and a chunk that ends early all go on when rerun; a finished
-run's rerun changes nothing; the packed state (what a device call brings back) fits the tool's
-limits and continues on a "fresh machine" (another folder). Also: the real recipe parses into
-valid settings, and CUDA asked for without a GPU is a clear error."""
+SmolLM2's tokenizer, 6 prompts, 6 steps) runs every phase end to end into one folder; a job whose
+time runs out, a crash mid-training and a chunk that ends early all go on when rerun; a finished
+run's rerun changes nothing; the packed state (what a job brings back from the machine) keeps to
+the part size and the limits asked for and continues on a "fresh machine" (another folder). Also:
+the real recipe parses into valid settings, and CUDA asked for without a GPU is a clear error."""
 
 from __future__ import annotations
 
@@ -98,12 +98,12 @@ def test_gpu_recipe_is_valid_and_sized_for_one_gpu():
     assert hi - lo >= cfg.max_steps  # each training sequence a new prompt
 
 
-def test_lease_recipe_collects_nothing_and_starts_from_the_shipped_adapter():
-    """recipes/smollm2_gpu_lease.toml fits one 15-minute lease by collecting nothing: its prompt
-    range is the shipped fixed points', and it trains on from the shipped adapter."""
+def test_short_recipe_collects_nothing_and_starts_from_the_shipped_adapter():
+    """recipes/smollm2_gpu_short.toml, the shortest GPU run, collects nothing: its prompt range
+    is the shipped fixed points', and it trains on from the shipped adapter."""
     import gzip
 
-    recipe = gpu_run.check_recipe(load_recipe(GPU_RECIPE.with_name("smollm2_gpu_lease.toml")))
+    recipe = gpu_run.check_recipe(load_recipe(GPU_RECIPE.with_name("smollm2_gpu_short.toml")))
     st = recipe["stages"][0]
     tr = TrainConfig.from_dict({**st["train"], "model": None, "data": ["x"], "out": "y",
                                 "cpu": False, "stop_after_minutes": 8.0})  # fmt: skip
@@ -124,7 +124,10 @@ def test_gpu_run_command_exists(capsys):
 
     with pytest.raises(SystemExit) as e:
         main(["gpu-run", "--help"])
-    assert e.value.code == 0 and "--minutes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for option in ("--minutes", "--pack", "--part-mib", "--max-files", "--max-total-mib"):
+        assert option in out, option
 
 
 def test_unknown_driver_keys_and_bad_overrides_are_errors():
@@ -155,7 +158,7 @@ def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
     out, back = tmp_path / "run", tmp_path / "OUT"
     traj = out / "stage-1-n16" / "trajectories" / "trajectories.jsonl"
 
-    # 1. A call whose budget runs out after the first collect chunk (2 prompts): it stops there,
+    # 1. A job whose time runs out after the first collect chunk (2 prompts): it stops there,
     #    says so, and packs what it has.
     def clock():  # the budget is gone once the first chunk is written
         return 1e9 if traj.exists() and len(traj.read_text().splitlines()) >= 2 else 0.0
@@ -188,7 +191,7 @@ def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
     assert json.loads((train_dir / "adapter" / "train_state.json").read_text())["step"] == 2
     summary = json.loads((back / "summary.json").read_text())  # packed despite the crash
     assert summary["next"] == "train" and summary["train"]["state"]["step"] == 2
-    crashed = tmp_path / "OUT-crashed"  # what that call brought back, kept for step 7
+    crashed = tmp_path / "OUT-crashed"  # what that job brought back, kept for step 7
     shutil.copytree(back, crashed)
     assert list(crashed.glob("state.tar.gz.*"))
 
@@ -219,9 +222,10 @@ def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
     assert (train_dir / "adapter" / "adapter_model.safetensors").exists()
     assert s["seconds_per_phase"].keys() == {"collect", "train", "eval"}
 
-    # What comes back fits the device tool: ≤ 8 files, ≤ 16 MiB each, summary readable as is.
+    # What comes back: a few files, each at most a part (15 MiB by default), summary readable
+    # as is.
     files = sorted(back.iterdir())
-    assert len(files) <= 8 and all(f.stat().st_size <= 16 * 2**20 for f in files)
+    assert len(files) <= 8 and all(f.stat().st_size <= 15 * 2**20 for f in files)
     assert {"summary.json", "curve.png"} <= {f.name for f in files}
 
     # 5. Rerun of a finished run: nothing new anywhere.
@@ -261,16 +265,19 @@ def test_pack_limits_and_round_trip(tmp_path):
     (src / "a" / "keep.bin").write_bytes(torch.randint(0, 255, (300_000,)).byte().numpy().tobytes())
     (src / "summary.json").write_text("{}")
     dest = tmp_path / "OUT"
-    files = gpu_run.pack(src, dest, part_mib=0.1)
+    files = gpu_run.pack(src, dest, part_mib=0.1, max_files=8, max_total_mib=1)
     parts = sorted(dest.glob("state.tar.gz.*"))
     assert len(parts) >= 3 and all(p.stat().st_size <= 0.1 * 2**20 for p in parts)
     assert set(files) == {*parts, dest / "summary.json"}
+    assert len(gpu_run.pack(src, tmp_path / "OUT1", part_mib=0.02)) > 8  # no limit by default
     back = tmp_path / "back"
     assert gpu_run.restore(dest, back)
     assert (back / "a" / "keep.bin").read_bytes() == (src / "a" / "keep.bin").read_bytes()
     assert not (back / "a" / "checkpoints").exists()
-    with pytest.raises(RuntimeError, match="over what a device call brings back"):
-        gpu_run.pack(src, tmp_path / "OUT2", part_mib=0.02)
+    with pytest.raises(RuntimeError, match="over the limit set for the results"):
+        gpu_run.pack(src, tmp_path / "OUT2", part_mib=0.02, max_files=8)
+    with pytest.raises(RuntimeError, match="max_total_mib 0.1"):
+        gpu_run.pack(src, tmp_path / "OUT3", part_mib=0.1, max_total_mib=0.1)
 
 
 def _wheel(dest: Path, name: str, payload: bytes) -> Path:
@@ -292,26 +299,26 @@ def _wheel(dest: Path, name: str, payload: bytes) -> Path:
     return path
 
 
-def test_carry_parts_assemble_only_when_complete(tmp_path):
-    """Wheels cut into carry folders of a fixed size; the machine installs each wheel once all
-    its pieces arrived (call by call), checked by sha256."""
+def test_wheelhouse_parts_assemble_only_when_complete(tmp_path):
+    """Wheels cut into parts of a given size; the machine installs each wheel once all its
+    pieces arrived (job by job), checked by sha256."""
     src = tmp_path / "wheels"
     src.mkdir()
     big = torch.randint(0, 255, (250_000,)).byte().numpy().tobytes()  # incompressible
     wheels = [_wheel(src, "smallpkg", b"s"), _wheel(src, "bigpkg", big)]
-    parts = gpu_carry.split_into_parts(wheels, tmp_path / "carry", 100_000)
+    parts = gpu_carry.split_into_parts(wheels, tmp_path / "parts", 100_000)
     assert [p.name for p in parts] == [f"p{i}" for i in range(1, len(parts) + 1)]
     assert len(parts) >= 3
     for p in parts:
         assert sum(f.stat().st_size for f in p.iterdir() if f.name != "MANIFEST.json") <= 100_000
     stash, site = tmp_path / "stash", tmp_path / "site"
     stash.mkdir()
-    for f in parts[0].iterdir():  # the first call
+    for f in parts[0].iterdir():  # the first job
         shutil.copy(f, stash)
     res = gpu_carry.assemble(stash, site)
     assert res["installed"] == ["smallpkg-0.1-py3-none-any.whl"]
     assert res["missing"] == [p.name for p in parts[1:]]
-    for p in parts[1:]:  # the later calls
+    for p in parts[1:]:  # the later jobs
         for f in p.iterdir():
             shutil.copy(f, stash)
     res = gpu_carry.assemble(stash, site)
