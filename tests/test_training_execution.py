@@ -39,7 +39,9 @@ def test_timeout_is_respected():
     )
     t = time.perf_counter()
     assert check_completion(p, loop, timeout=2.0) == (False, "timeout")
-    assert time.perf_counter() - t < 10
+    # Killed at its timeout, not waited for (the loop never ends): a bound far above the 2 s, so
+    # that a loaded machine's slow process start does not fail the test.
+    assert time.perf_counter() - t < 60
 
 
 def test_no_network_and_code_extraction():

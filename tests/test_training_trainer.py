@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -174,19 +175,35 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def free_port() -> int:
+    """A TCP port that is free now: bound to port 0 (the OS picks one), read, closed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def test_two_process_gloo_matches_one_process(data_dir, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the installed packages, not the checkout
     one = tmp_path / "one"
-    two = tmp_path / "two"
     subprocess.run([sys.executable, str(script), str(data_dir), str(one), "2"],
                    check=True, env=env, timeout=120)  # fmt: skip
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_port=29533", str(script), str(data_dir), str(two), "1"],
-        env=env, timeout=180, capture_output=True, text=True,
-    )  # fmt: skip
+    # A free port, never a fixed one (another run on the machine may hold it). Between closing
+    # the probe and the launcher binding it, another process may take the port: then the launch
+    # fails with "address already in use", and one more free port is tried.
+    for attempt in range(3):
+        two = tmp_path / f"two-{attempt}"
+        r = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+             "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
+             str(data_dir), str(two), "1"],
+            env=env, timeout=180, capture_output=True, text=True,
+        )  # fmt: skip
+        taken = r.returncode != 0 and ("address already in use" in r.stderr.lower()
+                                       or "EADDRINUSE" in r.stderr)  # fmt: skip
+        if not taken:
+            break
     assert r.returncode == 0, r.stderr[-3000:]
     l1 = [json.loads(x) for x in (one / "log.jsonl").read_text().splitlines()]
     l2 = [json.loads(x) for x in (two / "log.jsonl").read_text().splitlines()]
