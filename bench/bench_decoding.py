@@ -81,7 +81,8 @@ METHODS = [
     "multiblock+compile",
 ]
 # JACOBI_BENCH_METHODS=hf-greedy,ar,...: run only these (a GPU job with a short time limit picks
-# what it can afford; the order stays METHODS's, hf-greedy first so that speedups have their reference).
+# what it can afford; the order stays METHODS's, hf-greedy first so that speedups have their
+# reference).
 _PICK = [m.strip() for m in os.environ.get("JACOBI_BENCH_METHODS", "").split(",") if m.strip()]
 if _PICK:
     _unknown = sorted(set(_PICK) - set(METHODS))
