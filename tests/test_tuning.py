@@ -188,8 +188,12 @@ def test_steps_tuned_calls_run_refine_the_curve() -> None:
     assert tuning.step_curve(model, full=True).sizes == list(tuning.SIZES)  # as measured
 
 
-def test_tuned_generate_records_its_step_times() -> None:
+def test_priced_generate_records_its_step_times() -> None:
+    """A call whose steps are priced by the curve (tuned, or with lookup drafts) records them.
+    (A fixed small block keeps the test's step count up whatever the tuner would pick.)"""
     model = tiny_llama(vocab_size=64, seed=6)
     ids = torch.randint(0, 64, (1, 7))
-    generate(model, ids, max_new_tokens=40, method="jacobi", block_size=None)
-    assert tuning.load_profile(model).get("observed")
+    res = generate(model, ids, max_new_tokens=80, method="jacobi", block_size=4, lookup=True)
+    assert res.forwards >= 2 * tuning.MIN_OBSERVED_STEPS
+    observed = tuning.load_profile(model).get("observed")
+    assert observed and all(o["weight"] >= tuning.MIN_OBSERVED_STEPS for o in observed.values())
