@@ -118,7 +118,8 @@ def check_answer(expected: str | int | float, output: str) -> tuple[bool, str]:
     if got is None:
         return False, f"no answer found (expected {want})"
     ok = normalize_answer(got) == normalize_answer(want)
-    return ok, f"answer {got}" + ("" if ok else f" (expected {want})")
+    shown = got if len(got) <= 60 else got[:57] + "..."  # e.g. a degenerate loop of digits
+    return ok, f"answer {shown}" + ("" if ok else f" (expected {want})")
 
 
 def build_tests_program(tests: str, answer: str, entry_point: str | None = None) -> str:

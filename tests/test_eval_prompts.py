@@ -94,6 +94,7 @@ def test_reference_answers_and_check_answer():
     )
     assert check_answer("7", "I do not know") == (False, "no answer found (expected 7)")
     assert check_answer(7, "2 + 5 = 7, not 8") == (False, "answer 8 (expected 7)")
+    assert check_answer(7, "0" * 200) == (False, "answer " + "0" * 57 + "... (expected 7)")
 
 
 # --- the tests checker (the sandboxed subprocess) ------------------------------------------------
