@@ -122,3 +122,19 @@ def test_where_it_does_not_apply(monkeypatch):
     monkeypatch.setenv("JACOBI_EXT_LEAN", "0")
     assert lean.why_not(tiny_llama()) == "JACOBI_EXT_LEAN=0"
     assert lean.lean_decoder(tiny_llama()) is None
+
+
+def test_weights_rewritten_through_data_are_repacked():
+    """Merging a LoRA adapter writes the base weights through `.data`, which bumps no version
+    counter: the packed copies still follow (the slow overfit test decodes before and after
+    training on one model object)."""
+    model = _model("llama", "sdpa", torch.float32)
+    ids = torch.randint(0, 101, (1, 6), generator=torch.Generator().manual_seed(5))
+    before = generate(model, ids, max_new_tokens=12, method="ar").tokens
+    with torch.no_grad():
+        model.lm_head.weight.data.mul_(-1.0)
+        model.model.layers[0].mlp.down_proj.weight.data.mul_(3.0)
+    after = generate(model, ids, max_new_tokens=12, method="ar").tokens
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)[:, ids.shape[1] :]
+    assert not torch.equal(before, after)
+    assert torch.equal(after[0, :3], plain[0, :3])

@@ -78,6 +78,12 @@ def _unsupported(model) -> str | None:
     return None
 
 
+def _probe(w: torch.Tensor) -> float:
+    """A few values of a weight, summed: changes when its data is rewritten in place."""
+    flat = w.detach().reshape(-1)
+    return float(flat[:: max(1, flat.numel() // 16)][:16].double().sum())
+
+
 class _Packed:
     """One linear of the lean forward (possibly several nn.Linear side by side along the
     outputs), packed for our kernel; remade when any of its weights changes."""
@@ -91,9 +97,12 @@ class _Packed:
         self.n = sum(self.splits)
 
     def refresh(self) -> None:
-        stamp = tuple((m.weight, m.weight._version) for m in self.mods)
+        # Identity, version counter and a few values of each weight: writes through `.data`
+        # (merging a LoRA adapter in place does) bump no version counter.
+        stamp = tuple((m.weight, m.weight._version, _probe(m.weight)) for m in self.mods)
         if self.stamp is not None and all(
-            a is b and v == w for (a, v), (b, w) in zip(stamp, self.stamp, strict=True)
+            a is b and v == w and p == q
+            for (a, v, p), (b, w, q) in zip(stamp, self.stamp, strict=True)
         ):
             return
         from .._native import ops
@@ -161,6 +170,19 @@ class LeanDecoder:
             self.attention = ALL_ATTENTION_FUNCTIONS[impl]
         self.impl = impl
         self.fused = True
+
+    def current(self) -> bool:
+        """Whether the model's modules are still the ones this decoder packed."""
+        layers = self.inner.layers
+        if len(layers) < len(self.layers) or self.model.lm_head is not self.head.mods[0]:
+            return False
+        for L, layer in zip(self.layers, layers, strict=False):
+            a, m = layer.self_attn, layer.mlp
+            if L.attn is not a or L.qkv.mods != (a.q_proj, a.k_proj, a.v_proj):
+                return False
+            if L.gate_up.mods != (m.gate_proj, m.up_proj) or L.down.mods[0] is not m.down_proj:
+                return False
+        return True
 
     def refresh(self) -> None:
         """Repack what changed; read JACOBI_EXT_FUSED (at each prefill: a call's steps agree)."""
@@ -246,6 +268,8 @@ def lean_decoder(model) -> LeanDecoder | None:
     if torch.is_grad_enabled() or prepack.backend(model) != "kernel":
         return None  # (the runtime's forwards run under inference mode)
     entry = model.__dict__.get(_ATTR)
+    if isinstance(entry, LeanDecoder) and not entry.current():
+        entry = None  # modules were replaced (an adapter wrapped or unloaded): rebuild
     if entry is None:
         reason = _unsupported(model)
         entry = LeanDecoder(model) if reason is None else reason
