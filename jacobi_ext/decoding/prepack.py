@@ -147,16 +147,25 @@ def _measured_bf16_choice(model) -> str:
     return choice
 
 
+def _probe(w: torch.Tensor) -> float:
+    """A few values of a weight, summed: changes when its data is rewritten in place."""
+    flat = w.detach().reshape(-1)
+    return float(flat[:: max(1, flat.numel() // 16)][:16].double().sum())
+
+
 class _PackedLinear:
     """The forward that replaces one nn.Linear's while a step runs."""
 
-    __slots__ = ("module", "backend", "weight", "version", "packed", "bias", "out_features")
+    __slots__ = (
+        "module", "backend", "weight", "version", "probe", "packed", "bias", "out_features",
+    )  # fmt: skip
 
     def __init__(self, module: nn.Linear, backend: str) -> None:
         self.module = module
         self.backend = backend
         self.weight = None  # the tensor the copy was made from (identity, not a clone)
         self.version = -1
+        self.probe = None
         self.packed = None
         self.bias = None
         self.out_features = module.out_features
@@ -164,7 +173,8 @@ class _PackedLinear:
     def refresh(self) -> bool:
         """Remake the packed copy if the weight changed; False if this backend cannot pack it."""
         w = self.module.weight
-        if w is self.weight and w._version == self.version:
+        probe = _probe(w)  # writes through .data (an adapter merged in place) bump no version
+        if w is self.weight and w._version == self.version and probe == self.probe:
             return True
         if w.device.type != "cpu" or w.dim() != 2:
             return False
@@ -179,7 +189,7 @@ class _PackedLinear:
                 if w.dtype != torch.bfloat16:
                     return False
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_ROWS)
-        self.weight, self.version = w, w._version
+        self.weight, self.version, self.probe = w, w._version, probe
         self.out_features = w.shape[0]
         b = self.module.bias
         self.bias = None if b is None else b.detach()
