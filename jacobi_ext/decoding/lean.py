@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from . import prepack
+from .prepack import _probe
 
 _ATTR = "_jacobi_ext_lean_decoder"
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -76,12 +77,6 @@ def _unsupported(model) -> str | None:
         if len(list(layer.children())) != 4 or len(list(attn.children())) != 4:
             return f"layer {i} has modules beyond Llama's"
     return None
-
-
-def _probe(w: torch.Tensor) -> float:
-    """A few values of a weight, summed: changes when its data is rewritten in place."""
-    flat = w.detach().reshape(-1)
-    return float(flat[:: max(1, flat.numel() // 16)][:16].double().sum())
 
 
 class _Packed:
