@@ -246,13 +246,17 @@ def test_this_process_isa():
 
 
 @pytest.fixture(scope="module")
-def best_isa() -> str:
-    """The best variant the CPU supports: what a process that asks for no cap runs."""
+def best_isa(tmp_path_factory) -> str:
+    """The best variant the CPU supports: what a process that asks for no cap runs. (A module
+    fixture is set up before conftest's per-test chdir, so it names an empty directory itself:
+    started in a checkout's root, `import jacobi_ext` would find the source folder.)"""
     env = {k: v for k, v in os.environ.items() if k != "JACOBI_EXT_CPU_ISA"}
     code = "import jacobi_ext; print(jacobi_ext.CPU_ISA)"
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env,
+        cwd=tmp_path_factory.mktemp("best_isa"),
     )
+    assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip()
 
 
