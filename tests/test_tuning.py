@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 import torch
 
@@ -197,3 +200,51 @@ def test_priced_generate_records_its_step_times() -> None:
     assert res.forwards >= 2 * tuning.MIN_OBSERVED_STEPS
     observed = tuning.load_profile(model).get("observed")
     assert observed and all(o["weight"] >= tuning.MIN_OBSERVED_STEPS for o in observed.values())
+
+
+def _write_profiles(args) -> int:
+    """A child process: save the same model's profile many times (as a parallel eval shard does
+    after every call)."""
+    cache, seed, times, start = args
+    import os
+    import time
+
+    os.environ["JACOBI_EXT_CACHE"] = cache
+    model = tiny_llama(seed=0).eval()
+    time.sleep(max(0.0, start - time.time()))  # all writers begin together
+    for i in range(times):
+        tuning.save_profile(model, {"writer": seed, "i": i})
+    return seed
+
+
+def test_processes_saving_one_profile_at_once_never_collide(tmp_path) -> None:
+    """Eval shards decoding the same model save its profile after every call: their writes
+    raced on one temporary file (FileNotFoundError in the slower rename). Each writer now has
+    its own, the last rename wins, and no temporary file is left behind."""
+    import multiprocessing as mp
+    import time
+
+    start = time.time() + 8.0  # after the children's imports
+    with mp.get_context("spawn").Pool(3) as pool:
+        done = pool.map(_write_profiles, [(str(tmp_path), s, 1000, start) for s in range(3)])
+    assert sorted(done) == [0, 1, 2]
+    (profile,) = (tmp_path / "profiles").glob("*.json")
+    assert tuning.load_profile(tiny_llama(seed=0)) == json.loads(profile.read_text())
+    assert json.loads(profile.read_text())["i"] == 999
+    assert not list((tmp_path / "profiles").glob("*.tmp"))
+
+
+def test_an_unwritable_cache_warns_once_and_decoding_goes_on(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("JACOBI_EXT_CACHE", str(blocker))
+    monkeypatch.setattr(tuning, "_warned_unwritable", [])
+    model = tiny_llama(seed=0).eval()
+    with pytest.warns(UserWarning, match="could not write the tuning profile"):
+        tuning.save_profile(model, {"a": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tuning.save_profile(model, {"a": 2})  # said once per process
+        ids = torch.tensor([[1, 5, 7, 9]])
+        want = generate(model, ids, method="ar", max_new_tokens=8).tokens
+        assert torch.equal(generate(model, ids, max_new_tokens=8).tokens, want)  # tuned

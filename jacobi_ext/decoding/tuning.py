@@ -20,7 +20,9 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -225,11 +227,32 @@ def load_profile(model) -> dict:
 
 
 def save_profile(model, profile: dict) -> None:
+    """Write the profile atomically (an interrupted write never leaves a broken file). Each
+    writer has its own temporary file, so processes decoding the same model at once (parallel
+    eval shards) never rename each other's; the last rename wins. The profile is a cache: when it
+    cannot be written (read-only or full disk), decoding goes on and says so once."""
     path = _profile_path(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile, indent=1))
-    tmp.replace(path)  # atomic: an interrupted write never leaves a broken profile
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp")
+        tmp = Path(name)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(profile, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if not _warned_unwritable:
+            _warned_unwritable.append(str(path))
+            warnings.warn(
+                f"jacobi_ext: could not write the tuning profile {path} ({exc}); decoding goes "
+                "on without saving it. Set JACOBI_EXT_CACHE to a writable folder to keep it.",
+                stacklevel=2,
+            )
+
+
+_warned_unwritable: list[str] = []  # a failed profile write is reported once per process
 
 
 def step_curve(
