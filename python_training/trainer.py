@@ -15,6 +15,7 @@ by ``accelerator.save_state``/``load_state``) sees exactly the batches it would 
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import random
@@ -230,6 +231,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     cpu = cfg.cpu if cfg.cpu is not None else not torch.cuda.is_available()
     _forget_other_precision(cfg.mixed_precision)
     acc = Accelerator(mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=1, cpu=cpu)
+    if acc.num_processes > 1:
+        _end_process_group_at_exit()
     out = Path(cfg.out)
     if model is None:
         from jacobi_ext.models import load_model
@@ -383,7 +386,29 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
         # final/ is a plain merged checkpoint, so eval and load_model treat both kinds alike.
         model = acc.unwrap_model(model).merge_and_unload()
     save_hf(acc, model, tokenizer, out / "final")
+    acc.wait_for_everyone()  # the ranks leave together, after the main process has written
     return last
+
+
+_process_group_end_registered = False
+
+
+def _end_process_group_at_exit() -> None:
+    """A multi-process job destroys its process group when the process ends, before the
+    interpreter tears down: a gloo group left to the destructors at exit can abort a rank
+    ("terminate called without an active exception", seen once in the two-process test on a
+    loaded machine). At exit, not at the end of train(): one process may train several times
+    (distill's stages) on the same group."""
+    global _process_group_end_registered
+    if _process_group_end_registered:
+        return
+    _process_group_end_registered = True
+
+    def end() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(end)
 
 
 def _forget_other_precision(mixed_precision: str) -> None:
