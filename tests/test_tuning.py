@@ -214,7 +214,7 @@ def _write_profiles(args) -> int:
     time.sleep(max(0.0, start - time.time()))  # all writers begin together
     for i in range(times):
         tuning.save_profile(model, {"writer": seed, "i": i})
-    return seed
+    return str(tuning._profile_path(model))
 
 
 def test_processes_saving_one_profile_at_once_never_collide(tmp_path) -> None:
@@ -227,10 +227,9 @@ def test_processes_saving_one_profile_at_once_never_collide(tmp_path) -> None:
     start = time.time() + 8.0  # after the children's imports
     with mp.get_context("spawn").Pool(3) as pool:
         done = pool.map(_write_profiles, [(str(tmp_path), s, 1000, start) for s in range(3)])
-    assert sorted(done) == [0, 1, 2]
     (profile,) = (tmp_path / "profiles").glob("*.json")
-    assert tuning.load_profile(tiny_llama(seed=0)) == json.loads(profile.read_text())
-    assert json.loads(profile.read_text())["i"] == 999
+    assert set(done) == {str(profile)}  # one model, one profile, written by all three
+    assert json.loads(profile.read_text())["i"] == 999  # whole: some writer's last save
     assert not list((tmp_path / "profiles").glob("*.tmp"))
 
 
