@@ -72,22 +72,27 @@ def inputs(S, Hq, Hkv, D):
     return mk(Hq), mk(Hkv), mk(Hkv)
 
 
-@pytest.mark.parametrize("kernel", ["sm80", "sm90"])
+@pytest.mark.parametrize("kernel", ["sm80", "sm90", "sm90-det"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("S", SEQ)
 def test_jacobi_ext(benchmark, S, shape, kernel):
+    """Forward + backward of the raw ops; "sm90-det": the sm_90a backward with its dQ sums in
+    key-tile order (deterministic=True), beside the same kernel in any order."""
     Hq, Hkv, D = SHAPES[shape]
     S, _, table, _ = jf_noisy_context(S)
     q, k, v = inputs(S, Hq, Hkv, D)
     scale = D**-0.5
     ops = torch.ops.jacobi_ext
+    det = kernel.endswith("-det")
+    kernel = kernel.removesuffix("-det")
     benchmark.extra_info["kernel"] = ops.attention_kernel(q, kernel)
-    benchmark.extra_info["bwd_kernel"] = ops.attention_bwd_kernel(q, False, kernel)
+    benchmark.extra_info["bwd_kernel"] = ops.attention_bwd_kernel(q, det, kernel)
+    benchmark.extra_info["deterministic"] = det
     lists = sm90_lists(q, table, kernel)
 
     def step():
         out, lse = ops.block_attention_fwd(q, k, v, *table, scale, kernel, lists)
-        ops.block_attention_bwd(out, q, k, v, out, lse, *table, scale, False, kernel, lists)
+        ops.block_attention_bwd(out, q, k, v, out, lse, *table, scale, det, kernel, lists)
         torch.cuda.synchronize()
 
     benchmark(step)

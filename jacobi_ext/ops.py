@@ -354,10 +354,11 @@ def _deterministic_backward(q, kernel) -> bool:
     """Whether autograd asks the op for a deterministic backward. The CPU backward always is, and
     on CUDA the sm_80 backward runs its deterministic form. The sm_90a kernel, where it runs
     (chosen by name: kernel/backend "sm90" or JACOBI_ATTN_KERNEL=sm90) and has a backward for the
-    dtype and head dim, runs that backward, whose dQ is accumulated with atomics
-    (docs/sm90_attention.md), unless torch was told to use deterministic algorithms
-    (``torch.use_deterministic_algorithms(True)``): then the sm_80 one. Under torch.compile the
-    choice is not traced (the op names a kernel with a string): the deterministic one."""
+    dtype and head dim, runs that backward with its dQ sums added in any order (faster;
+    docs/sm90_attention.md), unless torch was told to use deterministic algorithms
+    (``torch.use_deterministic_algorithms(True)``): then the same backward adds each query tile's
+    sums in key-tile order. Under torch.compile the choice is not traced (the op names a kernel
+    with a string): the deterministic one."""
     if q.device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
         return True
     if torch.compiler.is_compiling():

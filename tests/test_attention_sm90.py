@@ -148,13 +148,19 @@ def test_front_end_runs_sm90_and_matches_sm80():
 
 
 # ---- the sm_90a backward (bwd_sm90.h) -----------------------------------------------------------
-def check_backward(q, k, v, starts, ptr, idx, mask, scale):
-    """The sm_90a backward (kernel='sm90', deterministic=False) against the float64 reference and
-    against the sm_80 backward (kernel='sm80', deterministic=True), from one sm_80 forward."""
+def check_backward(q, k, v, starts, ptr, idx, mask, scale, deterministic=False):
+    """The sm_90a backward (kernel='sm90') against the float64 reference and against the sm_80
+    backward (kernel='sm80', deterministic=True), from one sm_80 forward. Deterministic: a second
+    run must give the same bits, dQ included (its sums added in key-tile order)."""
     poison_allocator()
     out, lse = ops.block_attention_fwd(q, k, v, starts, ptr, idx, scale, "sm80")
     dout = torch.randn_like(out)
-    got = ops.block_attention_bwd(dout, q, k, v, out, lse, starts, ptr, idx, scale, False, "sm90")
+    args = (dout, q, k, v, out, lse, starts, ptr, idx, scale, deterministic, "sm90")
+    got = ops.block_attention_bwd(*args)
+    if deterministic:
+        again = ops.block_attention_bwd(*args)
+        for name, a, b in zip(("dq", "dk", "dv"), got, again, strict=True):
+            assert torch.equal(a, b), f"{name}: two deterministic runs differ"
     sm80 = ops.block_attention_bwd(dout, q, k, v, out, lse, starts, ptr, idx, scale, True, "sm80")
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, _ = reference(qr, kr, vr, mask, scale)
@@ -169,18 +175,19 @@ def check_backward(q, k, v, starts, ptr, idx, mask, scale):
 
 
 def test_backward_op_reports_the_sm90_backward():
-    """attention_bwd_kernel: sm90 only for kernel='sm90' and deterministic=False."""
+    """attention_bwd_kernel: sm90 for kernel='sm90', deterministic or not."""
     require_sm90(torch.bfloat16, 128, backward=True)
     q = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)
     assert ops.attention_bwd_kernel(q, False, "sm90") == "sm90"
-    assert ops.attention_bwd_kernel(q, True, "sm90") == "sm80"  # deterministic: the sm_80 one
+    assert ops.attention_bwd_kernel(q, True, "sm90") == "sm90"  # dQ in key-tile order
     assert ops.attention_bwd_kernel(q, False, "sm80") == "sm80"
 
 
 def test_autograd_runs_the_sm90_backward_where_sm90_was_chosen():
-    """Autograd asks for the sm_90a backward behind kernel sm90 (chosen by name), the sm_80 one
-    under torch.use_deterministic_algorithms(True) and for every other kernel; its gradients
-    through jacobi_attention(backend="sm90") match the sm80 backend's."""
+    """Autograd asks for the sm_90a backward in any order behind kernel sm90 (chosen by name), in
+    key-tile order under torch.use_deterministic_algorithms(True), and for the deterministic
+    sm_80 one behind every other kernel; its gradients through jacobi_attention(backend="sm90")
+    match the sm80 backend's."""
     from jacobi_ext import JacobiLayout, jacobi_attention
     from jacobi_ext.ops import _deterministic_backward
 
@@ -204,14 +211,16 @@ def test_autograd_runs_the_sm90_backward_where_sm90_was_chosen():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=f"d{name}: sm90 vs sm80")
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("B,Hq,Hkv,D,dtype,P,n,T,variant,w", CASES)
-def test_backward_matches_reference_and_sm80(B, Hq, Hkv, D, dtype, P, n, T, variant, w):
+def test_backward_matches_reference_and_sm80(B, Hq, Hkv, D, dtype, P, n, T, variant, w,
+                                             deterministic):  # fmt: skip
     require_sm90(dtype, D, backward=True)
     S = P + 2 * T * n
     starts, ptr, idx = (t.cuda() for t in jf_block_table(P, n, T, variant, w))
     q, k, v = make_inputs(B, Hq, Hkv, S, D, dtype)
     mask = dense_mask(P, n, T, variant, w).cuda()
-    check_backward(q, k, v, starts, ptr, idx, mask, D**-0.5)
+    check_backward(q, k, v, starts, ptr, idx, mask, D**-0.5, deterministic)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -219,7 +228,8 @@ def test_backward_matches_reference_and_sm80(B, Hq, Hkv, D, dtype, P, n, T, vari
                                      (128, torch.bfloat16), (64, torch.float16)])  # fmt: skip
 def test_backward_random_tables(seed, D, dtype):
     """Random block tables: empty blocks, an uncovered tail (rows and keys that see nothing:
-    zero gradients), sequence lengths off the 128 grid, GQA groups of 1 to 3."""
+    zero gradients), sequence lengths off the 128 grid, GQA groups of 1 to 3; every other seed
+    with the deterministic dQ (key tiles that see no query tile take no turn)."""
     require_sm90(dtype, D, backward=True)
     rng = random.Random(100 + seed)
     cpu, S = random_table(rng, tails=(0, 7, 70))
@@ -227,13 +237,13 @@ def test_backward_random_tables(seed, D, dtype):
     Hkv = rng.choice([1, 2])
     q, k, v = make_inputs(rng.choice([1, 2]), Hkv * rng.choice([1, 2, 3]), Hkv, S, D, dtype)
     dev = [t.cuda() for t in cpu]
-    dq, dk, dv = check_backward(q, k, v, *dev, mask, D**-0.5)
+    dq, dk, dv = check_backward(q, k, v, *dev, mask, D**-0.5, deterministic=seed % 2 == 1)
     blind = ~mask.any(dim=1)  # rows that see nothing: no gradient through their queries
     assert torch.all(dq[:, :, blind] == 0)
     unseen = ~mask.any(dim=0)  # keys nobody sees: zero dK, dV
     assert torch.all(dk[:, :, unseen] == 0) and torch.all(dv[:, :, unseen] == 0)
     # The lists passed in (as autograd passes the forward's) instead of built by the op: the same
-    # walk, so dK and dV bitwise (dQ's atomics may sum in another order).
+    # walk, so dK and dV bitwise (dQ's bulk reductions may sum in another order).
     lists = [t.cuda() for t in ops.attention_tile_lists(*cpu, S, 128, 128)]
     out, lse = ops.block_attention_fwd(q, k, v, *dev, D**-0.5, "sm80")
     dout = torch.randn_like(out)
@@ -244,7 +254,8 @@ def test_backward_random_tables(seed, D, dtype):
 
 
 def test_backward_sm90_runs_twice_alike():
-    """Atomics make dQ's summation order vary, nothing else: two runs agree to rounding."""
+    """Without the deterministic flag dQ's summation order varies, nothing else: two runs agree
+    to rounding; with it, bitwise, and the two modes agree to rounding."""
     require_sm90(torch.bfloat16, 128, backward=True)
     P, n, T = 300, 32, 6
     S = P + 2 * T * n
@@ -256,3 +267,9 @@ def test_backward_sm90_runs_twice_alike():
     a, b = ops.block_attention_bwd(*args), ops.block_attention_bwd(*args)
     assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]), "dK, dV: no atomics, bitwise"
     torch.testing.assert_close(a[0], b[0], atol=1e-2, rtol=1e-2)
+    det = args[:-2] + (True, "sm90")
+    c, d = ops.block_attention_bwd(*det), ops.block_attention_bwd(*det)
+    for name, x, y in zip(("dq", "dk", "dv"), c, d, strict=True):
+        assert torch.equal(x, y), f"deterministic {name}: two runs differ"
+    assert torch.equal(c[1], a[1]) and torch.equal(c[2], a[2]), "dK, dV do not depend on the mode"
+    torch.testing.assert_close(c[0], a[0], atol=1e-2, rtol=1e-2)

@@ -135,8 +135,16 @@ def check_plan(exe, starts, ptr, idx, S, tm, tn):
     nq, nk = math.ceil(S / tm), math.ceil(S / tn)
     padded = torch.zeros(nq * tm, nk * tn, dtype=torch.bool)
     padded[:S, :S] = mp
-    entries = [[int(x) for x in ln.split()[1:]] for ln in lines[1:]]
+    entries = [[int(x) for x in ln.split()[1:]] for ln in lines[1:] if ln.startswith("entry")]
     listed = {(e[0], e[1]): e for e in entries}
+    # The deterministic dQ's order (tile_list.h dq_turn, walked over the backward lists as the
+    # sm_90a backward walks them): key tile j's turn on query tile i is j's rank among the key
+    # tiles listed for i, so the turns of each query tile are 0, 1, ... in ascending key order.
+    turns = [[int(x) for x in ln.split()[1:]] for ln in lines[1:] if ln.startswith("turn")]
+    assert sorted((i, j) for i, j, _ in turns) == sorted(listed), "one turn per listed pair"
+    for i, j, t in turns:
+        assert t == sorted(jj for ii, jj in listed if ii == i).index(j), f"turn of ({i}, {j})"
+
     for i in range(nq):
         js = [e[1] for e in entries if e[0] == i]
         assert js == sorted(set(js)), "ascending key tiles, no repeats"

@@ -226,13 +226,14 @@ ca::Sm90FwdInputs sm90_inputs(const char* op, const at::Tensor& q, const at::Ten
 
 // The sm_90a backward's inputs (attention_cuda.h Sm90BwdInputs): the tile lists (sm90_lists: the
 // forward's, which autograd passes on, or built from a host copy of the table), q/k/v/dout
-// gathered into stream order, the lse/delta scratch and dq_accum ([B, Hq, S, D] fp32 zeros, read
-// in stream order). `keep` holds the tensors until the launch is queued.
+// gathered into stream order, the lse/delta scratch, dq_accum ([B, Hq, S, D] fp32 zeros, read
+// in stream order) and, for a deterministic dQ, its turn counters ([B, Hq, Spad / 64] int32
+// zeros). `keep` holds the tensors until the launch is queued.
 ca::Sm90BwdInputs sm90_bwd_inputs(const char* op, const at::Tensor& dout, const at::Tensor& q,
                                   const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& block_start, const at::Tensor& kv_ptr,
                                   const at::Tensor& kv_idx, const at::Tensor& dq_accum,
-                                  std::optional<at::TensorList> tile_lists,
+                                  bool deterministic, std::optional<at::TensorList> tile_lists,
                                   std::vector<at::Tensor>& keep) {
   std::vector<at::Tensor> lists;
   ca::Sm90BwdInputs in;
@@ -251,20 +252,25 @@ ca::Sm90BwdInputs sm90_bwd_inputs(const char* op, const at::Tensor& dout, const 
   in.lse_delta = keep[4].data_ptr<float>();
   in.perm = perm.data_ptr<int32_t>();
   in.dq_accum = dq_accum.data_ptr<float>();
+  if (deterministic) {
+    keep.push_back(at::zeros({q.size(0), q.size(1), seq_pad / ca::sm90::kBwdBlockM},
+                             q.options().dtype(at::kInt)));
+    in.dq_semaphore = keep.back().data_ptr<int32_t>();
+  }
   return in;
 }
 #endif
 
-// The family of the backward: the sm_90a backward where the forward family is sm90, the caller
-// does not ask for a deterministic backward (its dQ is accumulated with atomics) and this build
-// has one for (dtype, head dim); the sm_80 backward otherwise (it reads the same lse).
-ca::Kernel bwd_family(ca::Kernel family, bool deterministic, ca::DType dtype, int64_t head_dim) {
+// The family of the backward: the sm_90a backward where the forward family is sm90 and this
+// build has one for (dtype, head dim), deterministic or not (a deterministic one adds each query
+// tile's dQ in key-tile order); the sm_80 backward otherwise (it reads the same lse).
+ca::Kernel bwd_family(ca::Kernel family, bool /*deterministic*/, ca::DType dtype,
+                      int64_t head_dim) {
 #ifdef JACOBI_WITH_SM90
-  if (family == ca::Kernel::sm90 && !deterministic && ca::sm90::has_bwd_kernel(dtype, head_dim))
+  if (family == ca::Kernel::sm90 && ca::sm90::has_bwd_kernel(dtype, head_dim))
     return ca::Kernel::sm90;
 #else
   (void)family;
-  (void)deterministic;
   (void)dtype;
   (void)head_dim;
 #endif
@@ -356,8 +362,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   at::Tensor dsum;
   if (family != ca::Kernel::sm90)
     dsum = at::empty({s.batch, s.heads_q, s.seq_len}, q.options().dtype(at::kFloat));
+  // fp32 dQ sums: the sm_90a backward's always, the sm_80 one's in its fast (atomic) mode.
   at::Tensor dq_accum;
-  if (!deterministic) dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  if (family == ca::Kernel::sm90 || !deterministic)
+    dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   ca::BwdParams p{};
   p.dout = dout.data_ptr();
   p.q = q.data_ptr();
@@ -368,7 +376,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  p.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
+  p.dq_accum = dq_accum.defined() ? dq_accum.data_ptr<float>() : nullptr;
   p.dsum = dsum.defined() ? dsum.data_ptr<float>() : nullptr;
   p.do_stride = strides_of(dout);
   p.q_stride = strides_of(q);
@@ -389,8 +397,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   std::vector<at::Tensor> keep;  // the sm90 inputs, alive until the launches are queued
 #ifdef JACOBI_WITH_SM90
   if (family == ca::Kernel::sm90) {
-    p.sm90 = sm90_bwd_inputs(op, dout, q, k, v, block_start, kv_ptr, kv_idx, dq_accum, tile_lists,
-                             keep);
+    p.sm90 = sm90_bwd_inputs(op, dout, q, k, v, block_start, kv_ptr, kv_idx, dq_accum,
+                             deterministic, tile_lists, keep);
   } else {
     p.plan = make_plan(op, table, s.seq_len, q, workspace, stream);
   }

@@ -68,6 +68,13 @@ static int plan_mode() {
       std::printf("\n");
     }
   }
+  // The deterministic dQ's turns, as the backward kernel reads them: per backward-list entry
+  // (key tile j, query tile i), dq_turn over the lists the kernel holds.
+  const ja::TileLists lists{fp.data(), ft.data(), fm.data(), bp.data(), bt.data(), bm.data(),
+                            nullptr, nq, nk, tm, tn};
+  for (int j = 0; j < nk; ++j) {
+    for (int e = bp[j]; e < bp[j + 1]; ++e) std::printf("turn %d %d %d\n", bt[e], j, ja::dq_turn(lists, bt[e], j));
+  }
   return 0;
 }
 
@@ -168,7 +175,7 @@ static int check_fragments() {
 // The backward's views (bwd_sm90.h, types from fragment_layouts.h BwdLayouts): the S^T / dP^T
 // accumulator (keys x queries) reinterpreted as the A operand of dV += P^T dO / dK += dS^T Q; the
 // rowcol() views of S^T (a thread's two keys r, r + 8 share one 32-key mask word), dK/dV and dQ
-// (column pairs adjacent and even: the float2 atomics); and the transposed shared-memory views
+// (column pairs adjacent and even: 64-bit stores); and the transposed shared-memory views
 // K^T, Q^T / dO^T and dS, which must address the very bytes of the tiles they transpose.
 template <int kHeadDim>
 static int check_bwd_fragments() {
@@ -220,6 +227,45 @@ static int check_bwd_fragments() {
     if (k1 != k0 + 8 || k0 / 32 != k1 / 32) complain("S^T keys not r, r + 8 in one word", t, k0, k1);
     check_rowcol(mma_kv, Shape<_128, Int<kHeadDim>>{}, t, "dK/dV rowcol");
     check_rowcol(mma_dq, Shape<_64, Int<kHeadDim>>{}, t, "dQ rowcol");
+  }
+  // The dQ tile in shared memory (SmemdQ): every (query, d) written by exactly one thread, a
+  // thread's column pairs adjacent in memory (64-bit stores), rows 16-byte aligned (the bulk
+  // reduce's rule), and no bank conflict within a half warp's 64-bit store.
+  {
+    typename Lay::SmemdQ sdq;
+    std::vector<int> owner(size_t(cosize(sdq)), -1);
+    for (int t = 0; t < 256; ++t) {
+      auto c = mma_dq.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+      auto frag = partition_fragment_C(mma_dq, Shape<_64, Int<kHeadDim>>{});
+      auto off = make_tensor<int>(frag.layout());
+      for (int i = 0; i < size(frag); ++i) {
+        off(i) = sdq(get<0>(c(i)), get<1>(c(i)));
+        if (owner[off(i)] >= 0) complain("dQ smem element written twice", t, i, off(i));
+        owner[off(i)] = t;
+      }
+      auto rc = make_tensor(off.data(), rowcol(frag.layout()));
+      for (int m = 0; m < size<0>(rc); ++m)
+        for (int n = 1; n < size<1>(rc); n += 2)
+          if (rc(m, n) != rc(m, n - 1) + 1 || rc(m, n - 1) % 2) complain("dQ smem pair", t, m, n);
+    }
+    int written = 0;
+    for (int q = 0; q < 64; ++q)
+      for (int d = 0; d < kHeadDim; ++d) written += owner[sdq(q, d)] >= 0;
+    if (written != 64 * kHeadDim) complain("dQ smem elements not written", -1, written, 0);
+    if ((Lay::kDqRowStride * 4) % 16) complain("dQ smem rows not 16-byte aligned", -1, 0, 0);
+    // Banks of one 64-bit store instruction (same register pair index) over lanes 0-15 and 16-31.
+    auto frag = partition_fragment_C(mma_dq, Shape<_64, Int<kHeadDim>>{});
+    for (int w = 0; w < 8; ++w)
+      for (int i = 0; i < size(frag); i += 2)
+        for (int h = 0; h < 2; ++h) {
+          unsigned used = 0;
+          for (int l = 16 * h; l < 16 * h + 16; ++l) {
+            auto c = mma_dq.get_thread_slice(32 * w + l).partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+            const int bank = sdq(get<0>(c(i)), get<1>(c(i))) % 32;
+            if (used & (3u << bank)) complain("dQ smem bank conflict", 32 * w + l, i, bank);
+            used |= 3u << bank;
+          }
+        }
   }
   // Every element of each tile has one home, and the transposed views read it there.
   typename Lay::SmemK sk;

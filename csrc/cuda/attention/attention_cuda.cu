@@ -153,8 +153,9 @@ cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream
   if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;
 #ifdef JACOBI_WITH_SM90
   // The sm_90a backward where the op chose it and filled its inputs (attention_ops_cuda.cpp
-  // bwd_family: kernel sm90, not deterministic, a kernel for the dtype and head dim).
-  if (params.kernel == Kernel::sm90 && !params.deterministic && params.sm90.q != nullptr) {
+  // bwd_family: kernel sm90 and a kernel for the dtype and head dim; deterministic or not).
+  if (params.kernel == Kernel::sm90 && params.sm90.q != nullptr) {
+    if (params.deterministic != (params.sm90.dq_semaphore != nullptr)) return cudaErrorInvalidValue;
     return sm90::block_attention_bwd(params, dtype, stream);
   }
 #endif

@@ -80,6 +80,9 @@ struct Sm90BwdInputs {
   jacobi::attn::TileLists lists{};
   float* lse_delta = nullptr;
   float* dq_accum = nullptr;
+  // [B, Hq, Spad / 64] int32 zeros when the backward must be deterministic (each query half's dQ
+  // added in ascending key-tile order); null: in any order.
+  int32_t* dq_semaphore = nullptr;
 };
 
 struct BwdParams {
@@ -92,7 +95,7 @@ struct BwdParams {
   void* dq;
   void* dk;
   void* dv;
-  float* dq_accum;  // [B, Hq, S, D] zero-initialised fp32, fast (atomic) mode only
+  float* dq_accum;  // [B, Hq, S, D] zero-initialised fp32: the sm_80 fast (atomic) mode only
   float* dsum;      // [B, Hq, S] scratch: rowsum(dout * out)
   Strides do_stride, q_stride, k_stride, v_stride, o_stride, dq_stride, dk_stride, dv_stride;
   int32_t batch, heads_q, heads_kv, seq_len, head_dim;
@@ -100,8 +103,9 @@ struct BwdParams {
   bool deterministic;
   Plan plan;
   Kernel kernel = Kernel::sm80;  // from choose_kernel
-  // kernel == sm90 and not deterministic, with an sm_90a backward for (dtype, head dim): the op
-  // filled sm90 and block_attention_bwd runs the sm_90a backward; otherwise the sm_80 one.
+  // kernel == sm90 with an sm_90a backward for (dtype, head dim): the op filled sm90 (its own
+  // dq_accum, and dq_semaphore when deterministic) and block_attention_bwd runs the sm_90a
+  // backward; otherwise the sm_80 one.
   Sm90BwdInputs sm90;
 };
 

@@ -136,6 +136,15 @@ JACOBI_HD int32_t find_entry(const TileLists& l, int32_t i, int32_t j) {
   return -1;
 }
 
+// The turn of key tile j among the key tiles that see query tile i (0 = the lowest listed key
+// tile), or -1 if j does not see i. The sm_90a backward's deterministic dQ adds each query tile's
+// partial sums in this order: the key tiles that list query tile i in their backward lists are
+// exactly the entries of i's forward list (tile_lists transposes one into the other), ascending.
+JACOBI_HD int32_t dq_turn(const TileLists& l, int32_t i, int32_t j) {
+  const int32_t e = find_entry(l, i, j);
+  return e < 0 ? -1 : e - l.fwd_ptr[i];
+}
+
 // What the forward kernel computes for permuted query p and key c, walking the lists as it will:
 // visible iff the pair's tile is listed and, if partial, its mask bit is set. The debug expansion
 // (jacobi_ext::debug_expand_tile_lists) runs this for every (p, c), on the CPU and on the GPU.

@@ -122,7 +122,8 @@ cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream
   if (in.q == nullptr || in.k == nullptr || in.v == nullptr || in.dout == nullptr ||
       in.perm == nullptr || in.lists.bwd_ptr == nullptr || in.lists.bwd_tile == nullptr ||
       in.lists.bwd_mask == nullptr || in.lse_delta == nullptr ||
-      in.dq_accum == nullptr || in.lists.tile_m != kTileM || in.lists.tile_n != kTileN) {
+      in.dq_accum == nullptr || in.lists.tile_m != kTileM || in.lists.tile_n != kTileN ||
+      in.lists.fwd_ptr == nullptr || in.lists.fwd_tile == nullptr) {  // dq_turn reads fwd lists
     return cudaErrorInvalidValue;  // the op builds these; never launch without them
   }
   if (params.seq_len == 0 || params.batch == 0 || params.heads_q == 0) return cudaSuccess;

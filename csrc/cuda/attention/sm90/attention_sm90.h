@@ -6,9 +6,9 @@
 // dims 64/128, driven by the host-built tile lists (jacobi/tile_list.h); other configurations
 // fall back to the sm_80 kernel (choose_kernel, attention_cuda.cu).
 // Stage 2: the warp-specialised wgmma/TMA backward (bwd_sm90.h) for the same configurations,
-// driven by the backward tile lists; it runs when the op's kernel is sm90 and the backward is not
-// asked to be deterministic (its dQ is accumulated with atomics); otherwise the sm_80 backward
-// runs (same lse).
+// driven by the backward tile lists; it runs when the op's kernel is sm90, deterministic or not
+// (a deterministic backward orders each query tile's dQ sums by key tile); otherwise the sm_80
+// backward runs (same lse).
 // Every __global__ here must be listed in .ci/sass_gate.py (HOPPER_KERNELS if it must use
 // HGMMA, OTHER_KERNELS otherwise).
 #pragma once
@@ -40,9 +40,9 @@ bool has_bwd_kernel(DType dtype, int64_t head_dim);
 // The backward of an sm90 forward: block_attention_bwd below, or the sm_80 one (attention_cuda.cu).
 cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream_t stream);
 
-// The Hopper backward (nondeterministic dQ): params.sm90 must hold the stream-ordered q/k/v/dout,
-// perm, the tile lists at kTileM x kTileN with the backward lists, and the scratch buffers
-// (attention_cuda.h Sm90BwdInputs); cudaErrorInvalidValue otherwise, cudaErrorNotSupported
+// The Hopper backward: params.sm90 must hold the stream-ordered q/k/v/dout, perm, the tile lists
+// at kTileM x kTileN with the backward lists, and the scratch buffers (attention_cuda.h
+// Sm90BwdInputs; dq_semaphore for a deterministic dQ); cudaErrorInvalidValue otherwise, cudaErrorNotSupported
 // without a kernel. Three launches: the preprocessing kernel (lse in log2 and delta =
 // rowsum(dO * O), stream order), the backward, and the dQ conversion (scale, dtype, token order).
 cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream);

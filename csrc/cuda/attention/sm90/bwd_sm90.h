@@ -5,22 +5,31 @@
 // dQ = scale * dS K.
 //
 // One CTA = one 128-key tile of one (batch, kv head), 3 warpgroups (384 threads):
-//   warpgroup 0, the producer (setmaxnreg 24): one thread issues the loads: K and V once (one
-//     transaction mbarrier), then, for each query head of the GQA group and each listed query
-//     tile of this key tile (jacobi/tile_list.h bwd list, ascending), in 64-row halves: the Q
-//     half with its lse row (pipeline q) and the dO half with its delta row (pipeline do), 2-stage
-//     rings (cutlass::PipelineTmaAsync). Q and dO by TMA from the stream-ordered copies the op
-//     gathers; lse and delta by 1-D bulk copies from the preprocessing kernel's stream-ordered
-//     buffers (attention_sm90.cu).
+//   warpgroup 0 (setmaxnreg 24), two warps at work:
+//     the producer, one thread of warp 0, issues the loads: K and V once (one transaction
+//     mbarrier), then, for each query head of the GQA group and each listed query tile of this
+//     key tile (jacobi/tile_list.h bwd list, ascending), in 64-row halves: the Q half with its
+//     lse row and the dO half with its delta row, on one 2-stage ring (cutlass::PipelineTmaAsync).
+//     Q and dO by TMA from the stream-ordered copies the op gathers; lse and delta by 1-D bulk
+//     copies from the preprocessing kernel's stream-ordered buffers (attention_sm90.cu);
+//     the dQ writer, warp 1, walks the same halves: once the consumers have put a half's dQ in
+//     shared memory (named barrier DqFull), it adds each row to the fp32 stream-ordered dq_accum
+//     with one cp.reduce.async.bulk .add.f32 per row, and hands the tile back once the bulk
+//     reads are done (DqEmpty). The consumers never wait on global memory for dQ.
 //   warpgroups 1-2, the consumers (setmaxnreg 240): 64 keys each. Per 64-row query half:
 //     S^T = K Q^T and dP^T = V dO^T (wgmma, operands in shared memory); the pair's bit mask only
 //     when the list says partial; P^T = exp2(S^T * scale * log2 e - lse * log2 e) (lse -inf, and
 //     padding rows, enter as +inf: P = 0, so they contribute nothing); dS^T = P^T (dP^T - delta);
 //     dV += P^T dO and dK += dS^T Q (wgmma with P^T / dS^T from registers, acc_as_operand_a, and
 //     dO / Q read transposed from their tiles); dS^T goes to shared memory (double-buffered) and
-//     dQ = dS K (wgmma, each consumer warpgroup takes half of the head dim) is added into an fp32
-//     stream-ordered buffer with float2 atomics (nondeterministic: the op runs the sm_80 backward
-//     when asked for a deterministic one).
+//     dQ = dS K (wgmma, each consumer warpgroup takes half of the head dim) goes to shared memory
+//     (fp32, rows padded: BwdLayouts::SmemdQ) for the dQ writer.
+//   dQ order: the bulk reductions of different key tiles into one query half land in any order
+//   (fp32 sums: not bitwise reproducible), unless the op passes dq_semaphore (deterministic=True):
+//   then the writer adds a half only on its turn, the key tiles in ascending order
+//   (tile_list.h dq_turn), waiting on one counter per (batch, head, half) that each key tile
+//   bumps once its reduction has completed. Turns only wait on lower key tiles of the same
+//   (batch, kv head), which the grid launches first, so the chain always moves.
 //   dK (times the softmax scale) and dV stay in registers over all G heads and listed tiles and
 //   are written once, each row scattered to its token through perm. Key tiles that no query sees
 //   write zeros.
@@ -29,8 +38,7 @@
 // stay the forward's (128 x 128): one tile-list shape for both passes.
 //
 // Head dims 64 and 128 (bf16, fp16). Not yet here (docs/sm90_attention.md): overlapping the two
-// warpgroups' GEMMs with the softmax-like elementwise work, a TMA reduce-add for dQ, stmatrix for
-// dS, deterministic dQ.
+// warpgroups' GEMMs with the softmax-like elementwise work.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,6 +49,7 @@
 #include <cute/atom/mma_atom.hpp>
 // clang-format on
 #include <cutlass/arch/barrier.h>
+#include <cutlass/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
@@ -64,7 +73,12 @@ struct BwdTraits : BwdLayouts<Element_, kHeadDim_, kBwdBlockM, kTileN, 2> {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kMmaThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kMmaThreads;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 24*128 + 240*256 <= 64K
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 24*128 + 240*256 = 168*384
+  // (what the launch holds: setmaxnreg only moves registers between warpgroups)
+  // Named barriers (cutlass::arch::NamedBarrier ids, after CUTLASS' reserved ones): dS^T written
+  // (the 256 consumer threads); dQ tile full / empty (the consumers and the dQ writer warp).
+  static constexpr uint32_t kBarDs = 0, kBarDqFull = 1, kBarDqEmpty = 2;
+  static constexpr int kDqThreads = kMmaThreads + 32;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "sm_90a backward: head dims 64 and 128");
   static_assert(kBlockN == 128 && kTileM % kBlockM == 0, "mask rows: 4 words (128 keys) each");
 
@@ -94,10 +108,12 @@ struct BwdTraits : BwdLayouts<Element_, kHeadDim_, kBwdBlockM, kTileN, 2> {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename L::SmemQ>> q;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename L::SmemQ>> dout;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<typename L::SmemdSt>> ds;
+    alignas(128) cute::array_aligned<float, cute::cosize_v<typename L::SmemdQ>> dq;
     alignas(128) float lse_delta[kStages][2 * kBlockM];  // lse (log2, +inf: P = 0), then delta
     typename Pipeline::SharedStorage pipe;
     uint64_t barrier_kv;
   };
+  static_assert(sizeof(SharedStorage) <= 227 * 1024, "sm_90a: at most 227 KB of shared memory");
 
   struct Params {
     TmaQ tma_q, tma_do;
@@ -107,6 +123,7 @@ struct BwdTraits : BwdLayouts<Element_, kHeadDim_, kBwdBlockM, kTileN, 2> {
     // the row contributes nothing) and its delta = rowsum(dO * O).
     const float* lse_delta;
     float* dq_accum;        // [B, Hq, S, D] stream order, fp32
+    int32_t* dq_semaphore;  // [B, Hq, Spad / 64] zeros: deterministic dQ order; null: any order
     void* dk;               // [B, Hkv, S, D] token order, dk_stride
     void* dv;
     Strides dk_stride, dv_stride;
@@ -150,6 +167,83 @@ __device__ __forceinline__ void store_rows(Acc const& acc, Coord const& coord, E
   }
 }
 
+// One row of fp32 shared memory (a shared-window address) added into global memory by the
+// bulk-copy engine (cp.reduce.async.bulk, one bulk group per commit; bytes: a multiple of 16, both
+// ends 16-byte aligned).
+__device__ __forceinline__ void bulk_reduce_add(float* gmem, uint32_t smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :
+               : "l"(gmem), "r"(smem), "r"(bytes)
+               : "memory");
+}
+
+// Waits until this thread's committed bulk groups have completed, their writes included (the
+// .read form only waits until shared memory may be reused).
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" : : : "memory");
+}
+
+// The dQ writer (warp 1 of warpgroup 0): for each query half the consumers walk (the same walk,
+// the same skips), waits for their dQ tile in shared memory, adds its rows that are inside S to
+// dq_accum (two rows per lane), and returns the tile once read. With dq_semaphore, each half is
+// added on this key tile's turn (dq_turn) and the counter is bumped once the writes are done.
+// It runs in the producer warpgroup's 24 registers: few live values, loops not unrolled (a first
+// version that kept the row pointers and the GQA group across the walk spilled 28 bytes).
+template <class T>
+__device__ __forceinline__ void write_dq(const typename T::Params& p, uint32_t sdq) {
+  using Sem = cutlass::GenericBarrier<cutlass::detail::SyncwarpSync>;
+  using L = typename T::L;
+  // Only the loop counters live across the walk; the rest is re-read per step (blockIdx through
+  // an empty asm, the lists and sizes from memory).
+  auto blk = [] {
+    uint32_t x = blockIdx.x, y = blockIdx.y;
+    asm volatile("" : "+r"(x), "+r"(y));
+    return make_int2(int(x), int(y));
+  };
+  bool first = true;
+  const int group = p.heads_q / p.heads_kv;
+#pragma unroll 1
+  for (int g = 0; g < group; ++g) {
+#pragma unroll 1
+    for (int e = p.lists.bwd_ptr[blk().x]; e < p.lists.bwd_ptr[blk().x + 1]; ++e) {
+#pragma unroll 1
+      for (int half = 0; half < T::kHalves; ++half) {
+        const int m_sub = p.lists.bwd_tile[e] * T::kHalves + half;  // 64-row query half
+        if (m_sub * T::kBlockM >= p.seq_len) continue;  // past S: the consumers skip it too
+        if (!first) {
+          cute::tma_store_wait<0>();  // the previous tile's rows are read out of shared memory
+          cutlass::arch::NamedBarrier::arrive(T::kDqThreads, T::kBarDqEmpty);
+        }
+        first = false;
+        cutlass::arch::NamedBarrier::sync(T::kDqThreads, T::kBarDqFull);
+        const int2 c = blk();
+        const int b = c.y / p.heads_kv, h = (c.y % p.heads_kv) * group + g;
+        const int bh = b * p.heads_q + h;
+        const int lane = threadIdx.x % 32;
+        if (p.dq_semaphore != nullptr) {
+          Sem::wait_eq(p.dq_semaphore, lane, bh * (p.seq_pad / T::kBlockM) + m_sub,
+                       jacobi::attn::dq_turn(p.lists, m_sub / T::kHalves, c.x));
+        }
+        CUTE_UNROLL
+        for (int r = lane; r < T::kBlockM; r += 32) {
+          const int pos = m_sub * T::kBlockM + r;
+          if (pos < p.seq_len) {
+            bulk_reduce_add(p.dq_accum + (int64_t(bh) * p.seq_len + pos) * T::kHeadDim,
+                            sdq + uint32_t(r * L::kDqRowStride * sizeof(float)),
+                            T::kHeadDim * sizeof(float));
+          }
+        }
+        cute::tma_store_arrive();  // commit this lane's rows as one bulk group
+        if (p.dq_semaphore != nullptr) {
+          bulk_wait_all();  // the sums are in global memory before the next key tile's turn
+          Sem::arrive_inc(p.dq_semaphore, lane, bh * (p.seq_pad / T::kBlockM) + m_sub);
+        }
+      }
+    }
+  }
+  bulk_wait_all();  // nothing in flight when the CTA ends
+}
+
 }  // namespace bwd_detail
 
 template <class T>
@@ -186,8 +280,12 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
   // values computed before it would have to survive the producer's 24 registers (ptxas spilled).
 
   if (warpgroup == 0) {
-    // ---- producer: one thread issues every load ------------------------------------------------
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    if (threadIdx.x / 32 == 1) {
+      bwd_detail::write_dq<T>(p, cute::cast_smem_ptr_to_uint(ss.dq.data()));  // the dQ writer
+      return;
+    }
+    // ---- producer: one thread issues every load ------------------------------------------------
     if (threadIdx.x != 0) return;
     const auto [n_block, b, h_kv, group, e_begin, e_end] = bwd_detail::work(p);
     if (e_end == e_begin) return;
@@ -255,13 +353,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
   if (e_end > e_begin) Barrier::wait(&ss.barrier_kv, 0);
   typename T::PipelineState st;  // consumer start: stage 0, phase 0
   int buf = 0;                   // dS double buffer
+  bool first_dq = true;          // the dQ tile is free before the first half
   for (int g = 0; g < group; ++g) {
     const int h = h_kv * group + g;
     for (int e = e_begin; e < e_end; ++e) {
       const int mask = p.lists.bwd_mask[e];
       const int m_tile = p.lists.bwd_tile[e];
       for (int half = 0; half < T::kHalves; ++half) {
-        if (p.lists.bwd_tile[e] * kTileM + half * T::kBlockM >= p.seq_len) continue;  // past S
+        if (m_tile * kTileM + half * T::kBlockM >= p.seq_len) continue;  // past S (write_dq too)
         // Thread-dependent coordinates and addresses, also rebuilt per step from a thread index
         // the compiler cannot see through: hoisted out of the loop, they were spilled.
         int tid_step = threadIdx.x;
@@ -342,7 +441,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
         warpgroup_wait<0>();
         // Both warpgroups' dS^T rows written (and visible to the async proxy) before dQ reads them.
         cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 0);
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, T::kBarDs);
         Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{});
         Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
         wg_gemm<true, false>(mma_dq, tdQrdS_buf, tdQrKt, tdQrdQ);
@@ -350,22 +449,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
         pipe.consumer_release(st);
         ++st;
         buf ^= 1;
-        // dQ partial of this key tile into the stream-ordered fp32 buffer (scaled later).
-        Tensor dQ = make_tensor(tdQrdQ.data(), rowcol(tdQrdQ.layout()));
-        const int q0 = m_tile * kTileM + half * T::kBlockM;
-        float* dq_bh = p.dq_accum + (int64_t(b) * p.heads_q + h) * int64_t(p.seq_len) * T::kHeadDim;
-        Tensor tdQc = thr_dq.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}));
-        Tensor cdQ = make_tensor(tdQc.data(), rowcol(tdQc.layout()));
-        CUTE_UNROLL
-        for (int m = 0; m < size<0>(dQ); ++m) {
-          const int pos = q0 + get<0>(cdQ(m, 0));
-          if (pos >= p.seq_len) continue;
-          float* row = dq_bh + int64_t(pos) * T::kHeadDim;
-          CUTE_UNROLL
-          for (int n = 0; n < size<1>(dQ); n += 2) {
-            atomicAdd(reinterpret_cast<float2*>(row + get<1>(cdQ(m, n))), make_float2(dQ(m, n), dQ(m, n + 1)));
-          }
-        }
+        // dQ partial of this key tile to shared memory, for the dQ writer (scaled later); the
+        // previous half's tile must have been read out first.
+        if (!first_dq) cutlass::arch::NamedBarrier::sync(T::kDqThreads, T::kBarDqEmpty);
+        first_dq = false;
+        Tensor sdQ = make_tensor(make_smem_ptr(ss.dq.data()), typename L::SmemdQ{});  // ss: STS, not ST
+        copy(tdQrdQ, thr_dq.partition_C(sdQ));
+        cutlass::arch::fence_view_async_shared();  // visible to the bulk copies (async proxy)
+        cutlass::arch::NamedBarrier::arrive(T::kDqThreads, T::kBarDqFull);
       }
     }
   }
@@ -401,7 +492,7 @@ cudaError_t run_bwd_sm90(const BwdParams& bp, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, gmem(in.dout, bp.heads_q), take<0, 2>(typename L::SmemQ{}), box_q, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, gmem(in.k, bp.heads_kv), typename L::SmemK{}, box_kv, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, gmem(in.v, bp.heads_kv), typename L::SmemV{}, box_kv, _1{}),
-      in.lse_delta, in.dq_accum, bp.dk, bp.dv, bp.dk_stride, bp.dv_stride, in.perm,
+      in.lse_delta, in.dq_accum, in.dq_semaphore, bp.dk, bp.dv, bp.dk_stride, bp.dv_stride, in.perm,
       in.lists, bp.batch, bp.heads_q, bp.heads_kv, S, in.lists.num_q_tiles * kTileM,
       bp.scale, bp.scale * jacobi::attn::kLog2e};
   const int smem = int(sizeof(typename T::SharedStorage));

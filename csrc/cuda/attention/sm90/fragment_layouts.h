@@ -73,6 +73,13 @@ struct BwdLayouts {
   // dS^T (keys x queries, queries contiguous: the accumulator's column pairs), double-buffered.
   using SmemdSt = decltype(cute::tile_to_shape(
       AtomSW128{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>, cute::Int<kStages>>{}));
+  // dQ of one query half in fp32, row-major with rows padded by 8 floats (32 bytes): what the
+  // consumers write from their dQ accumulators and the dQ writer warp adds to global memory one
+  // row per cp.reduce.async.bulk (a row is kHeadDim * 4 bytes, 16-byte aligned). With the pad, the
+  // 64-bit stores of a half warp (rows r..r+3, column pairs 0..7) hit 32 distinct banks.
+  static constexpr int kDqRowStride = kHeadDim + 8;
+  using SmemdQ = cute::Layout<cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>,
+                              cute::Stride<cute::Int<kDqRowStride>, cute::_1>>;
   // Transposed views of the same bytes (no copies): K^T (head dim x keys), Q^T / dO^T (head dim x
   // queries x stage), dS (queries x keys x stage).
   using SmemKt = decltype(cute::composition(
