@@ -183,6 +183,12 @@ __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" : : : "memory");
 }
 
+// Orders this thread's generic-proxy global accesses (the turn counter) with its async-proxy ones
+// (the bulk reductions), both ways: the deterministic dQ hands turns over through the counter.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" : : : "memory");
+}
+
 // The dQ writer (warp 1 of warpgroup 0): for each query half the consumers walk (the same walk,
 // the same skips), waits for their dQ tile in shared memory, adds its rows that are inside S to
 // dq_accum (two rows per lane), and returns the tile once read. With dq_semaphore, each half is
@@ -223,6 +229,7 @@ __device__ __forceinline__ void write_dq(const typename T::Params& p, uint32_t s
         if (p.dq_semaphore != nullptr) {
           Sem::wait_eq(p.dq_semaphore, lane, bh * (p.seq_pad / T::kBlockM) + m_sub,
                        jacobi::attn::dq_turn(p.lists, m_sub / T::kHalves, c.x));
+          fence_proxy_async_global();  // our reductions after the previous turn's
         }
         CUTE_UNROLL
         for (int r = lane; r < T::kBlockM; r += 32) {
@@ -236,6 +243,7 @@ __device__ __forceinline__ void write_dq(const typename T::Params& p, uint32_t s
         cute::tma_store_arrive();  // commit this lane's rows as one bulk group
         if (p.dq_semaphore != nullptr) {
           bulk_wait_all();  // the sums are in global memory before the next key tile's turn
+          fence_proxy_async_global();
           Sem::arrive_inc(p.dq_semaphore, lane, bh * (p.seq_pad / T::kBlockM) + m_sub);
         }
       }
