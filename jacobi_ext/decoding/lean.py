@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from . import prepack
-from .prepack import _probe
+from .prepack import same_stamp, weight_stamp
 
 _ATTR = "_jacobi_ext_lean_decoder"
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -92,13 +92,8 @@ class _Packed:
         self.n = sum(self.splits)
 
     def refresh(self) -> None:
-        # Identity, version counter and a few values of each weight: writes through `.data`
-        # (merging a LoRA adapter in place does) bump no version counter.
-        stamp = tuple((m.weight, m.weight._version, _probe(m.weight)) for m in self.mods)
-        if self.stamp is not None and all(
-            a is b and v == w and p == q
-            for (a, v, p), (b, w, q) in zip(stamp, self.stamp, strict=True)
-        ):
+        stamp = tuple(weight_stamp(m.weight) for m in self.mods)  # prepack.weight_stamp
+        if self.stamp is not None and all(map(same_stamp, stamp, self.stamp)):
             return
         from .._native import ops
 

@@ -153,19 +153,30 @@ def _probe(w: torch.Tensor) -> float:
     return float(flat[:: max(1, flat.numel() // 16)][:16].double().sum())
 
 
+def weight_stamp(w: torch.Tensor) -> tuple:
+    """What a packed copy of `w` was made from: the tensor itself (identity, not a clone), its
+    version counter, and a probe of its values (writes through `.data`, as merging a LoRA
+    adapter in place does, bump no version counter)."""
+    return (w, w._version, _probe(w))
+
+
+def same_stamp(a: tuple | None, b: tuple | None) -> bool:
+    """Whether two weight stamps describe the same, unchanged weight."""
+    return a is not None and b is not None and a[0] is b[0] and a[1:] == b[1:]
+
+
 class _PackedLinear:
     """The forward that replaces one nn.Linear's while a step runs."""
 
     __slots__ = (
-        "module", "backend", "weight", "version", "probe", "packed", "bias", "out_features",
+        "module", "backend", "weight", "stamp", "packed", "bias", "out_features",
     )  # fmt: skip
 
     def __init__(self, module: nn.Linear, backend: str) -> None:
         self.module = module
         self.backend = backend
         self.weight = None  # the tensor the copy was made from (identity, not a clone)
-        self.version = -1
-        self.probe = None
+        self.stamp = None
         self.packed = None
         self.bias = None
         self.out_features = module.out_features
@@ -173,8 +184,8 @@ class _PackedLinear:
     def refresh(self) -> bool:
         """Remake the packed copy if the weight changed; False if this backend cannot pack it."""
         w = self.module.weight
-        probe = _probe(w)  # writes through .data (an adapter merged in place) bump no version
-        if w is self.weight and w._version == self.version and probe == self.probe:
+        stamp = weight_stamp(w)
+        if same_stamp(stamp, self.stamp):
             return True
         if w.device.type != "cpu" or w.dim() != 2:
             return False
@@ -189,7 +200,7 @@ class _PackedLinear:
                 if w.dtype != torch.bfloat16:
                     return False
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_ROWS)
-        self.weight, self.version, self.probe = w, w._version, probe
+        self.weight, self.stamp = w, stamp
         self.out_features = w.shape[0]
         b = self.module.bias
         self.bias = None if b is None else b.detach()
