@@ -21,7 +21,9 @@
 //     when the list says partial; P^T = exp2(S^T * scale * log2 e - lse * log2 e) (lse -inf, and
 //     padding rows, enter as +inf: P = 0, so they contribute nothing); dS^T = P^T (dP^T - delta);
 //     dV += P^T dO and dK += dS^T Q (wgmma with P^T / dS^T from registers, acc_as_operand_a, and
-//     dO / Q read transposed from their tiles); dS^T goes to shared memory (double-buffered) and
+//     dO / Q read transposed from their tiles; dV's GEMM is issued as soon as P^T is in
+//     registers, so the tensor cores run it while the warpgroup computes dS^T); dS^T goes to
+//     shared memory (double-buffered) and
 //     dQ = dS K (wgmma, each consumer warpgroup takes half of the head dim) goes to shared memory
 //     (fp32, rows padded: BwdLayouts::SmemdQ) for the dQ writer.
 //   dQ order: the bulk reductions of different key tiles into one query half land in any order
@@ -37,8 +39,9 @@
 // dV a consumer thread would need 256 fp32 accumulator registers; at 64 it needs 192. The lists
 // stay the forward's (128 x 128): one tile-list shape for both passes.
 //
-// Head dims 64 and 128 (bf16, fp16). Not yet here (docs/sm90_attention.md): overlapping the two
-// warpgroups' GEMMs with the softmax-like elementwise work.
+// Head dims 64 and 128 (bf16, fp16). Not yet here (docs/sm90_attention.md): a ping-pong of the
+// two consumer warpgroups (one's elementwise work under the other's GEMMs): both work on the same
+// query half and meet at the dS^T barrier, so it needs another split of the work.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -403,6 +406,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
         const float* lse = ss.lse_delta[st.index()];
         const float* delta = lse + T::kBlockM;
         warpgroup_wait<1>();  // S^T done
+        warpgroup_fence_operand(tSrS);  // no read of it moves above the wait
         if (mask >= 0) {
           // Partial pair: bit (key % 32) of word key / 32 of the query's mask row.
           const uint32_t* words = p.lists.masks +
@@ -423,20 +427,24 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
           CUTE_UNROLL
           for (int m = 0; m < kKeyRows; ++m) S(m, n) = exp2f(S(m, n) * p.scale_log2 - l);
         }
-        warpgroup_wait<0>();  // dP^T done
+        // dV += P^T dO (P^T from registers), issued before dS^T is computed: the tensor cores
+        // run it while this warpgroup does dS^T's elementwise work (rP is not touched until the
+        // wait below the dK GEMM: a wgmma's register operand may not be accessed while it runs).
+        Tensor rP = make_tensor_like<Element>(tSrS);
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) rP(i) = Element(tSrS(i));
+        Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(tSrS.layout()));
+        wg_gemm<false, true>(mma_kv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+        warpgroup_wait<1>();  // dP^T done (the dV GEMM may still run)
+        warpgroup_fence_operand(tdPrdP);
         CUTE_UNROLL
         for (int n = 0; n < size<1>(S); ++n) {
           const float d = delta[get<1>(cS(0, n))];
           CUTE_UNROLL
           for (int m = 0; m < kKeyRows; ++m) dP(m, n) = S(m, n) * (dP(m, n) - d);
         }
-        // dV += P^T dO (P^T from registers).
-        Tensor rP = make_tensor_like<Element>(tSrS);
-        CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) rP(i) = Element(tSrS(i));
-        Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(tSrS.layout()));
-        wg_gemm<false, true>(mma_kv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-        // dK += dS^T Q (dS^T from registers), and dS^T to shared memory for dQ.
+        // dS^T to shared memory for dQ, then dK += dS^T Q (dS^T from registers: stored first,
+        // since the registers may not be read while the GEMM that takes them runs).
         Tensor rdS = make_tensor_like<Element>(tdPrdP);
         CUTE_UNROLL
         for (int i = 0; i < size(tdPrdP); ++i) rdS(i) = Element(tdPrdP(i));
@@ -447,6 +455,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
         // dV and dK done before dQ's accumulator is live: their A operands (rP, rdS: 32
         // registers) are pinned until then, and with dQ's 32 on top ptxas spilled.
         warpgroup_wait<0>();
+        warpgroup_fence_operand(tdVrP);  // live until here: no reuse of their registers while
+        warpgroup_fence_operand(tdKrdS);  // the GEMMs that read them may still run
         // Both warpgroups' dS^T rows written (and visible to the async proxy) before dQ reads them.
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, T::kBarDs);
@@ -454,6 +464,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_sm90_kernel(const __grid_c
         Tensor tdQrdS_buf = tdQrdS(_, _, _, buf);
         wg_gemm<true, false>(mma_dq, tdQrdS_buf, tdQrKt, tdQrdQ);
         warpgroup_wait<0>();  // dQ done: Q, dO, lse and delta of this stage are free
+        warpgroup_fence_operand(tdQrdQ);
         pipe.consumer_release(st);
         ++st;
         buf ^= 1;
