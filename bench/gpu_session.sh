@@ -65,7 +65,11 @@ BENCH=("$PY" -m pytest -p no:cacheprovider -q -o "python_files=bench_*.py"
 
 case "$stage" in
   attention)
-    step 60 sm90-tests "${PYTEST[@]}" tests/test_attention_sm90.py tests/test_attention_tile_lists.py
+    step 60 sm90-tests "${PYTEST[@]}" tests/test_attention_sm90.py tests/test_attention_tile_lists.py \
+      -k "not deterministic"
+    # The deterministic dQ in its own step (its CTAs wait on each other's turns: a hang here must
+    # not cost the figures of the steps after it).
+    step 45 sm90-deterministic-tests "${PYTEST[@]}" tests/test_attention_sm90.py -k deterministic
     step 60 backends-tests "${PYTEST[@]}" tests/test_attention_backends.py
     # The sm_90a kernel in its own step: if it hangs, the anchors' figures are already saved.
     pick="(7b and (4096 or 16384) or forward) and not flex"

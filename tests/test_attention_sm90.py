@@ -211,7 +211,13 @@ def test_autograd_runs_the_sm90_backward_where_sm90_was_chosen():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=f"d{name}: sm90 vs sm80")
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+# ids "any-order" / "deterministic": a GPU job can run the two dQ modes as separate steps (-k).
+DQ_MODES = pytest.mark.parametrize(
+    "deterministic", [False, True], ids=["any-order", "deterministic"]
+)
+
+
+@DQ_MODES
 @pytest.mark.parametrize("B,Hq,Hkv,D,dtype,P,n,T,variant,w", CASES)
 def test_backward_matches_reference_and_sm80(B, Hq, Hkv, D, dtype, P, n, T, variant, w,
                                              deterministic):  # fmt: skip
@@ -223,13 +229,14 @@ def test_backward_matches_reference_and_sm80(B, Hq, Hkv, D, dtype, P, n, T, vari
     check_backward(q, k, v, starts, ptr, idx, mask, D**-0.5, deterministic)
 
 
+@DQ_MODES
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("D,dtype", [(64, torch.bfloat16), (128, torch.float16),
                                      (128, torch.bfloat16), (64, torch.float16)])  # fmt: skip
-def test_backward_random_tables(seed, D, dtype):
+def test_backward_random_tables(seed, D, dtype, deterministic):
     """Random block tables: empty blocks, an uncovered tail (rows and keys that see nothing:
-    zero gradients), sequence lengths off the 128 grid, GQA groups of 1 to 3; every other seed
-    with the deterministic dQ (key tiles that see no query tile take no turn)."""
+    zero gradients), sequence lengths off the 128 grid, GQA groups of 1 to 3; in both dQ modes
+    (deterministic: key tiles that see no query tile take no turn)."""
     require_sm90(dtype, D, backward=True)
     rng = random.Random(100 + seed)
     cpu, S = random_table(rng, tails=(0, 7, 70))
@@ -237,7 +244,7 @@ def test_backward_random_tables(seed, D, dtype):
     Hkv = rng.choice([1, 2])
     q, k, v = make_inputs(rng.choice([1, 2]), Hkv * rng.choice([1, 2, 3]), Hkv, S, D, dtype)
     dev = [t.cuda() for t in cpu]
-    dq, dk, dv = check_backward(q, k, v, *dev, mask, D**-0.5, deterministic=seed % 2 == 1)
+    dq, dk, dv = check_backward(q, k, v, *dev, mask, D**-0.5, deterministic)
     blind = ~mask.any(dim=1)  # rows that see nothing: no gradient through their queries
     assert torch.all(dq[:, :, blind] == 0)
     unseen = ~mask.any(dim=0)  # keys nobody sees: zero dK, dV
@@ -247,15 +254,16 @@ def test_backward_random_tables(seed, D, dtype):
     lists = [t.cuda() for t in ops.attention_tile_lists(*cpu, S, 128, 128)]
     out, lse = ops.block_attention_fwd(q, k, v, *dev, D**-0.5, "sm80")
     dout = torch.randn_like(out)
-    args = (dout, q, k, v, out, lse, *dev, D**-0.5, False, "sm90")
+    args = (dout, q, k, v, out, lse, *dev, D**-0.5, deterministic, "sm90")
     a, b = ops.block_attention_bwd(*args, lists), ops.block_attention_bwd(*args)
     assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    if deterministic:
+        assert torch.equal(a[0], b[0]), "deterministic dQ: lists passed or built, the same bits"
     torch.testing.assert_close(a[0], b[0], atol=1e-2, rtol=1e-2)
 
 
-def test_backward_sm90_runs_twice_alike():
-    """Without the deterministic flag dQ's summation order varies, nothing else: two runs agree
-    to rounding; with it, bitwise, and the two modes agree to rounding."""
+def sm90_twice(deterministic: bool):
+    """Two sm_90a backward runs of one 7B-shaped clean_context problem, and the argument tuple."""
     require_sm90(torch.bfloat16, 128, backward=True)
     P, n, T = 300, 32, 6
     S = P + 2 * T * n
@@ -263,13 +271,23 @@ def test_backward_sm90_runs_twice_alike():
     q, k, v = make_inputs(1, 8, 2, S, 128, torch.bfloat16)
     out, lse = ops.block_attention_fwd(q, k, v, starts, ptr, idx, 128**-0.5, "sm90")
     dout = torch.randn_like(out)
-    args = (dout, q, k, v, out, lse, starts, ptr, idx, 128**-0.5, False, "sm90")
-    a, b = ops.block_attention_bwd(*args), ops.block_attention_bwd(*args)
+    args = (dout, q, k, v, out, lse, starts, ptr, idx, 128**-0.5, deterministic, "sm90")
+    return ops.block_attention_bwd(*args), ops.block_attention_bwd(*args), args
+
+
+def test_backward_sm90_runs_twice_alike():
+    """In any order, dQ's summation order varies, nothing else: two runs agree to rounding."""
+    a, b, _ = sm90_twice(False)
     assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]), "dK, dV: no atomics, bitwise"
     torch.testing.assert_close(a[0], b[0], atol=1e-2, rtol=1e-2)
-    det = args[:-2] + (True, "sm90")
-    c, d = ops.block_attention_bwd(*det), ops.block_attention_bwd(*det)
+
+
+def test_backward_sm90_deterministic_runs_bitwise():
+    """deterministic=True: two runs give the same bits, dQ included, and agree with a run in any
+    order (dK, dV bitwise: they do not depend on the mode; dQ to rounding)."""
+    c, d, args = sm90_twice(True)
     for name, x, y in zip(("dq", "dk", "dv"), c, d, strict=True):
         assert torch.equal(x, y), f"deterministic {name}: two runs differ"
+    a = ops.block_attention_bwd(*args[:-2], False, "sm90")
     assert torch.equal(c[1], a[1]) and torch.equal(c[2], a[2]), "dK, dV do not depend on the mode"
     torch.testing.assert_close(c[0], a[0], atol=1e-2, rtol=1e-2)
