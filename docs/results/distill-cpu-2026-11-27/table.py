@@ -22,7 +22,7 @@ BASE = {  # the base model's greedy rows (transformers', fp32, 256 tokens)
     "heldout": "eval-cpu-2026-11-26/base-heldout-48.jsonl.gz",
 }
 MODELS = [  # label, {split: result files}
-    ("chunk H (shipped until 2026-11-27)", {
+    ("chunk H (shipped)", {
         "humaneval": ["distill-cpu-2026-11-24/chunk-h/chunk-h-humaneval-164.jsonl.gz"],
         "heldout": ["distill-cpu-2026-11-27/chunk-h-heldout-48.jsonl.gz"]}),
     ("chunk I (from H, H's trajectories at 128 tokens)", {
@@ -33,10 +33,22 @@ MODELS = [  # label, {split: result files}
     ("chunk J (from H, H's trajectories at 256 tokens)", {
         "humaneval": ["distill-cpu-2026-11-27/chunk-j-humaneval-164.jsonl.gz"],
         "heldout": ["distill-cpu-2026-11-27/chunk-j-heldout-48.jsonl.gz"]}),
+    ("chunk K (I2's data and steps, KL to the base μ = 3)", {
+        "humaneval": ["distill-cpu-2026-11-27/chunk-k-humaneval-164.jsonl.gz"],
+        "heldout": ["distill-cpu-2026-11-27/chunk-k-heldout-48.jsonl.gz"]}),
+    ("chunk L (n = 32 curriculum: H's trajectories at n = 32, new prompts, window 32)", {
+        "humaneval": ["distill-cpu-2026-11-27/chunk-l-humaneval-164.jsonl.gz"],
+        "heldout": ["distill-cpu-2026-11-27/chunk-l-heldout-48.jsonl.gz"]}),
     ("½ I2 + ½ J (a weight-space soup, cut to rank 16)", {
         "humaneval": ["distill-cpu-2026-11-27/soup-i2-j-humaneval-164.jsonl.gz"],
         "heldout": ["distill-cpu-2026-11-27/soup-i2-j-heldout-48.jsonl.gz"]}),
 ]  # fmt: skip
+
+
+N32 = [  # the same measures with n = 32 (HumanEval only): L was trained at window 32
+    ("chunk H (shipped), n = 32", ["distill-cpu-2026-11-27/chunk-h-n32-humaneval-164.jsonl.gz"]),
+    ("chunk L, n = 32", ["distill-cpu-2026-11-27/chunk-l-n32-humaneval-164.jsonl.gz"]),
+]
 
 
 def rows_of(files: list[str], method: str) -> dict:
@@ -54,9 +66,11 @@ def tpf(rows) -> str:
 
 
 def main() -> None:
-    for split, n_tasks in (("humaneval", 164), ("heldout", 48)):
+    tables = [("humaneval", 164, 16, MODELS), ("heldout", 48, 16, MODELS)]
+    tables.append(("humaneval", 164, 32, [(label, {"humaneval": f}) for label, f in N32]))
+    for split, n_tasks, n, models in tables:
         base = rows_of([BASE[split]], "greedy")
-        print(f"\n{split}: {n_tasks} prompts, fp32, greedy, n = 16, {CAP} new tokens\n")
+        print(f"\n{split}: {n_tasks} prompts, fp32, greedy, n = {n}, {CAP} new tokens\n")
         print("| model | jacobi TPF, answers that stop | multiblock no lookup, answers that stop "
               "| answers at the cap | pass@1 | jacobi TPF, all | multiblock, all "
               "| jacobi = multiblock |")  # fmt: skip
@@ -65,7 +79,7 @@ def main() -> None:
         loops = sum(r["tokens"] >= CAP for r in b)
         passed = sum(bool(r["passed"]) for r in b) if split == "humaneval" else "-"
         print(f"| base (transformers greedy) | 1.00 | - | {loops} | {passed} | 1.00 | - | - |")
-        for label, files in MODELS:
+        for label, files in models:
             if split not in files:
                 continue
             j, m = rows_of(files[split], "jacobi"), rows_of(files[split], "multiblock-nolookup")
