@@ -39,6 +39,9 @@ MODELS = [  # label, {split: result files}
     ("chunk L (n = 32 curriculum: H's trajectories at n = 32, new prompts, window 32)", {
         "humaneval": ["distill-cpu-2026-11-27/chunk-l-humaneval-164.jsonl.gz"],
         "heldout": ["distill-cpu-2026-11-27/chunk-l-heldout-48.jsonl.gz"]}),
+    ("chunk L2 (chunk L again, seed 5)", {
+        "humaneval": ["distill-cpu-2026-11-27/chunk-l2-humaneval-164.jsonl.gz"],
+        "heldout": ["distill-cpu-2026-11-27/chunk-l2-heldout-48.jsonl.gz"]}),
     ("½ I2 + ½ J (a weight-space soup, cut to rank 16)", {
         "humaneval": ["distill-cpu-2026-11-27/soup-i2-j-humaneval-164.jsonl.gz"],
         "heldout": ["distill-cpu-2026-11-27/soup-i2-j-heldout-48.jsonl.gz"]}),
