@@ -21,36 +21,34 @@ BASE = {  # the base model's greedy rows (transformers', fp32, 256 tokens)
     "humaneval": "eval-cpu-2026-11-26/base-humaneval-164.jsonl",
     "heldout": "eval-cpu-2026-11-26/base-heldout-48.jsonl.gz",
 }
+
+
+def here(stem: str, splits: tuple[str, ...] = ("humaneval", "heldout")) -> dict:
+    """This folder's eval rows of one model: {split: [file]}."""
+    n = {"humaneval": 164, "heldout": 48}
+    return {s: [f"distill-cpu-2026-11-27/{stem}-{s}-{n[s]}.jsonl.gz"] for s in splits}
+
+
 MODELS = [  # label, {split: result files}
     ("chunk H (shipped)", {
         "humaneval": ["distill-cpu-2026-11-24/chunk-h/chunk-h-humaneval-164.jsonl.gz"],
         "heldout": ["distill-cpu-2026-11-27/chunk-h-heldout-48.jsonl.gz"]}),
     ("chunk I (from H, H's trajectories at 128 tokens)", {
         "humaneval": ["distill-cpu-2026-11-24/chunk-i/chunk-i-humaneval-164.jsonl.gz"]}),
-    ("chunk I2 (chunk I's recipe again: J's data cut to the answers that end within 128)", {
-        "humaneval": ["distill-cpu-2026-11-27/chunk-i2-humaneval-164.jsonl.gz"],
-        "heldout": ["distill-cpu-2026-11-27/chunk-i2-heldout-48.jsonl.gz"]}),
-    ("chunk J (from H, H's trajectories at 256 tokens)", {
-        "humaneval": ["distill-cpu-2026-11-27/chunk-j-humaneval-164.jsonl.gz"],
-        "heldout": ["distill-cpu-2026-11-27/chunk-j-heldout-48.jsonl.gz"]}),
-    ("chunk K (I2's data and steps, KL to the base μ = 3)", {
-        "humaneval": ["distill-cpu-2026-11-27/chunk-k-humaneval-164.jsonl.gz"],
-        "heldout": ["distill-cpu-2026-11-27/chunk-k-heldout-48.jsonl.gz"]}),
-    ("chunk L (n = 32 curriculum: H's trajectories at n = 32, new prompts, window 32)", {
-        "humaneval": ["distill-cpu-2026-11-27/chunk-l-humaneval-164.jsonl.gz"],
-        "heldout": ["distill-cpu-2026-11-27/chunk-l-heldout-48.jsonl.gz"]}),
-    ("chunk L2 (chunk L again, seed 5)", {
-        "humaneval": ["distill-cpu-2026-11-27/chunk-l2-humaneval-164.jsonl.gz"],
-        "heldout": ["distill-cpu-2026-11-27/chunk-l2-heldout-48.jsonl.gz"]}),
-    ("½ I2 + ½ J (a weight-space soup, cut to rank 16)", {
-        "humaneval": ["distill-cpu-2026-11-27/soup-i2-j-humaneval-164.jsonl.gz"],
-        "heldout": ["distill-cpu-2026-11-27/soup-i2-j-heldout-48.jsonl.gz"]}),
+    ("chunk I2 (chunk I's recipe again: J's data cut to the answers that end within 128)",
+     here("chunk-i2")),
+    ("chunk J (from H, H's trajectories at 256 tokens)", here("chunk-j")),
+    ("chunk K (I2's data and steps, KL to the base μ = 3)", here("chunk-k")),
+    ("chunk L (n = 32 curriculum: H's trajectories at n = 32, new prompts, window 32)",
+     here("chunk-l")),
+    ("chunk L2 (chunk L again, seed 5)", here("chunk-l2")),
+    ("½ I2 + ½ J (a weight-space soup, cut to rank 16)", here("soup-i2-j")),
 ]  # fmt: skip
 
 
 N32 = [  # the same measures with n = 32 (HumanEval only): L was trained at window 32
-    ("chunk H (shipped), n = 32", ["distill-cpu-2026-11-27/chunk-h-n32-humaneval-164.jsonl.gz"]),
-    ("chunk L, n = 32", ["distill-cpu-2026-11-27/chunk-l-n32-humaneval-164.jsonl.gz"]),
+    ("chunk H (shipped), n = 32", here("chunk-h-n32", ("humaneval",))),
+    ("chunk L, n = 32", here("chunk-l-n32", ("humaneval",))),
 ]
 
 
@@ -70,7 +68,7 @@ def tpf(rows) -> str:
 
 def main() -> None:
     tables = [("humaneval", 164, 16, MODELS), ("heldout", 48, 16, MODELS)]
-    tables.append(("humaneval", 164, 32, [(label, {"humaneval": f}) for label, f in N32]))
+    tables.append(("humaneval", 164, 32, N32))
     for split, n_tasks, n, models in tables:
         base = rows_of([BASE[split]], "greedy")
         print(f"\n{split}: {n_tasks} prompts, fp32, greedy, n = {n}, {CAP} new tokens\n")
