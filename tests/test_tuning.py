@@ -202,10 +202,10 @@ def test_priced_generate_records_its_step_times() -> None:
     assert observed and all(o["weight"] >= tuning.MIN_OBSERVED_STEPS for o in observed.values())
 
 
-def _write_profiles(args) -> int:
+def _write_profiles(args) -> str:
     """A child process: save the same model's profile many times (as a parallel eval shard does
-    after every call)."""
-    cache, seed, times, start = args
+    after every call); returns the path it wrote."""
+    cache, writer, times, start = args
     import os
     import time
 
@@ -213,7 +213,7 @@ def _write_profiles(args) -> int:
     model = tiny_llama(seed=0).eval()
     time.sleep(max(0.0, start - time.time()))  # all writers begin together
     for i in range(times):
-        tuning.save_profile(model, {"writer": seed, "i": i})
+        tuning.save_profile(model, {"writer": writer, "i": i})
     return str(tuning._profile_path(model))
 
 

@@ -264,8 +264,7 @@ ca::Sm90BwdInputs sm90_bwd_inputs(const char* op, const at::Tensor& dout, const 
 // The family of the backward: the sm_90a backward where the forward family is sm90 and this
 // build has one for (dtype, head dim), deterministic or not (a deterministic one adds each query
 // tile's dQ in key-tile order); the sm_80 backward otherwise (it reads the same lse).
-ca::Kernel bwd_family(ca::Kernel family, bool /*deterministic*/, ca::DType dtype,
-                      int64_t head_dim) {
+ca::Kernel bwd_family(ca::Kernel family, ca::DType dtype, int64_t head_dim) {
 #ifdef JACOBI_WITH_SM90
   if (family == ca::Kernel::sm90 && ca::sm90::has_bwd_kernel(dtype, head_dim))
     return ca::Kernel::sm90;
@@ -334,8 +333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   const AttnShape s = check_qkv(op, q_in, k_in, v_in);
   const BlockTable table = check_table(op, q_in, block_start, kv_ptr, kv_idx);
   const ca::Kernel family =
-      bwd_family(pick_kernel(op, kernel, q_in, s.dtype, s.head_dim), deterministic, s.dtype,
-                 s.head_dim);
+      bwd_family(pick_kernel(op, kernel, q_in, s.dtype, s.head_dim), s.dtype, s.head_dim);
   for (auto [t, name] : {std::pair{&dout_in, "grad_out"}, {&out_in, "out"}}) {
     ck::same_device(*t, name, q_in, "q");
     ck::dtype(*t, name, q_in.scalar_type());
@@ -420,14 +418,16 @@ std::string attention_kernel_cuda(const at::Tensor& q, std::optional<std::string
 }
 
 // Which family block_attention_bwd would run for q with this `kernel` and `deterministic`:
-// "sm90" only where the forward family is sm90 and the sm_90a backward applies (bwd_family).
-std::string attention_bwd_kernel_cuda(const at::Tensor& q, bool deterministic,
+// "sm90" only where the forward family is sm90 and the sm_90a backward applies (bwd_family);
+// both families have both dQ modes, so `deterministic` no longer changes the answer (the op's
+// schema keeps it).
+std::string attention_bwd_kernel_cuda(const at::Tensor& q, bool /*deterministic*/,
                                       std::optional<std::string_view> kernel) {
   const char* op = "attention_bwd_kernel";
   ck::rank(q, "q", 4, "[B, Hq, S, D]");
   const ca::DType dtype = q.scalar_type() == at::kHalf ? ca::DType::fp16 : ca::DType::bf16;
   const ca::Kernel k =
-      bwd_family(pick_kernel(op, kernel, q, dtype, q.size(3)), deterministic, dtype, q.size(3));
+      bwd_family(pick_kernel(op, kernel, q, dtype, q.size(3)), dtype, q.size(3));
   return k == ca::Kernel::sm90 ? "sm90" : "sm80";
 }
 
