@@ -23,43 +23,20 @@
 #define JACOBI_LINEAR_BF16_PAIRS 1
 #endif
 
+#include "cpu/linear_tile.h"
+
 namespace jacobi::cpu::JACOBI_ISA {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using linear_tile::kMaxMR;
+using linear_tile::kMinBytesPerThread;
+using linear_tile::kNR;
+using linear_tile::kVL;
+using linear_tile::tile_f32;
+using linear_tile::Vec;
+using linear_tile::write_tile;
 using BVec = at::vec::Vectorized<c10::BFloat16>;
-constexpr int kVL = Vec::size();
-constexpr int kNR = 2 * kVL;  // output features per panel
 static_assert(BVec::size() == kNR, "a bf16 panel row must be one Vectorized<BFloat16>");
-// Rows per register tile: 2 * kMaxMR accumulators, 2 weight vectors and a broadcast must fit
-// the register file (32 zmm with AVX-512, 16 ymm with AVX2).
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kMaxMR = 8;
-#else
-constexpr int kMaxMR = 4;
-#endif
-// Weight bytes a thread gets at least: below this, splitting a call costs more than it saves.
-constexpr int64_t kMinBytesPerThread = 48 * 1024;
-
-// ---- tiles: out[m][j] = sum_k x[m, k] * panel[k, j], one fp32 chain per output ------------------
-
-template <int MR>
-inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K, float* out) {
-  Vec acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = Vec(0.f);
-  for (int64_t k = 0; k < K; ++k) {
-    const Vec w0 = Vec::loadu(panel + k * kNR), w1 = Vec::loadu(panel + k * kNR + kVL);
-    for (int m = 0; m < MR; ++m) {
-      const Vec xv(x[m * ldx + k]);
-      acc[m][0] = at::vec::fmadd(xv, w0, acc[m][0]);
-      acc[m][1] = at::vec::fmadd(xv, w1, acc[m][1]);
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    acc[m][0].store(out + m * kNR);
-    acc[m][1].store(out + m * kNR + kVL);
-  }
-}
 
 // bf16 weights and x without AVX512-BF16: each panel row widened to fp32, then the fp32 tile.
 template <int MR>
@@ -146,36 +123,6 @@ inline void tile(int rows, const void* x, int64_t ldx, const void* panel, int64_
     tile_bf16_pairs<MR>(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(panel),
                         K, out);
 #endif
-  }
-}
-
-// y[m, n0 + j] = out[m][j] + bias[n0 + j] for j < cols, in y's dtype.
-template <typename T>
-inline void write_tile(const float* out, int rows, int cols, const LinearArgs& a, int64_t m0,
-                       int64_t n0) {
-  T* y = static_cast<T*>(a.y);
-  float b[kNR];
-  for (int j = 0; j < cols; ++j) {
-    if (a.bias == nullptr) {
-      b[j] = 0.f;
-    } else if (a.bias_f32) {
-      b[j] = static_cast<const float*>(a.bias)[n0 + j];
-    } else {
-      b[j] = static_cast<float>(static_cast<const c10::BFloat16*>(a.bias)[n0 + j]);
-    }
-  }
-  for (int m = 0; m < rows; ++m) {
-    T* dst = y + (m0 + m) * a.ldy + n0;
-    const float* src = out + m * kNR;
-    if (a.bias == nullptr) {
-      if constexpr (std::is_same_v<T, float>) {
-        std::memcpy(dst, src, cols * sizeof(float));
-      } else {
-        for (int j = 0; j < cols; ++j) dst[j] = static_cast<T>(src[j]);
-      }
-    } else {
-      for (int j = 0; j < cols; ++j) dst[j] = static_cast<T>(src[j] + b[j]);
-    }
   }
 }
 

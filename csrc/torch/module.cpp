@@ -88,6 +88,15 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def("cpu_linear_pack_cat(Tensor[] weights) -> Tensor");
   m.def("cpu_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
   m.def("cpu_linear_info(ScalarType dtype) -> str");
+  // The same linear on GGUF weights as the file stores them (csrc/cpu/linear_gguf_cpu.h): rows
+  // uint8 [N_i, bytes per row] of ggml type `type` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) packed
+  // once (several weights side by side: their concatenation along the outputs), then x float32
+  // times that. Each weight dequantizes to bitwise the `gguf` package's value, and each output is
+  // the fp32 kernel's chain on those values: bitwise cpu_linear on the dequantized weight.
+  m.def("cpu_linear_gguf_pack(Tensor[] weights, int type) -> Tensor");
+  m.def("cpu_linear_gguf(Tensor x, Tensor packed, int type, int out_features, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("cpu_linear_gguf_types() -> int[]");
   // The small ops of a CPU decoding step, fused (csrc/cpu/decode_cpu.h), float32 or bfloat16,
   // each row computed alone (no dependence on the other rows of the call):
   // attention of q [B, Hq, Q, D] over k, v [B, Hkv, W, D] (Hq % Hkv == 0) where mask [B, 1, Q, W]

@@ -1,0 +1,301 @@
+// The decode-shaped CPU linear on GGUF codes (layout and why: linear_gguf_cpu.h). Compiled once
+// per vector ISA (csrc/cpu/isa.h) with -ffp-contract=off (CMakeLists.txt): the dequantization's
+// separately rounded product and sum must not be fused into one multiply-add, or a weight would
+// differ from the `gguf` package's in its last bit. (The tile's explicit fmadd stays a fused
+// multiply-add, as in the fp32 kernel.)
+//
+// Per panel, the codes are dequantized a chunk of k at a time into an fp32 [k, NR] panel of 16 KB
+// that stays in L1, and every M tile runs the fp32 kernel's register tile over it, carrying its
+// accumulators from chunk to chunk (linear_tile.h): one fp32 chain per output over all of k.
+#include "cpu/linear_gguf_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "cpu/linear_tile.h"
+
+namespace jacobi::cpu::JACOBI_ISA {
+namespace {
+
+using linear_tile::kMaxMR;
+using linear_tile::kMinBytesPerThread;
+using linear_tile::kNR;
+using linear_tile::tile_f32_rows;
+using linear_tile::write_tile;
+
+constexpr int kMaxBlockK = 256;
+constexpr int kMaxGroupsPerBlock = 16;
+// k per dequantized chunk: an fp32 [k, NR] panel of 16 KB (a multiple of every group size).
+constexpr int64_t kChunkK = 4096 / kNR;
+static_assert(kChunkK % 32 == 0, "a chunk holds whole groups");
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// ---- unpacking one block of the file -------------------------------------------------------------
+
+// A packed group's header values for one column: the file's fp16 bits (h0 = d, h1 = m) or the
+// fp32 scale and offset computed from the file's fields (f0 = s, f1 = o).
+struct GroupHeader {
+  uint16_t h0 = 0, h1 = 0;
+  float f0 = 0.f, f1 = 0.f;
+};
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block i from the 12 scale bytes.
+void k_scale_min(const uint8_t* sc, int i, int* scale, int* min) {
+  if (i < 4) {
+    *scale = sc[i] & 63;
+    *min = sc[i + 4] & 63;
+  } else {
+    *scale = (sc[i + 4] & 0xF) | ((sc[i - 4] >> 6) << 4);
+    *min = (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
+  }
+}
+
+// One block of a row -> its codes (as the packed layout stores them: 4-bit codes raw, 8-bit
+// codes signed) and the header of each of its groups.
+void decode_block(GgufType t, const uint8_t* b, int8_t* codes, GroupHeader* hdr) {
+  switch (t) {
+    case GgufType::q4_0:
+    case GgufType::q4_1: {
+      const int off = t == GgufType::q4_0 ? 2 : 4;
+      hdr[0].h0 = load_u16(b);
+      if (t == GgufType::q4_1) hdr[0].h1 = load_u16(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        codes[i] = static_cast<int8_t>(b[off + i] & 0xF);
+        codes[i + 16] = static_cast<int8_t>(b[off + i] >> 4);
+      }
+      return;
+    }
+    case GgufType::q8_0:
+      hdr[0].h0 = load_u16(b);
+      for (int i = 0; i < 32; ++i) codes[i] = static_cast<int8_t>(b[2 + i]);
+      return;
+    case GgufType::q4_k:
+    case GgufType::q5_k: {
+      const float d = half_to_float(load_u16(b)), dmin = half_to_float(load_u16(b + 2));
+      const uint8_t* sc = b + 4;
+      const uint8_t* qh = b + 16;  // Q5_K: the fifth bits, 32 bytes
+      const uint8_t* qs = t == GgufType::q4_k ? b + 16 : b + 48;
+      for (int i = 0; i < 8; ++i) {
+        int s, m;
+        k_scale_min(sc, i, &s, &m);
+        hdr[i].f0 = d * static_cast<float>(s);
+        hdr[i].f1 = -(dmin * static_cast<float>(m));
+        for (int l = 0; l < 32; ++l) {
+          int q = (qs[32 * (i / 2) + l] >> (4 * (i % 2))) & 0xF;
+          if (t == GgufType::q5_k) q |= ((qh[l] >> i) & 1) << 4;
+          codes[32 * i + l] = static_cast<int8_t>(q);
+        }
+      }
+      return;
+    }
+    case GgufType::q6_k: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half_to_float(load_u16(b + 208));
+      for (int i = 0; i < 16; ++i) hdr[i].f0 = d * static_cast<float>(sc[i]);
+      for (int w = 0; w < 256; ++w) {
+        const int h = w / 128, r = w % 128;
+        const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0xF;
+        const int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+        codes[w] = static_cast<int8_t>((lo | (hi << 4)) - 32);
+      }
+      return;
+    }
+  }
+}
+
+// ---- dequantizing a packed group into an fp32 panel ----------------------------------------------
+
+template <GgufType T>
+struct Traits {
+  static constexpr bool kHalfHeader = T == GgufType::q4_0 || T == GgufType::q4_1 ||
+                                      T == GgufType::q8_0;
+  static constexpr bool kOffset = T == GgufType::q4_1 || T == GgufType::q4_k ||
+                                  T == GgufType::q5_k;
+  static constexpr bool kNibbles = T == GgufType::q4_0 || T == GgufType::q4_1 ||
+                                   T == GgufType::q4_k;
+  static constexpr int kG = T == GgufType::q6_k ? 16 : 32;
+  static constexpr int kNibbleBias = T == GgufType::q4_0 ? -8 : 0;
+  static constexpr int kHeaderBytes = kHalfHeader ? (kOffset ? 4 : 2) : (kOffset ? 8 : 4);
+};
+
+// n fp16 values -> fp32 (exact).
+inline void halves_to_floats(const uint8_t* src, float* dst, int n) {
+#if defined(__F16C__)
+  for (int j = 0; j < n; j += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * j));
+    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(h));
+  }
+#else
+  for (int j = 0; j < n; ++j) dst[j] = half_to_float(load_u16(src + 2 * j));
+#endif
+}
+
+// dst[k][j] = weight (k, column j) of the group at g, k < G: exactly the `gguf` package's value.
+template <GgufType T>
+inline void dequant_group(const uint8_t* g, float* __restrict dst) {
+  using Tr = Traits<T>;
+  alignas(64) float s[kNR];
+  alignas(64) float o[kNR];
+  if constexpr (Tr::kHalfHeader) {
+    halves_to_floats(g, s, kNR);
+    if constexpr (Tr::kOffset) halves_to_floats(g + 2 * kNR, o, kNR);
+  } else {
+    std::memcpy(s, g, sizeof(s));
+    if constexpr (Tr::kOffset) std::memcpy(o, g + 4 * kNR, sizeof(o));
+  }
+  const uint8_t* c = g + kNR * Tr::kHeaderBytes;
+  if constexpr (Tr::kNibbles) {
+    for (int i = 0; i < Tr::kG / 2; ++i) {
+      float* d0 = dst + (2 * i) * kNR;
+      float* d1 = d0 + kNR;
+      const uint8_t* ci = c + i * kNR;
+      for (int j = 0; j < kNR; ++j) {
+        float w0 = s[j] * static_cast<float>(static_cast<int>(ci[j] & 0xF) + Tr::kNibbleBias);
+        float w1 = s[j] * static_cast<float>(static_cast<int>(ci[j] >> 4) + Tr::kNibbleBias);
+        if constexpr (Tr::kOffset) {
+          w0 = w0 + o[j];
+          w1 = w1 + o[j];
+        }
+        d0[j] = w0;
+        d1[j] = w1;
+      }
+    }
+  } else {
+    const int8_t* q = reinterpret_cast<const int8_t*>(c);
+    for (int k = 0; k < Tr::kG; ++k) {
+      for (int j = 0; j < kNR; ++j) {
+        float w = s[j] * static_cast<float>(q[k * kNR + j]);
+        if constexpr (Tr::kOffset) w = w + o[j];
+        dst[k * kNR + j] = w;
+      }
+    }
+  }
+}
+
+// ---- the driver ----------------------------------------------------------------------------------
+
+template <GgufType T>
+void run(const LinearArgs& a) {
+  using Tr = Traits<T>;
+  GgufFormat f;
+  gguf_format(static_cast<int32_t>(T), &f);
+  const int64_t panels = (a.N + kNR - 1) / kNR;
+  const int64_t groups = a.K / Tr::kG;
+  const int64_t gbytes = gguf_group_bytes(f, kNR);
+  const int64_t panel_bytes = groups * gbytes;
+  const int64_t chunk_groups = kChunkK / Tr::kG;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(panel_bytes, 1));
+  // M tiles of nearly equal height, as the fp32 kernel.
+  const int64_t tiles = (a.M + kMaxMR - 1) / kMaxMR;
+  const int64_t mr = (a.M + tiles - 1) / tiles;
+  const float* x = static_cast<const float*>(a.x);
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    alignas(64) float buf[kChunkK * kNR];
+    std::vector<float> acc(static_cast<size_t>(a.M) * kNR);
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = static_cast<const uint8_t*>(a.packed) + p * panel_bytes;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
+        const int64_t g1 = std::min(groups, g0 + chunk_groups);
+        for (int64_t g = g0; g < g1; ++g) {
+          dequant_group<T>(panel + g * gbytes, buf + (g - g0) * Tr::kG * kNR);
+        }
+        const int64_t k0 = g0 * Tr::kG, nk = (g1 - g0) * Tr::kG;
+        for (int64_t m0 = 0; m0 < a.M; m0 += mr) {
+          const int rows = static_cast<int>(std::min<int64_t>(mr, a.M - m0));
+          tile_f32_rows<true>(rows, x + m0 * a.ldx + k0, a.ldx, buf, nk, acc.data() + m0 * kNR);
+        }
+      }
+      const int64_t n0 = p * kNR;
+      const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
+      for (int64_t m0 = 0; m0 < a.M; m0 += mr) {
+        const int rows = static_cast<int>(std::min<int64_t>(mr, a.M - m0));
+        write_tile<float>(acc.data() + m0 * kNR, rows, cols, a, m0, n0);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void linear_gguf_pack(GgufType type, const uint8_t* const* rows, int64_t N, int64_t K,
+                      uint8_t* packed) {
+  GgufFormat f;
+  gguf_format(static_cast<int32_t>(type), &f);
+  const int64_t panels = (N + kNR - 1) / kNR;
+  const int64_t groups = K / f.group_k, blocks = K / f.block_k;
+  const int gpb = f.block_k / f.group_k;
+  const int64_t gbytes = gguf_group_bytes(f, kNR);
+  const int64_t header = static_cast<int64_t>(kNR) * f.header_bytes;
+  const bool half_header = f.header_bytes == 2 || type == GgufType::q4_1;
+  const bool two_fields = type == GgufType::q4_1 || type == GgufType::q4_k ||
+                          type == GgufType::q5_k;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    int8_t codes[kMaxBlockK];
+    GroupHeader hdr[kMaxGroupsPerBlock];
+    for (int64_t p = p0; p < p1; ++p) {
+      uint8_t* panel = packed + p * groups * gbytes;
+      for (int j = 0; j < kNR; ++j) {
+        const int64_t n = p * kNR + j;
+        for (int64_t b = 0; b < blocks; ++b) {
+          if (n < N) {
+            decode_block(type, rows[n] + b * f.block_bytes, codes, hdr);
+          } else {  // padding: every weight 0 (a zero scale and offset)
+            std::fill(codes, codes + f.block_k, int8_t{0});
+            std::fill(hdr, hdr + gpb, GroupHeader{});
+          }
+          for (int gi = 0; gi < gpb; ++gi) {
+            uint8_t* g = panel + (b * gpb + gi) * gbytes;
+            if (half_header) {
+              std::memcpy(g + 2 * j, &hdr[gi].h0, 2);
+              if (two_fields) std::memcpy(g + 2 * (kNR + j), &hdr[gi].h1, 2);
+            } else {
+              std::memcpy(g + 4 * j, &hdr[gi].f0, 4);
+              if (two_fields) std::memcpy(g + 4 * (kNR + j), &hdr[gi].f1, 4);
+            }
+            const int8_t* q = codes + gi * f.group_k;
+            uint8_t* c = g + header;
+            if (f.code_bits == 4) {
+              for (int i = 0; i < f.group_k / 2; ++i) {
+                c[i * kNR + j] = static_cast<uint8_t>((q[2 * i] & 0xF) | ((q[2 * i + 1] & 0xF) << 4));
+              }
+            } else {
+              for (int k = 0; k < f.group_k; ++k) c[k * kNR + j] = static_cast<uint8_t>(q[k]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+void linear_gguf(GgufType type, const LinearArgs& a) {
+  if (a.M == 0 || a.N == 0) return;
+  switch (type) {
+    case GgufType::q4_0: return run<GgufType::q4_0>(a);
+    case GgufType::q4_1: return run<GgufType::q4_1>(a);
+    case GgufType::q8_0: return run<GgufType::q8_0>(a);
+    case GgufType::q4_k: return run<GgufType::q4_k>(a);
+    case GgufType::q5_k: return run<GgufType::q5_k>(a);
+    case GgufType::q6_k: return run<GgufType::q6_k>(a);
+  }
+}
+
+}  // namespace jacobi::cpu::JACOBI_ISA

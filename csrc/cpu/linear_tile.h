@@ -1,0 +1,102 @@
+// The register tile of the decode-shaped CPU linears, shared by the fp32 kernel (linear_cpu.cpp)
+// and the GGUF kernel (linear_gguf_cpu.cpp), so that both run the very same instructions on fp32
+// weights: a GGUF weight dequantized into a panel is multiplied by exactly this code, which is
+// what makes the GGUF path return bitwise the outputs of the fp32 path on the dequantized values.
+//
+// Included inside namespace jacobi::cpu::JACOBI_ISA (one copy per vector ISA, csrc/cpu/isa.h).
+// Panels: [k, kNR] fp32, kNR = 2 vectors of output features (linear_cpu.h).
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstring>
+#include <type_traits>
+
+#include "cpu/linear_cpu.h"
+
+namespace jacobi::cpu::JACOBI_ISA::linear_tile {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int kVL = Vec::size();
+constexpr int kNR = 2 * kVL;  // output features per panel
+// Rows per register tile: 2 * kMaxMR accumulators, 2 weight vectors and a broadcast must fit
+// the register file (32 zmm with AVX-512, 16 ymm with AVX2).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kMaxMR = 8;
+#else
+constexpr int kMaxMR = 4;
+#endif
+// Weight bytes a thread gets at least: below this, splitting a call costs more than it saves.
+constexpr int64_t kMinBytesPerThread = 48 * 1024;
+
+// out[m][j] (+)= sum_k x[m, k] * panel[k, j], one fp32 chain per output. With kResume the chain
+// goes on from the partial sums in out (stored by an earlier call over the preceding k): storing
+// and reloading an accumulator does not change its bits, so a chain cut into pieces of k is the
+// same chain.
+template <int MR, bool kResume = false>
+inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K, float* out) {
+  Vec acc[MR][2];
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (kResume) {
+      acc[m][0] = Vec::loadu(out + m * kNR);
+      acc[m][1] = Vec::loadu(out + m * kNR + kVL);
+    } else {
+      acc[m][0] = acc[m][1] = Vec(0.f);
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec w0 = Vec::loadu(panel + k * kNR), w1 = Vec::loadu(panel + k * kNR + kVL);
+    for (int m = 0; m < MR; ++m) {
+      const Vec xv(x[m * ldx + k]);
+      acc[m][0] = at::vec::fmadd(xv, w0, acc[m][0]);
+      acc[m][1] = at::vec::fmadd(xv, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    acc[m][0].store(out + m * kNR);
+    acc[m][1].store(out + m * kNR + kVL);
+  }
+}
+
+// tile_f32 for `rows` (1 .. kMaxMR) rows: the tile of that height.
+template <bool kResume, int MR = kMaxMR>
+inline void tile_f32_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
+                          float* out) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return tile_f32_rows<kResume, MR - 1>(rows, x, ldx, panel, K, out);
+  }
+  tile_f32<MR, kResume>(x, ldx, panel, K, out);
+}
+
+// y[m0 + m, n0 + j] = out[m][j] + bias[n0 + j] for j < cols, in y's dtype T.
+template <typename T>
+inline void write_tile(const float* out, int rows, int cols, const LinearArgs& a, int64_t m0,
+                       int64_t n0) {
+  T* y = static_cast<T*>(a.y);
+  float b[kNR];
+  for (int j = 0; j < cols; ++j) {
+    if (a.bias == nullptr) {
+      b[j] = 0.f;
+    } else if (a.bias_f32) {
+      b[j] = static_cast<const float*>(a.bias)[n0 + j];
+    } else {
+      b[j] = static_cast<float>(static_cast<const c10::BFloat16*>(a.bias)[n0 + j]);
+    }
+  }
+  for (int m = 0; m < rows; ++m) {
+    T* dst = y + (m0 + m) * a.ldy + n0;
+    const float* src = out + m * kNR;
+    if (a.bias == nullptr) {
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(dst, src, cols * sizeof(float));
+      } else {
+        for (int j = 0; j < cols; ++j) dst[j] = static_cast<T>(src[j]);
+      }
+    } else {
+      for (int j = 0; j < cols; ++j) dst[j] = static_cast<T>(src[j] + b[j]);
+    }
+  }
+}
+
+}  // namespace jacobi::cpu::JACOBI_ISA::linear_tile

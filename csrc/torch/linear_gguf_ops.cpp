@@ -1,0 +1,147 @@
+// cpu_linear_gguf_pack / cpu_linear_gguf / cpu_linear_gguf_types: argument checks, output
+// allocation and the hand-off to the GGUF linear kernels (csrc/cpu/linear_gguf_cpu.cpp; layout
+// and exactness: csrc/cpu/linear_gguf_cpu.h).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/linear_gguf_cpu.h"
+
+namespace jacobi::ops {
+namespace {
+
+namespace ck = jacobi::checks;
+using cpu::GgufFormat;
+using cpu::GgufType;
+
+constexpr int32_t kTypes[] = {2, 3, 8, 12, 13, 14};
+constexpr const char* kTypeNames[] = {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"};
+
+std::string supported() {
+  std::string s;
+  for (size_t i = 0; i < std::size(kTypes); ++i) {
+    s += (i ? ", " : "") + std::string(kTypeNames[i]) + " (" + std::to_string(kTypes[i]) + ")";
+  }
+  return s;
+}
+
+GgufFormat format_of(int64_t type) {
+  GgufFormat f;
+  TORCH_CHECK_VALUE(cpu::gguf_format(static_cast<int32_t>(type), &f), "ggml type ", type,
+                    " is not read by the GGUF linear kernels; they read ", supported(),
+                    ". Other types run dequantized to float32 (nn.Linear)");
+  return f;
+}
+
+int64_t panel_width() { return JACOBI_CPU_DISPATCH(linear_panel_width); }
+
+std::vector<int64_t> packed_shape(const GgufFormat& f, int64_t N, int64_t K) {
+  const int64_t nr = panel_width();
+  return {(N + nr - 1) / nr, K / f.group_k, cpu::gguf_group_bytes(f, nr)};
+}
+
+// rows: the weights' rows as the file stores them, uint8 [N_i, row_bytes] each, concatenated along
+// the output features (fused q/k/v, gate/up) without materialising the concatenation.
+at::Tensor cpu_linear_gguf_pack(at::TensorList weights, int64_t type) {
+  const GgufFormat f = format_of(type);
+  TORCH_CHECK_VALUE(!weights.empty(), "cpu_linear_gguf_pack needs at least one weight");
+  std::vector<const uint8_t*> rows;
+  int64_t row_bytes = -1;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    const std::string name = weights.size() == 1 ? "weight" : "weights[" + std::to_string(i) + "]";
+    ck::rank(w, name.c_str(), 2, "[out_features, bytes per row] (the file's blocks)");
+    ck::dtype(w, name.c_str(), at::kByte);
+    TORCH_CHECK_VALUE(w.device().is_cpu(), name, " is on ", w.device(),
+                      "; cpu_linear_gguf_pack packs CPU weights");
+    ck::contiguous(w, name.c_str());
+    TORCH_CHECK_VALUE(row_bytes < 0 || w.size(1) == row_bytes, name, " has ", w.size(1),
+                      " bytes per row, weights[0] ", row_bytes);
+    row_bytes = w.size(1);
+    TORCH_CHECK_VALUE(row_bytes % f.block_bytes == 0, name, " has ", row_bytes,
+                      " bytes per row, not a whole number of ", f.block_bytes,
+                      "-byte blocks of ggml type ", type);
+    const uint8_t* base = w.data_ptr<uint8_t>();
+    for (int64_t n = 0; n < w.size(0); ++n) rows.push_back(base + n * row_bytes);
+  }
+  const int64_t K = row_bytes / f.block_bytes * f.block_k;
+  const int64_t N = static_cast<int64_t>(rows.size());
+  at::Tensor packed = at::empty(packed_shape(f, N, K), weights[0].options());
+  JACOBI_CPU_DISPATCH(linear_gguf_pack, static_cast<GgufType>(type), rows.data(), N, K,
+                      packed.data_ptr<uint8_t>());
+  return packed;
+}
+
+at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                           int64_t out_features, const std::optional<at::Tensor>& bias) {
+  const GgufFormat f = format_of(type);
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
+                    "cpu_linear_gguf runs on the CPU; x is on ", x.device(), ", packed on ",
+                    packed.device());
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32 (the GGUF linear computes in "
+                    "float32), got ", x.scalar_type(), "; load the model in float32, or "
+                    "dequantized for other dtypes");
+  ck::dtype(packed, "packed", at::kByte);
+  ck::contiguous(packed, "packed");
+  const int64_t K = x.size(-1), N = out_features;
+  TORCH_CHECK_VALUE(N >= 0, "out_features must be >= 0, got ", N);
+  TORCH_CHECK_VALUE(K % f.block_k == 0, "x has ", K, " input features, not a multiple of ggml type ",
+                    type, "'s block of ", f.block_k);
+  const auto want = packed_shape(f, N, K);
+  TORCH_CHECK_VALUE(packed.sizes() == at::IntArrayRef(want), "packed has shape ", packed.sizes(),
+                    " but a ", N, " x ", K, " weight of ggml type ", type, " packs to ",
+                    at::IntArrayRef(want),
+                    " on this CPU: pack it with cpu_linear_gguf_pack in this process");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    ck::rank(*bias, "bias", 1, "[out_features]");
+    TORCH_CHECK_VALUE(bias->size(0) == N, "bias has ", bias->size(0), " entries, out_features is ",
+                      N);
+    TORCH_CHECK_VALUE(bias->device().is_cpu(), "bias is on ", bias->device(), ", x on the CPU");
+    ck::dtype(*bias, "bias", at::kFloat);
+  }
+  const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
+  int64_t M = 1;
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) M *= x.size(i);
+  const at::Tensor x2 = x.reshape({M, K});
+  const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty(out_shape, x.options());
+  cpu::LinearArgs a{cpu::LinearDType::f32,
+                    M,
+                    N,
+                    K,
+                    xc.data_ptr(),
+                    M > 1 ? xc.stride(0) : K,
+                    packed.data_ptr(),
+                    has_bias ? b.data_ptr() : nullptr,
+                    true,
+                    y.data_ptr(),
+                    N};
+  JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a);
+  return y;
+}
+
+// The ggml type ids the kernels read.
+std::vector<int64_t> cpu_linear_gguf_types() {
+  return std::vector<int64_t>(std::begin(kTypes), std::end(kTypes));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
+  m.impl("cpu_linear_gguf_pack", &cpu_linear_gguf_pack);
+  m.impl("cpu_linear_gguf", &cpu_linear_gguf);
+}
+
+TORCH_LIBRARY_IMPL(jacobi_ext, CompositeExplicitAutograd, m) {
+  m.impl("cpu_linear_gguf_types", &cpu_linear_gguf_types);
+}
+
+}  // namespace jacobi::ops
