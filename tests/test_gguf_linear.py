@@ -1,0 +1,318 @@
+"""GGUF weights read as they are stored: torch.ops.jacobi_ext.cpu_linear_gguf
+(csrc/cpu/linear_gguf_cpu.h) and the models built on it (jacobi_ext.quantized).
+
+What makes the GGUF path lossless, checked here on tiny GGUF files the tests write with the
+`gguf` package (tests/gguf_fixtures.py), for every type the kernels read:
+- every weight the kernel dequantizes is bitwise the `gguf` package's value;
+- every output is bitwise the fp32 kernel's (cpu_linear) on the dequantized weight, for any M,
+  N off the panel width, several blocks along K, with a bias, on every ISA variant;
+- a model built on the codes returns bitwise the logits of the same file loaded as transformers
+  loads it (dequantized, q/k rows reordered) and run through the fp32 kernel, and its decoding
+  returns the same tokens for every method; an adapter stays unmerged and every method still
+  equals `ar`;
+- types the kernels do not read run dequantized, with one warning naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, quants
+
+from jacobi_ext._native import ops
+from jacobi_ext.ops import cpu_linear_gguf_packed_shape
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gguf_fixtures import (  # noqa: E402
+    KERNEL_TYPES,
+    dequantized_model,
+    random_rows,
+    tiny_config,
+    write_tensors,
+    write_tiny_model,
+)
+
+MS = (1, 2, 7, 13, 16, 33, 64)
+NS = (1, 5, 33, 100)  # off every multiple of the panel width (16 / 32)
+BLOCKS = (1, 2, 3)  # blocks along K
+ISAS = ("baseline", "avx2", "avx512")
+
+
+def _file_tensors(tmp_path: Path, qtype: Q, seed: int = 0) -> list:
+    """(reader tensor, N, K) for every (N, blocks along K) of one type, read back from a file."""
+    rng = np.random.default_rng(seed)
+    bk = {Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256}.get(qtype, 32)
+    tensors, shapes = {}, {}
+    for n in NS:
+        for b in BLOCKS:
+            name = f"w_{n}_{b}"
+            shapes[name] = (n, b * bk)
+            tensors[name] = (random_rows(qtype, n, b * bk, rng), qtype, (n, b * bk))
+    reader = GGUFReader(str(write_tensors(tmp_path / f"{qtype.name}.gguf", tensors)))
+    return [(t, *shapes[t.name]) for t in reader.tensors]
+
+
+def _dequantized(t, N, K) -> torch.Tensor:
+    return torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), np.float32)).reshape(
+        N, K
+    )
+
+
+def _raw(t) -> torch.Tensor:
+    return torch.from_numpy(np.array(t.data, dtype=np.uint8))
+
+
+def check_type(qtype: Q, tmp_path: Path) -> None:
+    """The kernel against gguf's dequantization and the fp32 kernel, every shape of one type."""
+    g = torch.Generator().manual_seed(int(qtype))
+    for t, N, K in _file_tensors(tmp_path, qtype):
+        assert int(t.tensor_type) == int(qtype)
+        w = _dequantized(t, N, K)
+        packed = ops.cpu_linear_gguf_pack([_raw(t)], int(qtype))
+        assert tuple(packed.shape) == cpu_linear_gguf_packed_shape(int(qtype), N, K)
+        w_packed = ops.cpu_linear_pack(w)
+        # The weights themselves: one-hot rows of x pick them out exactly.
+        eye = torch.eye(K)[: min(K, 64)]
+        assert torch.equal(ops.cpu_linear_gguf(eye, packed, int(qtype), N), w[:, : len(eye)].T)
+        for M in MS:
+            x = torch.randn(M, K, generator=g)
+            bias = torch.randn(N, generator=g) if M % 2 else None
+            y = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias)
+            assert torch.equal(y, ops.cpu_linear(x, w_packed, N, bias)), (qtype.name, N, K, M)
+            if M > 1:  # a row's bits do not depend on the other rows of the call
+                one = ops.cpu_linear_gguf(x[M // 2 : M // 2 + 1], packed, int(qtype), N, bias)
+                assert torch.equal(y[M // 2], one[0])
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+def test_bitwise_fp32_kernel_on_gguf_values(qtype, tmp_path):
+    check_type(qtype, tmp_path)
+
+
+def check_this_process(expected_isa: str, tmp: str) -> None:
+    import jacobi_ext
+
+    assert jacobi_ext.CPU_ISA == expected_isa, (jacobi_ext.CPU_ISA, expected_isa)
+    for qtype in KERNEL_TYPES:
+        check_type(qtype, Path(tmp))
+
+
+@pytest.fixture(scope="module")
+def best_isa(tmp_path_factory) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "JACOBI_EXT_CPU_ISA"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import jacobi_ext; print(jacobi_ext.CPU_ISA)"],
+        capture_output=True, text=True, env=env, cwd=tmp_path_factory.mktemp("best_isa"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa(isa, best_isa, tmp_path):
+    """Each ISA variant in a process of its own (capped to what the CPU has)."""
+    expected = ISAS[min(ISAS.index(isa), ISAS.index(best_isa))]
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_gguf_linear import check_this_process\n"
+        f"check_this_process({expected!r}, {str(tmp_path)!r})\n"
+    )
+    env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_pack_of_several_is_their_concatenation(tmp_path):
+    rng = np.random.default_rng(1)
+    a, b = random_rows(Q.Q4_1, 40, 64, rng), random_rows(Q.Q4_1, 24, 64, rng)
+    both = ops.cpu_linear_gguf_pack([torch.from_numpy(a), torch.from_numpy(b)], int(Q.Q4_1))
+    cat = ops.cpu_linear_gguf_pack([torch.from_numpy(np.concatenate([a, b]))], int(Q.Q4_1))
+    assert torch.equal(both, cat)
+
+
+def _q4_1(n=4):
+    return ops.cpu_linear_gguf_pack([torch.zeros(n, 20, dtype=torch.uint8)], 3)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: ops.cpu_linear_gguf_pack([torch.zeros(4, 22, dtype=torch.uint8)], 6),
+         "ggml type 6 is not read by the GGUF linear kernels; they read Q4_0"),
+        (lambda: ops.cpu_linear_gguf_pack([torch.zeros(4, 19, dtype=torch.uint8)], 3),
+         "not a whole number of 20-byte blocks"),
+        (lambda: ops.cpu_linear_gguf_pack([torch.zeros(4, 20)], 3), "must have dtype Byte"),
+        (lambda: ops.cpu_linear_gguf(torch.zeros(1, 32, dtype=torch.bfloat16), _q4_1(), 3, 4),
+         "x must be float32"),
+        (lambda: ops.cpu_linear_gguf(torch.zeros(1, 64), _q4_1(), 3, 4),
+         "packs to"),
+    ],
+    ids=["type", "row-bytes", "raw-dtype", "x-dtype", "shape"],
+)  # fmt: skip
+def test_errors_say_what_is_wrong(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ---- models built on the codes --------------------------------------------------------------
+
+
+def _build(tmp_path, tied=False, family="llama"):
+    from jacobi_ext.quantized import build_on_codes
+
+    cfg = tiny_config(tied=tied, family=family)
+    path = write_tiny_model(tmp_path / "tiny.gguf", cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build_on_codes(cfg, path)
+    return cfg, path, model, caught
+
+
+@pytest.mark.parametrize("tied, family", [(False, "llama"), (True, "llama"), (False, "qwen2")])
+def test_model_on_codes_is_the_dequantized_model(tmp_path, tied, family):
+    from jacobi_ext.decoding import prepack
+    from jacobi_ext.quantized import GGUFEmbedding, GGUFLinear, describe
+
+    cfg, path, model, caught = _build(tmp_path, tied, family)
+    ref = dequantized_model(cfg, path)
+    # Only the two types the kernels do not read fall back, with one warning naming both.
+    msgs = [str(w.message) for w in caught if "do not read yet" in str(w.message)]
+    assert len(msgs) == 1 and "F16 (1 tensors)" in msgs[0] and "Q5_0 (1 tensors)" in msgs[0]
+    layers = model.model.layers
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding)
+    assert isinstance(model.lm_head, GGUFLinear)
+    assert type(layers[1].self_attn.o_proj) is torch.nn.Linear  # F16: dequantized
+    assert layers[1].self_attn.q_proj.group is layers[1].self_attn.v_proj.group is not None
+    assert "Q4_K" in describe(model)
+    # No parameter of the model holds a quantized weight in fp32.
+    n_float = sum(p.numel() for p in model.parameters())
+    assert n_float < 3 * cfg.hidden_size * cfg.intermediate_size
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), prepack.packed(model), prepack.packed(ref):
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_decoding_on_codes_equals_ar_and_the_dequantized_model(tmp_path):
+    from jacobi_ext import generate
+
+    cfg, path, model, _ = _build(tmp_path)
+    ref = dequantized_model(cfg, path)
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    ar = generate(ref, ids, max_new_tokens=40, method="ar").tokens
+    for method in ("ar", "jacobi", "multiblock"):
+        got = generate(model, ids, max_new_tokens=40, method=method, block_size=8).tokens
+        assert torch.equal(got, ar), method
+
+
+def _write_adapter(folder: Path, model, r=4, alpha=8, seed=0) -> Path:
+    """A peft-format LoRA adapter (bf16) on every q/k/v/o/gate/up/down of the model."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    state = {}
+    for name, m in model.named_modules():
+        if name.rpartition(".")[2] in targets:
+            key = f"base_model.model.{name}"
+            state[f"{key}.lora_A.weight"] = (
+                0.1 * torch.randn(r, m.in_features, generator=g)
+            ).bfloat16()
+            state[f"{key}.lora_B.weight"] = (
+                0.1 * torch.randn(m.out_features, r, generator=g)
+            ).bfloat16()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets)}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_lora_stays_unmerged_and_every_method_equals_ar(tmp_path):
+    from jacobi_ext import generate
+    from jacobi_ext.decoding import prepack
+    from jacobi_ext.quantized import GGUFLinear, attach_lora
+
+    cfg, path, model, _ = _build(tmp_path)
+    ref = dequantized_model(cfg, path)
+    adapter = _write_adapter(tmp_path / "adapter", ref)
+    with pytest.raises(ValueError, match="not a GGUF linear"):  # o_proj of layer 1 is F16
+        attach_lora(model, adapter)
+    state = json.loads((adapter / "adapter_config.json").read_text())
+    state["target_modules"] = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    keep = {k: v for k, v in tensors.items() if not any(t in k for t in ("o_proj", "down_proj"))}
+    save_file(keep, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps(state))
+    cfg2, path2, model, _ = _build(tmp_path / "again")
+    attach_lora(model, adapter)
+    targeted = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    targeted = [m for m in targeted if m.name.rpartition(".")[2] in state["target_modules"]]
+    assert targeted and all(m.lora is not None for m in targeted)
+    # The reference: the adapter merged in float64 into the dequantized weights.
+    scale = 8 / 4
+    with torch.no_grad():
+        for k, a in keep.items():
+            if ".lora_A." in k:
+                name = k.removeprefix("base_model.model.").split(".lora_A.")[0]
+                b = keep[k.replace("lora_A", "lora_B")]
+                lin = ref.get_submodule(name)
+                lin.weight.copy_((lin.weight.double() + b.double() @ a.double() * scale).float())
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode(), prepack.packed(model), prepack.packed(ref):
+        got, want = model(ids).logits, ref(ids).logits
+    # Unmerged (x A^T B^T s beside W x) against merged: float32 rounding apart, far less than
+    # what the adapter itself moves.
+    scale_err = (got - want).abs().max() / want.abs().max()
+    with torch.inference_mode(), prepack.packed(model):
+        for m in targeted:
+            m.lora, kept = None, m.lora
+            m.lora_kept = kept
+        base = model(ids).logits
+        for m in targeted:
+            m.lora = m.lora_kept
+    moved = (base - want).abs().max() / want.abs().max()
+    assert scale_err < 1e-4 and moved > 100 * scale_err, (scale_err, moved)
+    ar = generate(model, ids, max_new_tokens=40, method="ar").tokens
+    for method in ("jacobi", "multiblock"):
+        got = generate(model, ids, max_new_tokens=40, method=method, block_size=8).tokens
+        assert torch.equal(got, ar), method
+
+
+def test_training_a_model_on_codes_says_to_dequantize(tmp_path):
+    _, _, model, _ = _build(tmp_path)
+    x = torch.randn(1, 3, 256, requires_grad=True)
+    with pytest.raises(RuntimeError, match="dequantize=True"):
+        model.model.layers[0].self_attn.q_proj(x)
+
+
+@pytest.mark.slow
+def test_default_model_on_codes_equals_dequantized():
+    """The default model (Q4_1 + Q8_0): loaded on its codes by default, bitwise the logits of
+    transformers' dequantized load through the fp32 kernel, and the same tokens."""
+    from jacobi_ext import generate
+    from jacobi_ext.decoding import prepack
+    from jacobi_ext.models import load_model
+    from jacobi_ext.quantized import describe, is_quantized
+
+    model, tok = load_model()
+    ref, _ = load_model(dequantize=True)
+    assert is_quantized(model) and not is_quantized(ref)
+    assert describe(model) == "Q4_1 x 210, Q8_0 x 1"
+    ids = tok("def fibonacci(n):", return_tensors="pt").input_ids
+    with torch.inference_mode(), prepack.packed(model), prepack.packed(ref):
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    a = generate(ref, ids, max_new_tokens=32, method="ar").tokens
+    for method in ("ar", "jacobi", "multiblock"):
+        assert torch.equal(generate(model, ids, max_new_tokens=32, method=method).tokens, a)
