@@ -63,5 +63,13 @@ def build_info() -> dict[str, object]:
         "no cuda kernels because": cuda_note(),  # what the build found; None: no record
         "cuda available": torch.cuda.is_available(),
         "cpu kernel isa": CPU_ISA,
+        # GGUF tensor types the CPU linear reads as stored (jacobi_ext.quantized)
+        "gguf types read": ", ".join(_gguf_types()) or "none",
         "cpu threads": torch.get_num_threads(),
     }
+
+
+def _gguf_types() -> list[str]:
+    from .quantized import kernel_type_names
+
+    return kernel_type_names()

@@ -13,7 +13,7 @@ from jacobi_ext.models import DTYPE_NAMES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype and --device (jacobi_ext.models.load_from_args reads them)."""
+    """--model, --dtype, --device and --dequantize (jacobi_ext.models.load_from_args reads them)."""
     p.add_argument(
         "--model",
         default=None,
@@ -28,6 +28,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="model dtype (default float32)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="load a GGUF model dequantized to --dtype, as transformers does (default on a CPU "
+        "in float32: decode from the file's quantized codes, an adapter unmerged on top)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -60,6 +60,17 @@ def _pick_distilled(args, console) -> str | None:
     return str(found) if found is not None else None
 
 
+def _weights_label(model) -> str:
+    """What a model's linears read, for the table: 'GGUF Q4_1' (+ 'LoRA') or its dtype."""
+    from jacobi_ext.quantized import GGUFLinear
+
+    types = sorted({m.type_name for m in model.modules() if isinstance(m, GGUFLinear)})
+    if not types:
+        return str(next(model.parameters()).dtype).replace("torch.", "")
+    lora = any(isinstance(m, GGUFLinear) and m.lora is not None for m in model.modules())
+    return "GGUF " + "+".join(types) + (" +LoRA" if lora else "")
+
+
 def run_demo(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -70,6 +81,7 @@ def run_demo(args) -> int:
     from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
     from jacobi_ext.models import DTYPE_NAMES, load_model
     from jacobi_ext.plots import plot_step_curve
+    from jacobi_ext.quantized import is_quantized
 
     console = Console()
     out_dir = Path(args.out)
@@ -78,13 +90,21 @@ def run_demo(args) -> int:
     dtype = DTYPE_NAMES[args.dtype]
     # The base model's transformers greedy is the speed every row is compared with; the
     # distilled model's own greedy is what its parallel decoding must reproduce exactly.
+    # The baseline is the base model as transformers loads its GGUF file (dequantized); the
+    # rows we decode run on the GGUF codes where they can (load_model's default on a CPU in
+    # float32), and their reference greedy is transformers' on those same weights.
+    dequantize = True if getattr(args, "dequantize", False) else None
     models = {}
     with console.status("loading SmolLM2-135M-Instruct (offline)"):
-        models["base"] = load_model(None, dtype=dtype, device=args.device)
-    if distilled is not None:
-        with console.status(f"loading {distilled} (offline)"):
-            models[distilled] = load_model(distilled, dtype=dtype, device=args.device)
-    shown = distilled if distilled is not None else "base"
+        models["base"] = load_model(None, dtype=dtype, device=args.device, dequantize=True)
+    shown = distilled if distilled is not None else "base (codes)"
+    with console.status(f"loading {shown} (offline)"):
+        loaded = load_model(distilled, dtype=dtype, device=args.device, dequantize=dequantize)
+    if is_quantized(loaded[0]) or distilled is not None:
+        models[shown] = loaded
+    else:  # the base model, dequantized as asked: one copy serves every row
+        shown, models["base"] = "base", loaded
+    weights = {m: _weights_label(mt[0]) for m, mt in models.items()}
     model, tok = models[shown]
     curve = tuning.step_curve(model, progress=True, full=True)
     param = next(model.parameters())  # the roofline floor beside the measured curve
@@ -101,8 +121,8 @@ def run_demo(args) -> int:
         samp["seed"] = 0
     hf_name = "transformers sampling" if sampled else "transformers greedy"
     methods = [(hf_name, "base", None)]
-    if distilled is not None:
-        methods.append((hf_name, distilled, None))
+    if shown != "base":
+        methods.append((hf_name, shown, None))
     if sampled:
         methods.append(("ar (the reference sample)", shown, dict(method="ar")))
     methods += [
@@ -153,10 +173,10 @@ def run_demo(args) -> int:
         f"{args.dtype}, {curve.hardware}"
     )
     ref_name = "its AR sample" if sampled else "its greedy"
-    cols = ("model", "method", "settings", "tokens/s", "TPF", f"speedup vs base {hf_name[13:]}",
-            f"identical to {ref_name}")  # fmt: skip
+    cols = ("model", "weights", "method", "settings", "tokens/s", "TPF",
+            f"speedup vs base {hf_name[13:]}", f"identical to {ref_name}")  # fmt: skip
     for col in cols:
-        table.add_column(col, justify="left" if col in cols[:3] else "right")
+        table.add_column(col, justify="left" if col in cols[:4] else "right")
     base = totals[(hf_name, "base")]
     base_tps = base["tokens"] / base["seconds"]
     rows = []
@@ -166,6 +186,7 @@ def run_demo(args) -> int:
         rows.append(
             dict(
                 model=m,
+                weights=weights[m],
                 method=name,
                 settings=t.get("settings", "-"),
                 tokens_per_s=tps,
@@ -176,6 +197,7 @@ def run_demo(args) -> int:
         )
         table.add_row(
             m,
+            weights[m],
             name,
             t.get("settings", "-"),
             f"{tps:.1f}",

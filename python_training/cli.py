@@ -46,7 +46,10 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     _threads(args)
     end = args.start + args.limit if args.limit else None
     prompts = load_prompts(args.prompts)[args.start : end]
-    model, tok = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    model, tok = load_model(
+        args.model, dtype=_dtype(args.dtype), device=args.device,
+        dequantize=True if getattr(args, "dequantize", False) else None,
+    )  # fmt: skip
     k, N = (int(x) for x in args.shard.split("/"))
     s = collect(
         model, tok, prompts, args.out, block_size=args.block_size,
@@ -314,7 +317,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if not _check_prompts("eval", args.prompts, checker):
         return 2
     _threads(args)
-    model, tok = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    model, tok = load_model(
+        args.model, dtype=_dtype(args.dtype), device=args.device,
+        dequantize=True if getattr(args, "dequantize", False) else None,
+    )  # fmt: skip
     s = evaluate(
         model, tok, args.results, methods=args.methods, limit=args.limit, offset=args.offset,
         max_new_tokens=args.max_new_tokens, block_size=args.block_size,
@@ -383,7 +389,10 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     _threads(args)
     rows = reference_rows(args.reference, args.method)
     rows = rows[args.offset :][: args.limit]  # limit None: all
-    model, tok = load_model(args.model, dtype=_dtype(args.dtype), device=args.device)
+    model, tok = load_model(
+        args.model, dtype=_dtype(args.dtype), device=args.device,
+        dequantize=True if getattr(args, "dequantize", False) else None,
+    )  # fmt: skip
     out = fidelity(model, tok, rows, prompts=args.prompts)
     out["model"], out["reference"] = str(args.model or "base"), str(args.reference)
     if args.out:

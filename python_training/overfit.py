@@ -270,7 +270,7 @@ def real_model_run(
     setting = setting or Setting(lr=1e-4, window=16, steps=300)
     prompts = load_prompts(None, num_prompts)
     t0 = time.perf_counter()
-    model, tok = load_model(model_name)
+    model, tok = load_model(model_name, dequantize=True)  # it is trained below: real weights
     # Batched (8 prompts a forward): collection must not dominate the proof's time.
     collect(model, tok, prompts, wd / "fixed_points", block_size=n, teacher="base",
             max_new_tokens=max_new_tokens, progress=progress, fixed_points_only=True,

@@ -237,7 +237,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     if model is None:
         from jacobi_ext.models import load_model
 
-        model, tokenizer = load_model(cfg.model, attn_implementation="jacobi")
+        # Training needs real weights: a GGUF base is dequantized (its codes are inference-only).
+        model, tokenizer = load_model(cfg.model, attn_implementation="jacobi", dequantize=True)
     elif model.config._attn_implementation != "jacobi":
         model.set_attn_implementation("jacobi")
     model.train()

@@ -44,7 +44,9 @@ def write_tensors(path: Path, tensors: dict, arch: str = "llama") -> Path:
         if isinstance(t, tuple):
             raw, qtype, shape = t
             w.add_tensor(name, raw, raw_dtype=qtype)  # the logical shape follows from the bytes
-            assert raw.shape[1] // GGML_QUANT_SIZES[qtype][1] * GGML_QUANT_SIZES[qtype][0] == shape[1]
+            assert (
+                raw.shape[1] // GGML_QUANT_SIZES[qtype][1] * GGML_QUANT_SIZES[qtype][0] == shape[1]
+            )
         else:
             w.add_tensor(name, t)
     w.write_header_to_file()

@@ -253,7 +253,10 @@ def best_isa(tmp_path_factory) -> str:
     env = {k: v for k, v in os.environ.items() if k != "JACOBI_EXT_CPU_ISA"}
     code = "import jacobi_ext; print(jacobi_ext.CPU_ISA)"
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
         cwd=tmp_path_factory.mktemp("best_isa"),
     )
     assert out.returncode == 0, out.stderr[-3000:]

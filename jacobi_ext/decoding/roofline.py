@@ -218,13 +218,16 @@ def model_cost(model) -> ModelCost:
     """Read a ModelCost off a transformers causal LM. Tied weights count once (deduplicated by
     data_ptr). The input embedding table counts only where it is the output embeddings too: an
     untied one is gathered a row per token, never streamed."""
+    from ..quantized import GGUFLinear
+
     emb_in = model.get_input_embeddings()
     emb_out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    w_in, w_out = getattr(emb_in, "weight", None), getattr(emb_out, "weight", None)
     skip = set()
-    if emb_in is not None:
-        tied = emb_out is not None and emb_out.weight.data_ptr() == emb_in.weight.data_ptr()
+    if w_in is not None:
+        tied = w_out is not None and w_out.data_ptr() == w_in.data_ptr()
         if not tied:
-            skip.add(emb_in.weight.data_ptr())
+            skip.add(w_in.data_ptr())
     seen: set[int] = set()
     weight_bytes = 0
     for p in model.parameters():
@@ -233,7 +236,12 @@ def model_cost(model) -> ModelCost:
             continue
         seen.add(ptr)
         weight_bytes += p.numel() * p.element_size()
+    # Linears on GGUF codes (jacobi_ext.quantized): the packed codes they read (and a LoRA's
+    # factors); a GGUF token embedding is gathered a row per token, like an untied table.
+    ggufs = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    weight_bytes += sum(m.nbytes for m in ggufs)
     linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear_params += sum(m.in_features * m.out_features for m in ggufs)
     cfg = model.config
     if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()

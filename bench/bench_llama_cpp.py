@@ -1,0 +1,519 @@
+"""llama.cpp against our decoders on the same GGUF file, side by side in one run.
+
+The default model's file (`jacobi_ext.models.default_model_file()`,
+SmolLM2-135M-Instruct.Q4_1.gguf), CPU, batch 1, greedy, the same prompt token ids for every row
+(the chat-template ids of `jacobi-forcing eval`'s prompts: HumanEval and the held-out packages of
+the prompt corpus, half each, HumanEval first), the same threads, the same EOS and max_new_tokens:
+
+1. llama.cpp through llama-cpp-python (`import llama_cpp`): the ids fed with `Llama.eval`, the
+   greedy token the argmax of the last logits, one `eval` per token, the state reset between
+   prompts. Optional: where `llama_cpp` is not importable its row is skipped, saying so.
+   `pip install llama-cpp-python` builds llama.cpp from source (~10 min); it is not part of the
+   README's commands: install it in a separate environment (e.g. a venv made with
+   --system-site-packages, so that it sees torch and jacobi_ext) and run this file with its
+   python.
+2. ours (`jacobi_ext.generate`): `ar`, `jacobi` n=16, `multiblock` n=16 and the tuned default
+   (`generate(model, ids)`), on the base model (`load_model()`) and the shipped distilled model
+   (`load_model("smollm2-jf")`), each loaded as `load_model` loads it by default (the GGUF's own
+   codes where this build reads them; `JACOBI_BENCH_DEQUANTIZE=1` / `--dequantize`: fp32,
+   dequantized, as transformers loads the file).
+
+Every call is timed whole (prefill included: tokens/s of whole calls) and in its two parts: the
+prefill (the prompt's forward and the first token) and the steady decode after it (steady ms per
+generated token, ms per forward). Every (row, prompt) runs ROUNDS times, round-robin over the
+rows, after one untimed warm-up call per row on the longest prompt; each figure is from the
+medians per prompt. Beside them: the quantized floor of one forward, the bytes of the GGUF's
+weights (the tied token embedding counted once, as the LM head) over the machine's read
+bandwidth measured in the same run (`x.sum()` over 400 MB of fp32, median of several); how many
+answers equal our own `ar` token for token (asserted for our methods: they are lossless) and
+how many equal llama.cpp's greedy (a different kernel sums in a different order: at a near-tie
+the two greedy outputs may part; the distilled model's answers are another model's).
+
+    python bench/bench_llama_cpp.py --out runs/llama_cpp        # results.json and table.md
+    /path/to/llama-venv/bin/python bench/bench_llama_cpp.py --out runs/llama_cpp  # with llama.cpp
+    python bench/bench_llama_cpp.py --quick --out /tmp/llbench  # seconds-long smoke run
+    pytest bench/bench_llama_cpp.py -o python_files='bench_*.py' --benchmark-json=llama_cpp.json
+    JACOBI_BENCH_QUICK=1 pytest bench/bench_llama_cpp.py -o python_files='bench_*.py'  # smoke
+
+Environment: JACOBI_BENCH_PROMPTS (8), JACOBI_BENCH_MAX_NEW (128), JACOBI_BENCH_THREADS (2),
+JACOBI_BENCH_ROUNDS (3), JACOBI_BENCH_DEQUANTIZE (0); JACOBI_BENCH_QUICK=1: 1 prompt, 16 new
+tokens, 1 round. Keep the machine otherwise idle while it runs: the rows share its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+QUICK = os.environ.get("JACOBI_BENCH_QUICK", "") not in ("", "0")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else default
+
+
+PROMPTS = 1 if QUICK else _env_int("JACOBI_BENCH_PROMPTS", 8)
+MAX_NEW = 16 if QUICK else _env_int("JACOBI_BENCH_MAX_NEW", 128)
+THREADS = _env_int("JACOBI_BENCH_THREADS", 2)
+ROUNDS = 1 if QUICK else _env_int("JACOBI_BENCH_ROUNDS", 3)
+DEQUANTIZE = os.environ.get("JACOBI_BENCH_DEQUANTIZE", "") not in ("", "0")
+
+LLAMA = "llama.cpp"
+# Our rows: label -> generate() keywords (the tuned default is generate's own defaults).
+METHODS = {
+    "ar": dict(method="ar"),
+    "jacobi n=16": dict(method="jacobi", block_size=16),
+    "multiblock n=16": dict(method="multiblock", block_size=16),
+    "tuned (default)": {},
+}
+MODELS = {"base": None, "smollm2-jf": "smollm2-jf"}  # label -> load_model's name
+LLAMA_MISSING = (
+    "llama.cpp row skipped: `import llama_cpp` failed ({exc}). `pip install llama-cpp-python` "
+    "builds llama.cpp from source (~10 min) and is not part of the README's commands: install "
+    "it in a separate environment (python -m venv --system-site-packages VENV; "
+    "VENV/bin/pip install llama-cpp-python) and run this file with VENV/bin/python."
+)
+BANDWIDTH_BYTES = 400 << 20  # x.sum() over this many bytes of fp32: far beyond any cache
+
+
+# ---- what every row shares ------------------------------------------------------------------
+
+
+def load_prompt_ids(tokenizer, n: int) -> list[tuple[str, list[int]]]:
+    """(name, ids) of `jacobi-forcing eval`'s first prompts, formatted as it formats them:
+    ceil(n/2) HumanEval problems, then floor(n/2) of the prompt corpus' held-out packages."""
+    from jacobi_ext.data import humaneval_input_ids, load_humaneval
+
+    n_he, n_held = (n + 1) // 2, n // 2
+    out = [
+        (p["task_id"], humaneval_input_ids(tokenizer, p)[0].tolist()) for p in load_humaneval(n_he)
+    ]
+    if n_held:
+        from python_training.prompts import load_prompts
+
+        out += [
+            (p.id, p.input_ids(tokenizer)[0].tolist()) for p in load_prompts("code-heldout", n_held)
+        ]
+    return out
+
+
+def gguf_weight_bytes(path) -> tuple[int, dict]:
+    """Bytes of the weights one forward reads from the GGUF file: every tensor once; the token
+    embedding is read whole only as a tied LM head (as a lookup table a forward reads a row of
+    it), so it counts once where the LM head is tied and not at all where `output.weight` is
+    the LM head. Returns (bytes, bytes per tensor type)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(str(path)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    total, by_type = 0, {}
+    for t in tensors:
+        if t.name == "token_embd.weight" and not tied:
+            continue
+        total += int(t.n_bytes)
+        name = t.tensor_type.name
+        by_type[name] = by_type.get(name, 0) + int(t.n_bytes)
+    return total, {"tied_lm_head": tied, "bytes_by_type": by_type}
+
+
+def read_bandwidth(rounds: int = 7) -> float:
+    """GB/s of `x.sum()` over BANDWIDTH_BYTES of fp32 with torch's current threads (median)."""
+    x = torch.ones(BANDWIDTH_BYTES // 4)
+    x.sum()  # warm-up: pages touched, threads up
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _is_gguf_codes(model) -> bool:
+    return any(type(m).__name__.startswith("GGUF") for m in model.modules())
+
+
+# ---- one whole call of each kind --------------------------------------------------------------
+
+
+class LlamaCppGreedy:
+    """llama.cpp's greedy decoding of given token ids, one `eval` per new token, in a process of
+    its own (bench/llama_cpp_worker.py: ggml's OpenMP beside torch's would slow both)."""
+
+    def __init__(self, path, threads: int, n_ctx: int) -> None:
+        import subprocess
+
+        worker = Path(__file__).with_name("llama_cpp_worker.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(worker), str(path), str(threads), str(n_ctx)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        hello = self.proc.stdout.readline()
+        if not hello:
+            raise RuntimeError(f"the llama.cpp worker did not start ({worker})")
+        self.version = json.loads(hello)["version"]
+
+    def __call__(self, ids: list[int], max_new: int, eos: set[int]) -> dict:
+        req = {"ids": list(map(int, ids)), "max_new": max_new, "eos": sorted(eos)}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def ours(model, ids: torch.Tensor, max_new: int, eos: set[int], kw: dict) -> dict:
+    """One `generate` call, timed whole; the engine splits it into prefill and steady decode."""
+    from jacobi_ext import generate
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        res = generate(model, ids, max_new_tokens=max_new, eos_token_id=sorted(eos), **kw)
+        seconds = time.perf_counter() - t0
+    n = res.new_tokens
+    return dict(
+        tokens=res.tokens[0, :n].tolist(), seconds=seconds, prefill_seconds=res.prefill_seconds,
+        decode_seconds=res.seconds, forwards=res.forwards,
+        settings=f"{res.method} n={res.block_size} K={res.num_blocks} p={res.pool_size}",
+    )  # fmt: skip
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+
+
+def _load_models(dequantize: bool, log) -> tuple[dict, dict, object]:
+    """{label: model}, {label: what its linears read}, and the base model's tokenizer."""
+    from jacobi_ext.decoding.tuning import step_curve
+    from jacobi_ext.models import load_model
+
+    models, weights, tokenizer = {}, {}, None
+    for label, name in MODELS.items():
+        t0 = time.perf_counter()
+        model, tok = load_model(name, **({"dequantize": True} if dequantize else {}))
+        models[label] = model
+        tokenizer = tokenizer or tok
+        weights[label] = "GGUF codes" if _is_gguf_codes(model) else "fp32 (dequantized)"
+        step_curve(model)  # the tuner's curve, once per machine: not charged to a timed call
+        log(f"loaded {label} ({weights[label]}) in {time.perf_counter() - t0:.1f} s")
+    return models, weights, tokenizer
+
+
+def _measure(callers: dict, named: list, rounds: int, log) -> dict[str, list[list[dict]]]:
+    """calls[row][prompt] = that (row, prompt)'s call of every round: one untimed warm-up call
+    per row on the longest prompt (runtimes sized, weights packed, threads up), then `rounds`
+    rounds, each prompt by every row in turn (round-robin: load swings hit every row alike)."""
+    longest = max((ids for _, ids in named), key=len)
+    for fn in callers.values():
+        fn(longest)
+    calls = {row: [[] for _ in named] for row in callers}
+    for r in range(rounds):
+        for i, (_, ids) in enumerate(named):
+            for row, fn in callers.items():
+                calls[row][i].append(fn(ids))
+        speeds = []
+        for row, per in calls.items():
+            tokens = sum(len(c[r]["tokens"]) for c in per)
+            speeds.append(f"{row} {tokens / sum(c[r]['seconds'] for c in per):.1f}")
+        log(f"round {r + 1}/{rounds}, tokens/s: " + ", ".join(speeds))
+    return calls
+
+
+def _row(row: str, per: list[list[dict]], named: list, ar: list, ll: list | None) -> dict:
+    """One row's figures from its calls (medians per prompt over the rounds); `ar`: our `ar`'s
+    answers on the same model, `ll`: llama.cpp's (None where its row is skipped)."""
+    med = {
+        k: [statistics.median(c[k] for c in calls) for calls in per]
+        for k in ("seconds", "prefill_seconds", "decode_seconds")
+    }
+    answers = [calls[0]["tokens"] for calls in per]
+    tokens = [len(a) for a in answers]
+    forwards = [calls[0]["forwards"] for calls in per]
+    steady_tokens = sum(tokens) - len(tokens)  # the prefill yields each call's first token
+    decode = sum(med["decode_seconds"])
+    per_prompt = [
+        dict(prompt=name, prompt_tokens=len(ids), new_tokens=t, forwards=f, seconds=s,
+             prefill_seconds=p, decode_seconds=d)
+        for (name, ids), t, f, s, p, d in zip(
+            named, tokens, forwards, med["seconds"], med["prefill_seconds"],
+            med["decode_seconds"], strict=True,
+        )
+    ]  # fmt: skip
+    return dict(
+        row=row,
+        new_tokens=sum(tokens),
+        tokens_per_s=sum(tokens) / sum(med["seconds"]),
+        steady_ms_per_token=1e3 * decode / max(steady_tokens, 1),
+        ms_per_forward=1e3 * decode / max(sum(forwards), 1),
+        tokens_per_forward=steady_tokens / max(sum(forwards), 1),
+        prefill_ms=1e3 * statistics.mean(med["prefill_seconds"]),
+        same_as_ar=sum(a == b for a, b in zip(answers, ar, strict=True)),
+        same_as_llama=None if ll is None else sum(a == b for a, b in zip(answers, ll, strict=True)),
+        deterministic=all(c["tokens"] == calls[0]["tokens"] for calls in per for c in calls),
+        settings=sorted({c["settings"] for calls in per for c in calls if "settings" in c}),
+        per_prompt=per_prompt,
+    )
+
+
+def run(
+    prompts: int = PROMPTS,
+    max_new: int = MAX_NEW,
+    threads: int = THREADS,
+    rounds: int = ROUNDS,
+    dequantize: bool = DEQUANTIZE,
+    llama: bool = True,
+    check: bool = True,
+    log=print,
+) -> list[dict]:
+    """Measure every row; returns one dict per row: llama.cpp's (or its skip reason), ours (per
+    model and method), and the quantized floor's. `check`: assert, after measuring, that our
+    methods' answers equal our `ar`'s token for token."""
+    from jacobi_ext.models import default_model_file
+
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    llm = None
+    try:
+        path = default_model_file()
+        models, weights, tokenizer = _load_models(dequantize, log)
+        named = load_prompt_ids(tokenizer, prompts)
+        eos_cfg = models["base"].generation_config.eos_token_id
+        eos = {eos_cfg} if isinstance(eos_cfg, int) else set(eos_cfg or ())
+
+        callers, model_of, skipped = {}, {}, None  # row -> fn(ids) -> call dict; row -> model
+        if not llama:
+            skipped = "llama.cpp row skipped: not asked for (--no-llama)"
+        else:
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError as exc:
+                skipped = LLAMA_MISSING.format(exc=exc)
+        if skipped is None:
+            n_ctx = max(len(ids) for _, ids in named) + max_new + 64
+            llm = LlamaCppGreedy(path, threads, n_ctx=-(-n_ctx // 256) * 256)
+            callers[LLAMA] = lambda ids: llm(ids, max_new, eos)
+            model_of[LLAMA] = "base"
+        else:
+            log(skipped)
+        for label, model in models.items():
+            for method, kw in METHODS.items():
+                row = f"{method} [{label}]"
+                callers[row] = lambda ids, m=model, kw=kw: ours(
+                    m, torch.tensor([ids], dtype=torch.long), max_new, eos, kw
+                )
+                model_of[row] = label
+
+        bw = read_bandwidth(3 if QUICK else 7)
+        nbytes, detail = gguf_weight_bytes(path)
+        floor_ms = nbytes / (bw * 1e9) * 1e3
+        log(
+            f"read bandwidth {bw:.1f} GB/s; {nbytes / 1e6:.1f} MB of GGUF weights per forward: "
+            f"floor {floor_ms:.2f} ms per forward"
+        )
+        calls = _measure(callers, named, rounds, log)
+
+        common = dict(
+            prompts=len(named), max_new_tokens=max_new, threads=threads, rounds=rounds,
+            model_file=path.name, read_gbps=round(bw, 2), gguf_weight_mb=round(nbytes / 1e6, 2),
+            floor_ms_per_forward=round(floor_ms, 3),
+        )  # fmt: skip
+        answers = {row: [c[0]["tokens"] for c in per] for row, per in calls.items()}
+        rows = []
+        if skipped and llama:
+            rows.append(
+                dict(row=LLAMA, model="base", weights="GGUF (llama.cpp)", skipped=skipped, **common)
+            )
+        for row, per in calls.items():
+            r = _row(row, per, named, answers[f"ar [{model_of[row]}]"], answers.get(LLAMA))
+            r.update(model=model_of[row], **common)
+            r["weights"] = "GGUF (llama.cpp)" if row == LLAMA else weights[model_of[row]]
+            if row == LLAMA:
+                r["llama_cpp_version"] = llm.version
+            rows.append(r)
+        ref = next((r["tokens_per_s"] for r in rows if r["row"] == LLAMA and not skipped), None)
+        rows.append(
+            dict(
+                row="quantized floor", model="-", weights=f"GGUF, {nbytes / 1e6:.1f} MB read",
+                tokens_per_s=1e3 / floor_ms, steady_ms_per_token=floor_ms,
+                ms_per_forward=floor_ms, tokens_per_forward=1.0, gguf=detail, **common,
+            )
+        )  # fmt: skip
+        for r in rows:
+            if "tokens_per_s" in r:
+                r["vs_llama_cpp"] = r["tokens_per_s"] / ref if ref else None
+                r["x_floor"] = r["ms_per_forward"] / floor_ms
+    finally:
+        if llm is not None:
+            llm.close()
+        torch.set_num_threads(old_threads)
+    if check:
+        check_lossless(rows)
+    return rows
+
+
+def check_lossless(rows: list[dict]) -> None:
+    """Our methods are lossless: every answer equals our `ar`'s, in every round."""
+    bad = [
+        f"{r['row']}: {r['same_as_ar']}/{r['prompts']} equal ar"
+        + ("" if r["deterministic"] else ", rounds differ")
+        for r in rows
+        if r["row"] not in (LLAMA, "quantized floor")
+        and "skipped" not in r
+        and (r["same_as_ar"] != r["prompts"] or not r["deterministic"])
+    ]
+    assert not bad, "our decoding was not lossless: " + "; ".join(bad)
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict], meta: dict | None = None) -> str:
+    c = rows[-1]
+    out = [
+        f"# llama.cpp and jacobi_ext on {c['model_file']}",
+        "",
+        f"{c['prompts']} prompts (`jacobi-forcing eval`'s: HumanEval, then held-out packages), "
+        f"up to {c['max_new_tokens']} new tokens, greedy, batch 1, {c['threads']} threads, "
+        f"medians of {c['rounds']} round(s); read bandwidth {c['read_gbps']:.1f} GB/s, "
+        f"{c['gguf_weight_mb']:.1f} MB of GGUF weights per forward.",
+    ]
+    if meta:
+        out.append(", ".join(f"{k}: {v}" for k, v in meta.items()) + ".")
+    out += [
+        "",
+        "| row | weights | tokens/s (whole calls) | vs llama.cpp | steady ms / token | "
+        "ms / forward | x floor | tokens / forward | prefill ms | = our ar | = llama.cpp | "
+        "settings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "skipped" in r:
+            out.append(f"| {r['row']} | {r['weights']} | skipped | | | | | | | | | |")
+            continue
+        n = r["prompts"]
+        same_ar = f"{r['same_as_ar']}/{n}" if "same_as_ar" in r else ""
+        same_ll = f"{r['same_as_llama']}/{n}" if r.get("same_as_llama") is not None else ""
+        vs = r.get("vs_llama_cpp")
+        out.append(
+            f"| {r['row']} | {r['weights']} | {r['tokens_per_s']:.1f} | "
+            f"{'' if vs is None else f'{vs:.2f}x'} | {r['steady_ms_per_token']:.2f} | "
+            f"{r['ms_per_forward']:.2f} | {r['x_floor']:.2f} | {r['tokens_per_forward']:.2f} | "
+            f"{_f(r.get('prefill_ms'), '.1f')} | {same_ar} | {same_ll} | "
+            f"{'; '.join(r.get('settings') or [])} |"
+        )
+    out += [
+        "",
+        "tokens/s: all new tokens over the medians of whole calls (prefill included). Steady: the "
+        "decode after the prefill (which yields the first token). x floor: ms per forward over "
+        "the quantized floor (GGUF weight bytes / read bandwidth; a forward of several tokens "
+        "also does more arithmetic). = our ar: answers equal to our `ar` of the same model "
+        "(llama.cpp: of the base model) token for token.",
+    ]
+    skipped = [r["skipped"] for r in rows if "skipped" in r]
+    return "\n".join(out + ([""] + skipped if skipped else [])) + "\n"
+
+
+def _meta(rows) -> dict:
+    versions = {"torch": torch.__version__}
+    try:
+        from jacobi_ext._version import __version__
+
+        versions["jacobi_ext"] = __version__
+    except ImportError:
+        pass
+    llama = next((r.get("llama_cpp_version") for r in rows if r.get("llama_cpp_version")), None)
+    if llama:
+        versions["llama_cpp_python"] = llama
+    return dict(
+        cpu=_cpu_name(), date=datetime.date.today().isoformat(), quick=QUICK,
+        **{f"{k} version": v for k, v in versions.items()},
+    )  # fmt: skip
+
+
+def main(argv=None) -> int:
+    global QUICK
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for results.json and table.md")
+    ap.add_argument("--quick", action="store_true", help="1 prompt, 16 new tokens, 1 round")
+    ap.add_argument("--prompts", type=int, default=None, help=f"default {PROMPTS}")
+    ap.add_argument("--max-new", type=int, default=None, help=f"default {MAX_NEW}")
+    ap.add_argument("--threads", type=int, default=THREADS)
+    ap.add_argument("--rounds", type=int, default=None, help=f"default {ROUNDS}")
+    ap.add_argument(
+        "--dequantize",
+        action="store_true",
+        default=DEQUANTIZE,
+        help="our models in fp32, dequantized as transformers loads the GGUF",
+    )
+    ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp row")
+    args = ap.parse_args(argv)
+    QUICK = QUICK or args.quick
+    default = (1, 16, 1) if QUICK else (PROMPTS, MAX_NEW, ROUNDS)
+    rows = run(
+        prompts=args.prompts or default[0], max_new=args.max_new or default[1],
+        threads=args.threads, rounds=args.rounds or default[2], dequantize=args.dequantize,
+        llama=not args.no_llama, check=False,
+    )  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = _meta(rows)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    table = markdown(rows, meta)
+    (out / "table.md").write_text(table)
+    print(table)
+    print(f"wrote {out / 'results.json'} and {out / 'table.md'}")
+    try:
+        check_lossless(rows)
+    except AssertionError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+@pytest.mark.slow
+def test_llama_cpp_side_by_side(benchmark):
+    """The whole comparison once (JACOBI_BENCH_QUICK=1: 1 prompt, 16 new tokens); the rows go
+    into extra_info. Without llama_cpp (as in CI) its row is skipped and the rest must pass."""
+    box = {}
+    benchmark.pedantic(lambda: box.update(rows=run()), rounds=1, iterations=1)
+    rows = box["rows"]
+    print("\n" + markdown(rows, _meta(rows)))
+    ours_rows = [r for r in rows if r["row"] not in (LLAMA, "quantized floor")]
+    assert len(ours_rows) == len(METHODS) * len(MODELS)
+    assert all(r["tokens_per_s"] > 0 and r["same_as_ar"] == r["prompts"] for r in ours_rows)
+    benchmark.extra_info.update(
+        model_file=rows[-1]["model_file"], prompts=rows[-1]["prompts"],
+        max_new_tokens=rows[-1]["max_new_tokens"], threads=rows[-1]["threads"],
+        read_gbps=rows[-1]["read_gbps"], floor_ms_per_forward=rows[-1]["floor_ms_per_forward"],
+        llama_cpp=any(r["row"] == LLAMA and "skipped" not in r for r in rows),
+        rows=[{k: v for k, v in r.items() if k != "per_prompt"} for r in rows],
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
