@@ -279,6 +279,13 @@ def export_model(
     tokenizer as a Hugging Face folder whose `generate` is Jacobi decoding. `settings`: our
     generation_config keys (JACOBI_KEYS). `measure_prompts` > 0 measures AR against those settings
     on that many HumanEval prompts for the model card."""
+    from .quantized import is_quantized
+
+    if is_quantized(model):
+        raise ValueError(
+            "this model decodes from a GGUF file's codes, which a Hugging Face folder cannot hold;"
+            " load it with load_model(..., dequantize=True) to export it"
+        )
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a folder")
@@ -331,7 +338,8 @@ def export(
     from .models import load_model
 
     t0 = time.perf_counter()
-    model, tok = load_model(name_or_path, dtype=dtype, device=device)
+    # A Hugging Face folder holds real weights: a GGUF base is dequantized, an adapter merged.
+    model, tok = load_model(name_or_path, dtype=dtype, device=device, dequantize=True)
     path = export_model(
         model,
         tok,

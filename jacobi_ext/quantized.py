@@ -66,8 +66,9 @@ def _panel_width() -> int:
 
 
 class _Lora:
-    """An unmerged LoRA on a linear: y += B (A x) * scale, both products through the fp32
-    kernel (each row computed alone, as the quantized product)."""
+    """An unmerged LoRA on a linear: y += B (A x) * scale, both products on the fp32 kernel's
+    chain (each row computed alone, as the quantized product), run inside the GGUF linear's call
+    (cpu_linear_gguf's lora_a / lora_b); the scale is folded into B."""
 
     __slots__ = ("a", "b", "rank", "out_features", "nbytes", "a_weight", "b_weight")
 
@@ -136,12 +137,11 @@ class GGUFLinear(nn.Module):
                 f"{self.name or 'this linear'} holds GGUF codes ({self.type_name}) for inference "
                 "only; to train, load the model dequantized: load_model(..., dequantize=True)"
             )
-        y = torch.ops.jacobi_ext.cpu_linear_gguf(
-            x, self.packed, self.ggml_type, self.out_features, self.bias
-        )
-        if self.lora is not None:
-            y = y + self.lora(x)
-        return y
+        lo = self.lora
+        return torch.ops.jacobi_ext.cpu_linear_gguf(
+            x, self.packed, self.ggml_type, self.out_features, self.bias,
+            None if lo is None else lo.a, None if lo is None else lo.b,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         lora = f", lora r={self.lora.rank}" if self.lora is not None else ""

@@ -48,13 +48,15 @@ def test_demo_runs_and_is_lossless(tmp_path, monkeypatch):
     assert res["curve"]["sizes"][0] == 1 and len(res["curve"]["seconds"]) >= 8
 
 
-def test_shipped_adapter_loads_merged_without_warnings():
-    """`load_model("smollm2-jf")` (base + the shipped adapter, merged, offline) gives a plain
-    transformers model and no deprecation warning reaches the user (peft's call of a deprecated
+def test_shipped_adapter_loads_without_warnings():
+    """`load_model("smollm2-jf")` (offline) gives the base model on its GGUF codes with the
+    shipped LoRA unmerged on top; with dequantize=True a plain transformers model, the adapter
+    merged. No deprecation warning reaches the user either way (peft's call of a deprecated
     transformers method is ours to hide: the user cannot change it)."""
     import warnings
 
     from jacobi_ext.models import ADAPTERS, DISTILLED_MODEL, load_model
+    from jacobi_ext.quantized import GGUFLinear, describe
 
     if not (ADAPTERS[DISTILLED_MODEL] / "adapter_model.safetensors").is_file():
         pytest.fail("the distilled adapter is not in the checkout")
@@ -62,5 +64,9 @@ def test_shipped_adapter_loads_merged_without_warnings():
         warnings.simplefilter("error", FutureWarning)
         warnings.simplefilter("error", DeprecationWarning)
         model, _ = load_model(DISTILLED_MODEL)
-    assert type(model).__name__ == "LlamaForCausalLM"
-    assert not any("lora" in n for n, _ in model.named_parameters())
+        merged, _ = load_model(DISTILLED_MODEL, dequantize=True)
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, GGUFLinear) and q.lora is not None and q.lora.rank == 16
+    assert describe(model) == "Q4_1 x 210, Q8_0 x 1 + LoRA (unmerged)"
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in n for n, _ in merged.named_parameters())

@@ -215,11 +215,16 @@ def test_transformers_serve_openai_client(exported, tmp_path):
 
 @pytest.mark.slow
 def test_export_default_gguf_model(tmp_path):
-    """The default model is loaded from GGUF, which refuses save_pretrained: the export rebuilds
-    a plain model. The folder decodes the same tokens as load_model's model."""
+    """The default model is loaded from GGUF (dequantized: a folder holds real weights), which
+    refuses save_pretrained: the export rebuilds a plain model. The folder decodes the same
+    tokens as load_model's model; a model on the file's codes is refused with what to do."""
     from jacobi_ext.models import load_model
 
-    ref_model, tok = load_model()
+    codes, _ = load_model()
+    with pytest.raises(ValueError, match="dequantize=True"):
+        export_model(codes, _, tmp_path / "codes")
+    del codes
+    ref_model, tok = load_model(dequantize=True)
     t0 = time.perf_counter()
     path = export_model(ref_model, tok, tmp_path / "smollm2", settings={"jacobi_block_size": 8})
     print(f"export of SmolLM2-135M-Instruct (after its load): {time.perf_counter() - t0:.1f} s")

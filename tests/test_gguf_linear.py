@@ -132,6 +132,27 @@ def test_every_isa(isa, best_isa, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
+def test_lora_inside_the_call_is_the_lora_beside_it(qtype):
+    """cpu_linear_gguf's lora_a / lora_b: bitwise (x W^T + b) + (x A^T) B^T computed as three
+    calls, for one M tile and several."""
+    rng = np.random.default_rng(2)
+    g = torch.Generator().manual_seed(2)
+    N, K, r = 70, 512, 5
+    packed = ops.cpu_linear_gguf_pack([torch.from_numpy(random_rows(qtype, N, K, rng))], int(qtype))
+    a = ops.cpu_linear_pack(torch.randn(r, K, generator=g))
+    b = ops.cpu_linear_pack(torch.randn(N, r, generator=g))
+    bias = torch.randn(N, generator=g)
+    for M in (1, 3, 13, 64):
+        x = torch.randn(M, K, generator=g)
+        want = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias) + ops.cpu_linear(
+            ops.cpu_linear(x, a, r), b, N
+        )
+        assert torch.equal(ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a, b), want), M
+    with pytest.raises(ValueError, match="go together"):
+        ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a, None)
+
+
 def test_pack_of_several_is_their_concatenation(tmp_path):
     rng = np.random.default_rng(1)
     a, b = random_rows(Q.Q4_1, 40, 64, rng), random_rows(Q.Q4_1, 24, 64, rng)

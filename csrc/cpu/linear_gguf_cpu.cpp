@@ -395,8 +395,22 @@ inline void codes_tile_rows(int, const float*, int64_t, const uint8_t*, int64_t,
 
 // ---- the driver ----------------------------------------------------------------------------------
 
+// y[m0 + m, n0 + j] += the LoRA term of panel p (linear_gguf_cpu.h: GgufLora), rows m0 .. m0 + rows.
+inline void add_lora(const GgufLora& lo, const LinearArgs& a, int64_t p, int rows, int64_t m0,
+                     float* scratch) {
+  const float* bp = lo.b_packed + p * lo.rank * kNR;
+  tile_f32_rows<false>(rows, lo.t + m0 * lo.ldt, lo.ldt, bp, lo.rank, scratch);
+  const int64_t n0 = p * kNR;
+  const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
+  float* y = static_cast<float*>(a.y);
+  for (int m = 0; m < rows; ++m) {
+    float* dst = y + (m0 + m) * a.ldy + n0;
+    for (int j = 0; j < cols; ++j) dst[j] = dst[j] + scratch[m * kNR + j];
+  }
+}
+
 template <GgufType T>
-void run(const LinearArgs& a) {
+void run(const LinearArgs& a, const GgufLora& lo) {
   using Tr = Traits<T>;
   GgufFormat f;
   gguf_format(static_cast<int32_t>(T), &f);
@@ -415,10 +429,11 @@ void run(const LinearArgs& a) {
       alignas(64) float out[kMaxMR * kNR];
       for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* panel = static_cast<const uint8_t*>(a.packed) + p * panel_bytes;
-        codes_tile_rows<T>(static_cast<int>(a.M), x, a.ldx, panel, groups, gbytes, out);
+        const int rows = static_cast<int>(a.M);
+        codes_tile_rows<T>(rows, x, a.ldx, panel, groups, gbytes, out);
         const int64_t n0 = p * kNR;
-        write_tile<float>(out, static_cast<int>(a.M), static_cast<int>(std::min<int64_t>(kNR, a.N - n0)),
-                          a, 0, n0);
+        write_tile<float>(out, rows, static_cast<int>(std::min<int64_t>(kNR, a.N - n0)), a, 0, n0);
+        if (lo.t != nullptr) add_lora(lo, a, p, rows, 0, out);
       }
     });
     return;
@@ -445,6 +460,7 @@ void run(const LinearArgs& a) {
       for (int64_t m0 = 0; m0 < a.M; m0 += mr) {
         const int rows = static_cast<int>(std::min<int64_t>(mr, a.M - m0));
         write_tile<float>(acc.data() + m0 * kNR, rows, cols, a, m0, n0);
+        if (lo.t != nullptr) add_lora(lo, a, p, rows, m0, buf);
       }
     }
   });
@@ -503,15 +519,15 @@ void linear_gguf_pack(GgufType type, const uint8_t* const* rows, int64_t N, int6
   });
 }
 
-void linear_gguf(GgufType type, const LinearArgs& a) {
+void linear_gguf(GgufType type, const LinearArgs& a, const GgufLora& lora) {
   if (a.M == 0 || a.N == 0) return;
   switch (type) {
-    case GgufType::q4_0: return run<GgufType::q4_0>(a);
-    case GgufType::q4_1: return run<GgufType::q4_1>(a);
-    case GgufType::q8_0: return run<GgufType::q8_0>(a);
-    case GgufType::q4_k: return run<GgufType::q4_k>(a);
-    case GgufType::q5_k: return run<GgufType::q5_k>(a);
-    case GgufType::q6_k: return run<GgufType::q6_k>(a);
+    case GgufType::q4_0: return run<GgufType::q4_0>(a, lora);
+    case GgufType::q4_1: return run<GgufType::q4_1>(a, lora);
+    case GgufType::q8_0: return run<GgufType::q8_0>(a, lora);
+    case GgufType::q4_k: return run<GgufType::q4_k>(a, lora);
+    case GgufType::q5_k: return run<GgufType::q5_k>(a, lora);
+    case GgufType::q6_k: return run<GgufType::q6_k>(a, lora);
   }
 }
 

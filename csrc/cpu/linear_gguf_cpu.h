@@ -73,6 +73,16 @@ inline int64_t gguf_group_bytes(const GgufFormat& f, int64_t nr) {
   return nr * f.header_bytes + nr * f.group_k * f.code_bits / 8;
 }
 
+// An unmerged LoRA beside the codes: y = (x W^T + bias) + t B^T, t = x A^T [M, rank] computed
+// before the call (by the fp32 kernel), B packed by linear_pack as an fp32 [N, rank] weight.
+// Each output's LoRA term is the fp32 kernel's chain over the rank, added last.
+struct GgufLora {
+  const float* t = nullptr;   // [M, rank], rows ldt apart; nullptr: no LoRA
+  int64_t ldt = 0;
+  int64_t rank = 0;
+  const float* b_packed = nullptr;  // [ceil(N / NR), rank, NR]
+};
+
 }  // namespace jacobi::cpu
 
 // rows[n]: row n of the weight as the file stores it (K / block_k blocks) -> packed:
@@ -82,4 +92,5 @@ JACOBI_DECLARE_CPU_KERNEL(void linear_gguf_pack(::jacobi::cpu::GgufType type,
                                                 uint8_t* packed))
 // y = x W^T (+ bias) with x, y, bias float32 (args.dtype f32), args.packed from linear_gguf_pack.
 JACOBI_DECLARE_CPU_KERNEL(void linear_gguf(::jacobi::cpu::GgufType type,
-                                           const ::jacobi::cpu::LinearArgs& args))
+                                           const ::jacobi::cpu::LinearArgs& args,
+                                           const ::jacobi::cpu::GgufLora& lora))

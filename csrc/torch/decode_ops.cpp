@@ -15,6 +15,15 @@
 namespace jacobi::ops {
 namespace {
 
+// The attention's working memory (transposed keys, scores): kept per calling thread and grown as
+// needed, not allocated per call: at a few hundred keys it is ~0.5 MB, and a fresh allocation of
+// that size per layer and step (page faults on first touch) cost more than the attention itself.
+float* attention_scratch(int64_t floats) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < floats) buf.resize(static_cast<size_t>(floats));
+  return buf.data();
+}
+
 namespace ck = jacobi::checks;
 using cpu::LinearDType;
 
@@ -55,14 +64,13 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor out = at::empty({B, Q, Hq, D}, q.options());
   if (out.numel() == 0) return out;
   const int64_t threads = at::get_num_threads();
-  at::Tensor scratch = at::empty(
-      {cpu::decode_attention_scratch_floats(B, Hkv, W, D, threads)}, q.options().dtype(at::kFloat));
+  float* scratch = attention_scratch(cpu::decode_attention_scratch_floats(B, Hkv, W, D, threads));
   cpu::DecodeAttnArgs a{d, B, Hq, Hkv, Q, W, D,
                         qc.data_ptr(), qc.stride(0), qc.stride(1), qc.stride(2),
                         k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
                         v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
                         mc.data_ptr<bool>(), static_cast<float>(scale), out.data_ptr(),
-                        scratch.data_ptr<float>()};
+                        scratch};
   JACOBI_CPU_DISPATCH(decode_attention, a);
   return out;
 }
@@ -165,13 +173,12 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   at::Tensor out = at::empty({B, Q, heads, D}, qkv.options());
   if (out.numel() == 0) return out;
   const int64_t threads = at::get_num_threads();
-  at::Tensor scratch =
-      at::empty({cpu::decode_attention_scratch_floats(B, kv_heads, attend, D, threads)},
-                qkv.options().dtype(at::kFloat));
+  float* scratch =
+      attention_scratch(cpu::decode_attention_scratch_floats(B, kv_heads, attend, D, threads));
   cpu::RopeAttnArgs a{d, B, heads, kv_heads, Q, D, qc.data_ptr(), cc.data_ptr(), sc.data_ptr(),
                       k_cache.data_ptr(), v_cache.data_ptr(), cap, sp, attend,
                       mc.data_ptr<bool>(), static_cast<float>(scale), out.data_ptr(),
-                      scratch.data_ptr<float>()};
+                      scratch};
   JACOBI_CPU_DISPATCH(rope_attention, a);
   return out;
 }

@@ -77,7 +77,9 @@ at::Tensor cpu_linear_gguf_pack(at::TensorList weights, int64_t type) {
 }
 
 at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t type,
-                           int64_t out_features, const std::optional<at::Tensor>& bias) {
+                           int64_t out_features, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& lora_a,
+                           const std::optional<at::Tensor>& lora_b) {
   const GgufFormat f = format_of(type);
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
   TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
@@ -124,7 +126,34 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                     true,
                     y.data_ptr(),
                     N};
-  JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a);
+  // An unmerged LoRA: t = x A^T first (the fp32 kernel), its B product added per panel.
+  cpu::GgufLora lo;
+  at::Tensor t;
+  const bool has_lora = lora_a.has_value() && lora_a->defined();
+  TORCH_CHECK_VALUE(has_lora == (lora_b.has_value() && lora_b->defined()),
+                    "lora_a and lora_b go together");
+  if (has_lora) {
+    const int64_t nr = panel_width();
+    for (const at::Tensor* w : {&*lora_a, &*lora_b}) {
+      ck::dtype(*w, "lora factors", at::kFloat);
+      ck::contiguous(*w, "lora factors");
+      ck::rank(*w, "lora factors", 3, "[panels, k, NR] (cpu_linear_pack of an fp32 weight)");
+      TORCH_CHECK_VALUE(w->size(2) == nr, "lora factors are packed for NR=", w->size(2),
+                        ", this CPU's kernels use ", nr);
+    }
+    const int64_t r = lora_b->size(1);
+    TORCH_CHECK_VALUE(lora_b->size(0) == (N + nr - 1) / nr, "lora_b has ", lora_b->size(0),
+                      " panels; out_features ", N, " needs ", (N + nr - 1) / nr);
+    TORCH_CHECK_VALUE(lora_a->size(1) == K && lora_a->size(0) == (r + nr - 1) / nr,
+                      "lora_a must be cpu_linear_pack of an fp32 [rank=", r, ", ", K,
+                      "] weight, got shape ", lora_a->sizes());
+    t = at::empty({M, r}, x.options());
+    cpu::LinearArgs ta{cpu::LinearDType::f32, M, r, K, xc.data_ptr(), M > 1 ? xc.stride(0) : K,
+                       lora_a->data_ptr(), nullptr, true, t.data_ptr(), r};
+    JACOBI_CPU_DISPATCH(linear_packed, ta);
+    lo = cpu::GgufLora{t.data_ptr<float>(), r, r, lora_b->data_ptr<float>()};
+  }
+  JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);
   return y;
 }
 

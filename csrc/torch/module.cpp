@@ -94,8 +94,10 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // times that. Each weight dequantizes to bitwise the `gguf` package's value, and each output is
   // the fp32 kernel's chain on those values: bitwise cpu_linear on the dequantized weight.
   m.def("cpu_linear_gguf_pack(Tensor[] weights, int type) -> Tensor");
+  // lora_a / lora_b: an unmerged LoRA, y += (x A^T) B^T, A [rank, K] and B [N, rank] (the scale
+  // folded in) each packed by cpu_linear_pack in fp32; added after the bias.
   m.def("cpu_linear_gguf(Tensor x, Tensor packed, int type, int out_features, "
-        "Tensor? bias=None) -> Tensor");
+        "Tensor? bias=None, Tensor? lora_a=None, Tensor? lora_b=None) -> Tensor");
   m.def("cpu_linear_gguf_types() -> int[]");
   // The small ops of a CPU decoding step, fused (csrc/cpu/decode_cpu.h), float32 or bfloat16,
   // each row computed alone (no dependence on the other rows of the call):

@@ -141,9 +141,11 @@ class _GroupCall:
         self.bias = _cat_bias(mods)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.group
-        y = torch.ops.jacobi_ext.cpu_linear_gguf(x, g.packed, g.ggml_type, g.n, self.bias)
-        return y if g.lora is None else y + g.lora(x)
+        g, lo = self.group, self.group.lora
+        return torch.ops.jacobi_ext.cpu_linear_gguf(
+            x, g.packed, g.ggml_type, g.n, self.bias,
+            None if lo is None else lo.a, None if lo is None else lo.b,
+        )  # fmt: skip
 
 
 class _LinearCall:
