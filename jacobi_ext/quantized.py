@@ -33,6 +33,7 @@ import functools
 import gc
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -210,7 +211,46 @@ def describe(model) -> str:
 # ---- loading -------------------------------------------------------------------------------------
 
 
-def _processor_and_map(model, reader):
+@dataclass(frozen=True)
+class _Tensor:
+    """What the loader needs of one GGUF tensor, without the parsed file behind it."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data_offset: int  # bytes from the file's start
+    n_bytes: int
+    shape: tuple  # of the stored array: [N, bytes per row] for block types
+    dtype: object  # numpy dtype of the stored array
+
+    def read(self, path: Path) -> np.ndarray:
+        """The tensor's stored array, read with a plain file read into memory of our own
+        (reading through the file's mapping would leave its pages resident while it lives)."""
+        with open(path, "rb") as f:
+            f.seek(self.data_offset)
+            buf = f.read(self.n_bytes)
+        return np.frombuffer(buf, dtype=self.dtype).reshape(self.shape).copy()
+
+
+def scan_gguf(path: str | Path) -> tuple[str, list[_Tensor]]:
+    """The file's architecture name and its tensors' records. The parsed metadata (for a 49k-token
+    vocabulary ~140 MB of Python objects) is dropped before this returns: do this first when
+    loading, and what it frees is reused by the tokenizer's own parse."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    field = reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode()
+    tensors = [
+        _Tensor(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes), tuple(t.data.shape),
+                t.data.dtype)
+        for t in reader.tensors
+    ]  # fmt: skip
+    del reader
+    gc.collect()
+    return arch, tensors
+
+
+def _processor_and_map(model, arch_name: str):
     """transformers' own GGUF tensor processor for the file's architecture (its row reordering of
     q and k) and the map from the file's tensor names to the model's parameter names (gguf's
     name table for that architecture, looked up once: transformers' own map walks every
@@ -218,8 +258,6 @@ def _processor_and_map(model, reader):
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    field = reader.fields["general.architecture"]
-    arch_name = bytes(field.parts[field.data[0]]).decode()
     processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(config=model.config.to_dict())
     arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch_name), None)
     if arch is None:
@@ -245,11 +283,11 @@ def _row_order(processor, name: str, n: int) -> np.ndarray | None:
     return w[:, 0]
 
 
-def _dequantized(processor, t) -> torch.Tensor:
+def _dequantized(processor, t: _Tensor, path: Path) -> torch.Tensor:
     """A tensor as transformers loads it: gguf's dequantization, then its processor (fp32)."""
     from gguf import quants
 
-    w = quants.dequantize(t.data, t.tensor_type)
+    w = quants.dequantize(t.read(path), t.tensor_type)
     w = processor.process(weights=w, name=t.name, tensor_key_mapping={}, parsed_parameters={})
     return torch.from_numpy(np.array(w.weights, dtype=np.float32))
 
@@ -259,12 +297,11 @@ def _set(model, dotted: str, value: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, value)
 
 
-def attach_gguf(model, path: str | Path, verbose: bool = False):
+def attach_gguf(model, path: str | Path, verbose: bool = False, scan=None):
     """Point `model`'s linears and token embedding at the codes of the GGUF file it was loaded
     from (or built for, on the meta device), in place; every other tensor is loaded dequantized.
-    Returns the model. See the module docstring for what reads what."""
-    from gguf import GGUFReader
-
+    Returns the model. See the module docstring for what reads what. `scan`: scan_gguf(path),
+    if already made."""
     from ._native import ops
 
     path = Path(path)
@@ -273,13 +310,9 @@ def attach_gguf(model, path: str | Path, verbose: bool = False):
     readable = set(kernel_types())
     if not readable:
         raise RuntimeError("this jacobi_ext build has no GGUF CPU kernel (cpu_linear_gguf)")
-    reader = GGUFReader(str(path))
-    processor, names = _processor_and_map(model, reader)
-    tensors = {t.name: t for t in reader.tensors}
-    # The parsed metadata (the vocabulary: ~140 MB of Python objects for a 49k-token one) is not
-    # needed past this point; the tensors keep only their views of the mapped file.
-    del reader
-    gc.collect()
+    arch, records = scan if scan is not None else scan_gguf(path)
+    processor, names = _processor_and_map(model, arch)
+    tensors = {t.name: t for t in records}
     fallback: dict[str, int] = {}
     linears: dict[str, tuple] = {}  # module path -> (tensor, rows)
     head_name = "lm_head"
@@ -293,25 +326,28 @@ def attach_gguf(model, path: str | Path, verbose: bool = False):
         qtype = int(t.tensor_type)
         if leaf == "weight" and type(mod) is nn.Embedding:
             if qtype in (0, 1):  # F32 / F16: an ordinary table
-                mod.weight = nn.Parameter(_dequantized(processor, t), requires_grad=False)
+                mod.weight = nn.Parameter(_dequantized(processor, t, path), requires_grad=False)
             else:
-                _set(model, mod_path, GGUFEmbedding(np.asarray(t.data), qtype, mod.embedding_dim))
+                # The table's bytes read from the file, not a view of its mapping: a view would
+                # keep every page of the mapped file that the packing read resident.
+                raw = t.read(path)
+                _set(model, mod_path, GGUFEmbedding(raw, qtype, mod.embedding_dim))
             if tied and qtype in readable:
                 linears[head_name] = (t, None)
             elif tied:  # the head reads the table as the model's dtype, like any fallback
-                w = mod.weight if qtype in (0, 1) else _dequantized(processor, t)
+                w = mod.weight if qtype in (0, 1) else _dequantized(processor, t, path)
                 model.get_submodule(head_name).weight = nn.Parameter(w, requires_grad=False)
                 if qtype != 0:
                     fallback[t.tensor_type.name] = fallback.get(t.tensor_type.name, 0) + 1
             continue
         if leaf == "weight" and type(mod) is nn.Linear:
-            order = _row_order(processor, gname, int(t.data.shape[0]))
+            order = _row_order(processor, gname, int(t.shape[0]))
             if qtype in readable and order is not None:
                 linears[mod_path] = (t, order)
                 continue
             if qtype not in (0,):  # F32 is exact as it is; anything else is worth a word
                 fallback[t.tensor_type.name] = fallback.get(t.tensor_type.name, 0) + 1
-        p = nn.Parameter(_dequantized(processor, t), requires_grad=False)
+        p = nn.Parameter(_dequantized(processor, t, path), requires_grad=False)
         setattr(mod, leaf, p)
     if fallback:
         warnings.warn(
@@ -330,7 +366,7 @@ def attach_gguf(model, path: str | Path, verbose: bool = False):
                 mods = [model.get_submodule(p) for p in paths]
                 same = len({int(t.tensor_type) for t in ts}) == 1
                 if same and all(m.out_features % nr == 0 for m in mods[:-1]):
-                    rows = [_rows(t, linears[p][1]) for t, p in zip(ts, paths, strict=True)]
+                    rows = [_rows(path, t, linears[p][1]) for t, p in zip(ts, paths, strict=True)]
                     packed = ops.cpu_linear_gguf_pack(rows, int(ts[0].tensor_type))
                     qs, p0 = [], 0
                     for m, p, t in zip(mods, paths, ts, strict=True):
@@ -348,7 +384,7 @@ def attach_gguf(model, path: str | Path, verbose: bool = False):
         if p in done:
             continue
         m = model.get_submodule(p)
-        packed = ops.cpu_linear_gguf_pack([_rows(t, order)], int(t.tensor_type))
+        packed = ops.cpu_linear_gguf_pack([_rows(path, t, order)], int(t.tensor_type))
         _set(model, p, GGUFLinear(m.in_features, m.out_features, int(t.tensor_type), packed,
                                   _bias(m), p))  # fmt: skip
     object.__setattr__(model, "gguf_file", str(path))
@@ -357,12 +393,12 @@ def attach_gguf(model, path: str | Path, verbose: bool = False):
     return model
 
 
-def _rows(t, order: np.ndarray | None) -> torch.Tensor:
-    """A tensor's rows as the file stores them (uint8 [N, bytes per row]) in transformers' order."""
-    data = np.asarray(t.data)
+def _rows(path: Path, t, order: np.ndarray | None) -> torch.Tensor:
+    """A tensor's rows (uint8 [N, bytes per row]) in transformers' order."""
+    data = t.read(path)
     if order is not None and not np.array_equal(order, np.arange(len(order))):
         data = data[order]
-    return torch.from_numpy(np.array(data, dtype=np.uint8, order="C"))  # the file is read-only
+    return torch.from_numpy(np.ascontiguousarray(data))
 
 
 def _bias(m: nn.Linear) -> torch.Tensor | None:
@@ -381,9 +417,10 @@ def load_gguf(path: str | Path, attn_implementation: str = "sdpa"):
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     src, extra = str(path.parent), {"gguf_file": path.name}
+    scan = scan_gguf(path)  # first: the tokenizer's parse reuses the memory it frees
     tokenizer = AutoTokenizer.from_pretrained(src, **extra)
     config = AutoConfig.from_pretrained(src, **extra)
-    model = build_on_codes(config, path, attn_implementation=attn_implementation)
+    model = build_on_codes(config, path, attn_implementation=attn_implementation, scan=scan)
     model.generation_config = GenerationConfig.from_model_config(config)
     model.config._name_or_path = str(path)
     model.eval()
@@ -393,7 +430,7 @@ def load_gguf(path: str | Path, attn_implementation: str = "sdpa"):
     return model, tokenizer
 
 
-def build_on_codes(config, path: str | Path, attn_implementation: str = "sdpa"):
+def build_on_codes(config, path: str | Path, attn_implementation: str = "sdpa", scan=None):
     """The causal LM of `config` built on the meta device (no weight allocated) and pointed at
     the GGUF file's tensors by attach_gguf: no fp32 copy of a quantized weight is ever made."""
     from transformers import AutoModelForCausalLM
@@ -402,7 +439,7 @@ def build_on_codes(config, path: str | Path, attn_implementation: str = "sdpa"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=attn_implementation
         )
-    attach_gguf(model, path)
+    attach_gguf(model, path, scan=scan)
     _materialise_buffers(model)
     stray = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if stray:
@@ -462,10 +499,24 @@ def attach_lora(model, adapter_dir: str | Path) -> None:
         attached += 1
     groups = {id(m.group): m.group for m in model.modules()
               if isinstance(m, GGUFLinear) and m.group is not None}  # fmt: skip
+    nr = _panel_width()
     for g in groups.values():
         loras = [m.lora for m in g.mods]
         splits = [m.out_features for m in g.mods]
         g.lora = _Lora.fuse(loras, splits, g.mods[0].in_features)
+        if g.lora is None:
+            continue
+        # Each linear of the group reads the group's factors (its rows of the block-diagonal B,
+        # the stacked A whole): one copy of them, not two.
+        p0 = 0
+        for m in g.mods:
+            panels = -(-m.out_features // nr)
+            view = _Lora.__new__(_Lora)
+            view.a, view.b = g.lora.a, g.lora.b.narrow(0, p0, panels)
+            view.rank, view.out_features = g.lora.rank, m.out_features
+            view.nbytes = (view.b.numel() + view.a.numel() // len(g.mods)) * 4
+            view.a_weight = view.b_weight = None
+            m.lora, p0 = view, p0 + panels
     for m in model.modules():
         if isinstance(m, GGUFLinear) and m.lora is not None:
             m.lora.a_weight = m.lora.b_weight = None  # the packed copies are what runs

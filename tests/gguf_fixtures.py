@@ -127,8 +127,8 @@ def dequantized_model(config, path: Path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32).eval()
     reader = GGUFReader(str(path))
-    _, names = _processor_and_map(model, reader)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    _, names = _processor_and_map(model, arch)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     state = {}
     for t in reader.tensors:
