@@ -133,6 +133,67 @@ def test_linear(benchmark, peaks, dtype, rows):
     benchmark.extra_info.update(info)
 
 
+GGUF_TYPES = {"Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("qtype", list(GGUF_TYPES))
+def test_gguf_linear(benchmark, qtype, rows):
+    """The GGUF linear (cpu_linear_gguf) on codes beyond any cache, against the read bandwidth of
+    the bytes it reads and the fp32 kernel on the same weights dequantized (5-7x the bytes),
+    interleaved in one run; the two agree bitwise (asserted)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from jacobi_ext._native import ops
+
+    t_id = GGUF_TYPES[qtype]
+    out_f, in_f = (64, 256) if QUICK else (1536, 768)  # K: whole k-quant super-blocks
+    total = (1 << 20) if QUICK else 66 << 20  # bytes of codes (the default model's layers)
+    g = np.random.default_rng(0)
+    w = (g.standard_normal((out_f, in_f)) * 0.05).astype(np.float32)
+    if t_id in (3, 8):  # gguf quantizes these
+        raw = quants.quantize(w, GGMLQuantizationType(t_id))
+    else:  # it only dequantizes the k-quants: random codes with finite fp16 scales
+        from gguf.constants import GGML_QUANT_SIZES
+
+        bk, bb = GGML_QUANT_SIZES[GGMLQuantizationType(t_id)]
+        raw = g.integers(0, 256, size=(out_f, in_f // bk, bb), dtype=np.uint8)
+        for off in {12: (0, 2), 14: (208,)}[t_id]:
+            h = (g.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+            raw[:, :, off : off + 2] = h.view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw = raw.reshape(out_f, -1)
+    count = max(2, total // raw.nbytes)
+    packed = [ops.cpu_linear_gguf_pack([torch.from_numpy(raw.copy())], t_id) for _ in range(count)]
+    deq = torch.from_numpy(np.array(quants.dequantize(raw, GGMLQuantizationType(t_id)), np.float32))
+    dense = [ops.cpu_linear_pack(deq) for _ in range(count)]
+    x = torch.randn(rows, in_f)
+    assert torch.equal(ops.cpu_linear_gguf(x, packed[0], t_id, out_f),
+                       ops.cpu_linear(x, dense[0], out_f))  # fmt: skip
+
+    def codes():
+        for p in packed:
+            ops.cpu_linear_gguf(x, p, t_id, out_f)
+
+    def fp32():
+        for p in dense:
+            ops.cpu_linear(x, p, out_f)
+
+    nbytes = sum(p.numel() for p in packed)
+    buf = torch.randn(nbytes // 4)
+    t = _interleaved({"codes": codes, "fp32": fp32, "read": lambda: buf.sum()})
+    read_gbps = nbytes / t["read"] / 1e9
+    benchmark.pedantic(codes, rounds=1, iterations=1)
+    benchmark.extra_info.update(
+        qtype=qtype, rows=rows, codes_mb=round(nbytes / 1e6, 1),
+        fp32_mb=round(sum(p.numel() * 4 for p in dense) / 1e6, 1),
+        codes_ms=round(t["codes"] * 1e3, 3), fp32_ms=round(t["fp32"] * 1e3, 3),
+        codes_gbps=round(nbytes / t["codes"] / 1e9, 1), read_gbps=round(read_gbps, 1),
+        codes_share_of_read_bw=round(nbytes / t["codes"] / 1e9 / read_gbps, 3),
+        codes_vs_fp32=round(t["fp32"] / t["codes"], 2), threads=torch.get_num_threads(),
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def models():
     from jacobi_ext.models import load_model, tiny_llama
