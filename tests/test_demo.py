@@ -66,7 +66,10 @@ def test_shipped_adapter_loads_without_warnings():
         model, _ = load_model(DISTILLED_MODEL)
         merged, _ = load_model(DISTILLED_MODEL, dequantize=True)
     q = model.model.layers[0].self_attn.q_proj
-    assert isinstance(q, GGUFLinear) and q.lora is not None and q.lora.rank == 16
+    # q/k/v share one fused LoRA: rank 3 x 16 (A stacked, B block-diagonal)
+    assert isinstance(q, GGUFLinear) and q.lora is not None and q.lora.rank == 3 * 16
+    down = model.model.layers[0].mlp.down_proj
+    assert down.group is None and down.lora.rank == 16
     assert describe(model) == "Q4_1 x 210, Q8_0 x 1 + LoRA (unmerged)"
     assert type(merged).__name__ == "LlamaForCausalLM"
     assert not any("lora" in n for n, _ in merged.named_parameters())

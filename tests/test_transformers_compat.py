@@ -87,18 +87,29 @@ def test_generate_warns_nothing(models, method: str) -> None:
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_gguf_packing_note_held_unless_the_model_keeps_packed_modules(packed, caplog):
+def test_gguf_packing_note_held_unless_the_model_keeps_packed_modules(packed):
     """transformers notes "weights packed is fastest in float32" on every bf16 GGUF load, also
     when it unpacks every weight (no `kernels` package): load_model holds the note back and lets
     it through only for a model that kept packed GGUF modules. Other records pass untouched."""
     from jacobi_ext.models import _gguf_packing_note_held
 
     log = logging.getLogger("transformers.quantizers.quantizer_gguf")
-    with caplog.at_level(logging.WARNING, logger=log.name):
+    # A handler on the logger itself: transformers' root logger does not propagate, so with
+    # some pytest versions caplog's handler (on the root logger) never sees these records.
+    msgs: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msgs.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    log.addHandler(handler)
+    try:
         with _gguf_packing_note_held() as held:
             log.warning("Loading a GGUF checkpoint with its weights packed is fastest in float32")
             log.warning("something else")
         held.release_if(packed)
-    msgs = [r.getMessage() for r in caplog.records]
+    finally:
+        log.removeHandler(handler)
     assert "something else" in msgs
     assert any("packed is fastest" in m for m in msgs) == packed
