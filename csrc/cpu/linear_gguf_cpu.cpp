@@ -122,17 +122,16 @@ void decode_block(GgufType t, const uint8_t* b, int8_t* codes, GroupHeader* hdr)
 
 // ---- dequantizing a packed group into an fp32 panel ----------------------------------------------
 
+// A type's format (linear_gguf_cpu.h) as compile-time constants for the kernels.
 template <GgufType T>
 struct Traits {
-  static constexpr bool kHalfHeader = T == GgufType::q4_0 || T == GgufType::q4_1 ||
-                                      T == GgufType::q8_0;
-  static constexpr bool kOffset = T == GgufType::q4_1 || T == GgufType::q4_k ||
-                                  T == GgufType::q5_k;
-  static constexpr bool kNibbles = T == GgufType::q4_0 || T == GgufType::q4_1 ||
-                                   T == GgufType::q4_k;
-  static constexpr int kG = T == GgufType::q6_k ? 16 : 32;
-  static constexpr int kNibbleBias = T == GgufType::q4_0 ? -8 : 0;
-  static constexpr int kHeaderBytes = kHalfHeader ? (kOffset ? 4 : 2) : (kOffset ? 8 : 4);
+  static constexpr GgufFormat kF = gguf_format_of(T);
+  static constexpr bool kHalfHeader = kF.half_header;
+  static constexpr bool kOffset = kF.offset;
+  static constexpr bool kNibbles = kF.code_bits == 4;
+  static constexpr int kG = kF.group_k;
+  static constexpr int kHeaderBytes = kF.header_bytes;
+  static constexpr int kNibbleBias = T == GgufType::q4_0 ? -8 : 0;  // Q4_0's codes are q + 8
 };
 
 // n fp16 values -> fp32 (exact).
@@ -258,22 +257,11 @@ constexpr int kHalfNR = kNR / 2;  // floats per VF
 static_assert(sizeof(VF) == kHalfNR * sizeof(float), "a panel row is two vectors");
 static_assert(sizeof(VB) == kNR, "one byte vector holds a panel row of codes");
 
-template <GgufType T, bool kSigned>
-inline void dequant_row(VB codes, VF s0, VF s1, VF o0, VF o1, float* dst) {
-  using Tr = Traits<T>;
-  VF q0, q1;
-  widen<kSigned>(codes, Tr::kNibbleBias, &q0, &q1);
-  VF w0 = vmul(s0, q0), w1 = vmul(s1, q1);
-  if constexpr (Tr::kOffset) {
-    w0 = vadd(w0, o0);
-    w1 = vadd(w1, o1);
-  }
-  vstore(dst, w0);
-  vstore(dst + kHalfNR, w1);
-}
-
-template <GgufType T>
-inline void dequant_group(const uint8_t* g, float* __restrict dst) {
+// Walks the G weight rows of one packed group in k order: f(k, w0, w1) gets row k's NR weights
+// (two vectors), each dequantized exactly as the scalar loop does: the codes widened to int32,
+// converted (exact), times the scale, plus the offset, every step rounded on its own.
+template <GgufType T, typename F>
+inline void for_each_weight_row(const uint8_t* g, F&& f) {
   using Tr = Traits<T>;
   VF s0, s1, o0{}, o1{};
   if constexpr (Tr::kHalfHeader) {
@@ -291,18 +279,34 @@ inline void dequant_group(const uint8_t* g, float* __restrict dst) {
       o1 = vload(g + 4 * kNR + 4 * kHalfNR);
     }
   }
+  auto row = [&](int k, VB codes) {
+    VF q0, q1;
+    widen<!Tr::kNibbles>(codes, Tr::kNibbleBias, &q0, &q1);
+    VF w0 = vmul(s0, q0), w1 = vmul(s1, q1);
+    if constexpr (Tr::kOffset) {
+      w0 = vadd(w0, o0);
+      w1 = vadd(w1, o1);
+    }
+    f(k, w0, w1);
+  };
   const uint8_t* c = g + kNR * Tr::kHeaderBytes;
   if constexpr (Tr::kNibbles) {
     for (int i = 0; i < Tr::kG / 2; ++i) {
       const VB b = bload(c + i * kNR);
-      dequant_row<T, false>(low_nibbles(b), s0, s1, o0, o1, dst + (2 * i) * kNR);
-      dequant_row<T, false>(high_nibbles(b), s0, s1, o0, o1, dst + (2 * i + 1) * kNR);
+      row(2 * i, low_nibbles(b));
+      row(2 * i + 1, high_nibbles(b));
     }
   } else {
-    for (int k = 0; k < Tr::kG; ++k) {
-      dequant_row<T, true>(bload(c + k * kNR), s0, s1, o0, o1, dst + k * kNR);
-    }
+    for (int k = 0; k < Tr::kG; ++k) row(k, bload(c + k * kNR));
   }
+}
+
+template <GgufType T>
+inline void dequant_group(const uint8_t* g, float* __restrict dst) {
+  for_each_weight_row<T>(g, [&](int k, VF w0, VF w1) {
+    vstore(dst + k * kNR, w0);
+    vstore(dst + k * kNR + kHalfNR, w1);
+  });
 }
 
 // Up to kMaxMR rows (one M tile: a decoding step of a few tokens): each weight vector dequantized
@@ -311,64 +315,25 @@ inline void dequant_group(const uint8_t* g, float* __restrict dst) {
 // (_mm*_fmadd_ps(x, w, acc) is at::vec::fmadd's instruction), without the round trip of the
 // weights through L1, which at one row cost a third of the time.
 template <GgufType T, int MR>
-struct CodesTile {
-  using Tr = Traits<T>;
+inline void codes_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t groups,
+                       int64_t gbytes, float* out) {
   VF acc[MR][2];
-  VF s0, s1, o0{}, o1{};
-
-  inline void weights(VB codes, const float* xk, int64_t ldx) {
-    VF q0, q1;
-    widen<!Tr::kNibbles>(codes, Tr::kNibbleBias, &q0, &q1);
-    VF w0 = vmul(s0, q0), w1 = vmul(s1, q1);
-    if constexpr (Tr::kOffset) {
-      w0 = vadd(w0, o0);
-      w1 = vadd(w1, o1);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const VF xv = vbroadcast(xk + m * ldx);
-      acc[m][0] = vfmadd(xv, w0, acc[m][0]);
-      acc[m][1] = vfmadd(xv, w1, acc[m][1]);
-    }
-  }
-
-  inline void run(const float* x, int64_t ldx, const uint8_t* panel, int64_t groups,
-                  int64_t gbytes, float* out) {
-    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = vzero();
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* gp = panel + g * gbytes;
-      if constexpr (Tr::kHalfHeader) {
-        s0 = vhalves(gp);
-        s1 = vhalves(gp + 2 * kHalfNR);
-        if constexpr (Tr::kOffset) {
-          o0 = vhalves(gp + 2 * kNR);
-          o1 = vhalves(gp + 2 * kNR + 2 * kHalfNR);
-        }
-      } else {
-        s0 = vload(gp);
-        s1 = vload(gp + 4 * kHalfNR);
-        if constexpr (Tr::kOffset) {
-          o0 = vload(gp + 4 * kNR);
-          o1 = vload(gp + 4 * kNR + 4 * kHalfNR);
-        }
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * Traits<T>::kG;
+    for_each_weight_row<T>(panel + g * gbytes, [&](int k, VF w0, VF w1) {
+      for (int m = 0; m < MR; ++m) {
+        const VF xv = vbroadcast(xg + m * ldx + k);
+        acc[m][0] = vfmadd(xv, w0, acc[m][0]);
+        acc[m][1] = vfmadd(xv, w1, acc[m][1]);
       }
-      const uint8_t* c = gp + kNR * Tr::kHeaderBytes;
-      const float* xg = x + g * Tr::kG;
-      if constexpr (Tr::kNibbles) {
-        for (int i = 0; i < Tr::kG / 2; ++i) {
-          const VB b = bload(c + i * kNR);
-          weights(low_nibbles(b), xg + 2 * i, ldx);
-          weights(high_nibbles(b), xg + 2 * i + 1, ldx);
-        }
-      } else {
-        for (int k = 0; k < Tr::kG; ++k) weights(bload(c + k * kNR), xg + k, ldx);
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      vstore(out + m * kNR, acc[m][0]);
-      vstore(out + m * kNR + kHalfNR, acc[m][1]);
-    }
+    });
   }
-};
+  for (int m = 0; m < MR; ++m) {
+    vstore(out + m * kNR, acc[m][0]);
+    vstore(out + m * kNR + kHalfNR, acc[m][1]);
+  }
+}
 
 constexpr bool kCodesTile = true;
 
@@ -378,8 +343,7 @@ inline void codes_tile_rows(int rows, const float* x, int64_t ldx, const uint8_t
   if constexpr (MR > 1) {
     if (rows < MR) return codes_tile_rows<T, MR - 1>(rows, x, ldx, panel, groups, gbytes, out);
   }
-  CodesTile<T, MR> t;
-  t.run(x, ldx, panel, groups, gbytes, out);
+  codes_tile<T, MR>(x, ldx, panel, groups, gbytes, out);
 }
 #else
 template <GgufType T>
@@ -412,8 +376,7 @@ inline void add_lora(const GgufLora& lo, const LinearArgs& a, int64_t p, int row
 template <GgufType T>
 void run(const LinearArgs& a, const GgufLora& lo) {
   using Tr = Traits<T>;
-  GgufFormat f;
-  gguf_format(static_cast<int32_t>(T), &f);
+  constexpr GgufFormat f = Tr::kF;
   const int64_t panels = (a.N + kNR - 1) / kNR;
   const int64_t groups = a.K / Tr::kG;
   const int64_t gbytes = gguf_group_bytes(f, kNR);
@@ -470,16 +433,12 @@ void run(const LinearArgs& a, const GgufLora& lo) {
 
 void linear_gguf_pack(GgufType type, const uint8_t* const* rows, int64_t N, int64_t K,
                       uint8_t* packed) {
-  GgufFormat f;
-  gguf_format(static_cast<int32_t>(type), &f);
+  const GgufFormat f = gguf_format_of(type);
   const int64_t panels = (N + kNR - 1) / kNR;
   const int64_t groups = K / f.group_k, blocks = K / f.block_k;
   const int gpb = f.block_k / f.group_k;
   const int64_t gbytes = gguf_group_bytes(f, kNR);
   const int64_t header = static_cast<int64_t>(kNR) * f.header_bytes;
-  const bool half_header = f.header_bytes == 2 || type == GgufType::q4_1;
-  const bool two_fields = type == GgufType::q4_1 || type == GgufType::q4_k ||
-                          type == GgufType::q5_k;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     int8_t codes[kMaxBlockK];
     GroupHeader hdr[kMaxGroupsPerBlock];
@@ -496,12 +455,12 @@ void linear_gguf_pack(GgufType type, const uint8_t* const* rows, int64_t N, int6
           }
           for (int gi = 0; gi < gpb; ++gi) {
             uint8_t* g = panel + (b * gpb + gi) * gbytes;
-            if (half_header) {
+            if (f.half_header) {
               std::memcpy(g + 2 * j, &hdr[gi].h0, 2);
-              if (two_fields) std::memcpy(g + 2 * (kNR + j), &hdr[gi].h1, 2);
+              if (f.offset) std::memcpy(g + 2 * (kNR + j), &hdr[gi].h1, 2);
             } else {
               std::memcpy(g + 4 * j, &hdr[gi].f0, 4);
-              if (two_fields) std::memcpy(g + 4 * (kNR + j), &hdr[gi].f1, 4);
+              if (f.offset) std::memcpy(g + 4 * (kNR + j), &hdr[gi].f1, 4);
             }
             const int8_t* q = codes + gi * f.group_k;
             uint8_t* c = g + header;

@@ -46,25 +46,43 @@ namespace jacobi::cpu {
 
 enum class GgufType : int32_t { q4_0 = 2, q4_1 = 3, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14 };
 
-// The file's block and the packed group of a type.
+// The file's block and the packed group of a type: the one description the packing, the kernels
+// and the op's checks all read.
 struct GgufFormat {
-  int block_k;      // weights per block in the file
-  int block_bytes;  // bytes per block in the file
-  int group_k;      // G: consecutive k sharing a header in the packed layout
-  int header_bytes; // header bytes per column of a group
-  int code_bits;    // 4 or 8
+  int block_k;       // weights per block in the file
+  int block_bytes;   // bytes per block in the file
+  int group_k;       // G: consecutive k sharing a header in the packed layout
+  int header_bytes;  // header bytes per column of a group
+  int code_bits;     // 4 or 8
+  bool half_header;  // the header holds the file's fp16 fields (else fp32 scale / offset)
+  bool offset;       // a second header field: weight = (scale * q) + offset
 };
+
+constexpr GgufFormat gguf_format_of(GgufType t) {
+  switch (t) {
+    case GgufType::q4_0: return {32, 18, 32, 2, 4, true, false};
+    case GgufType::q4_1: return {32, 20, 32, 4, 4, true, true};
+    case GgufType::q8_0: return {32, 34, 32, 2, 8, true, false};
+    case GgufType::q4_k: return {256, 144, 32, 8, 4, false, true};
+    case GgufType::q5_k: return {256, 176, 32, 8, 8, false, true};
+    case GgufType::q6_k: return {256, 210, 16, 4, 8, false, false};
+  }
+  return {};
+}
 
 // The format of ggml type id `type`; false if the kernels do not read it.
 inline bool gguf_format(int32_t type, GgufFormat* f) {
   switch (static_cast<GgufType>(type)) {
-    case GgufType::q4_0: *f = {32, 18, 32, 2, 4}; return true;
-    case GgufType::q4_1: *f = {32, 20, 32, 4, 4}; return true;
-    case GgufType::q8_0: *f = {32, 34, 32, 2, 8}; return true;
-    case GgufType::q4_k: *f = {256, 144, 32, 8, 4}; return true;
-    case GgufType::q5_k: *f = {256, 176, 32, 8, 8}; return true;
-    case GgufType::q6_k: *f = {256, 210, 16, 4, 8}; return true;
-    default: return false;
+    case GgufType::q4_0:
+    case GgufType::q4_1:
+    case GgufType::q8_0:
+    case GgufType::q4_k:
+    case GgufType::q5_k:
+    case GgufType::q6_k:
+      *f = gguf_format_of(static_cast<GgufType>(type));
+      return true;
+    default:
+      return false;
   }
 }
 

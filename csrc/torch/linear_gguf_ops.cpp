@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "cpu/linear_gguf_cpu.h"
+#include "linear_common.h"
 
 namespace jacobi::ops {
 namespace {
@@ -37,7 +38,7 @@ GgufFormat format_of(int64_t type) {
   return f;
 }
 
-int64_t panel_width() { return JACOBI_CPU_DISPATCH(linear_panel_width); }
+using linear_common::panel_width;
 
 std::vector<int64_t> packed_shape(const GgufFormat& f, int64_t N, int64_t K) {
   const int64_t nr = panel_width();
@@ -99,30 +100,18 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                     " but a ", N, " x ", K, " weight of ggml type ", type, " packs to ",
                     at::IntArrayRef(want),
                     " on this CPU: pack it with cpu_linear_gguf_pack in this process");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    ck::rank(*bias, "bias", 1, "[out_features]");
-    TORCH_CHECK_VALUE(bias->size(0) == N, "bias has ", bias->size(0), " entries, out_features is ",
-                      N);
-    TORCH_CHECK_VALUE(bias->device().is_cpu(), "bias is on ", bias->device(), ", x on the CPU");
-    ck::dtype(*bias, "bias", at::kFloat);
-  }
-  const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
-  int64_t M = 1;
-  for (int64_t i = 0; i + 1 < x.dim(); ++i) M *= x.size(i);
-  const at::Tensor x2 = x.reshape({M, K});
-  const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  at::Tensor y = at::empty(out_shape, x.options());
+  const at::Tensor b = linear_common::checked_bias(bias, N, x);  // float32, as x
+  const linear_common::Rows rows = linear_common::rows_of(x);
+  const int64_t M = rows.M;
+  at::Tensor y = linear_common::output_for(x, N);
   cpu::LinearArgs a{cpu::LinearDType::f32,
                     M,
                     N,
                     K,
-                    xc.data_ptr(),
-                    M > 1 ? xc.stride(0) : K,
+                    rows.x.data_ptr(),
+                    rows.ldx,
                     packed.data_ptr(),
-                    has_bias ? b.data_ptr() : nullptr,
+                    b.defined() ? b.data_ptr() : nullptr,
                     true,
                     y.data_ptr(),
                     N};
@@ -148,7 +137,7 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                       "lora_a must be cpu_linear_pack of an fp32 [rank=", r, ", ", K,
                       "] weight, got shape ", lora_a->sizes());
     t = at::empty({M, r}, x.options());
-    cpu::LinearArgs ta{cpu::LinearDType::f32, M, r, K, xc.data_ptr(), M > 1 ? xc.stride(0) : K,
+    cpu::LinearArgs ta{cpu::LinearDType::f32, M, r, K, rows.x.data_ptr(), rows.ldx,
                        lora_a->data_ptr(), nullptr, true, t.data_ptr(), r};
     JACOBI_CPU_DISPATCH(linear_packed, ta);
     lo = cpu::GgufLora{t.data_ptr<float>(), r, r, lora_b->data_ptr<float>()};

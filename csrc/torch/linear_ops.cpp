@@ -9,6 +9,7 @@
 
 #include "checks.h"
 #include "cpu/linear_cpu.h"
+#include "linear_common.h"
 
 namespace jacobi::ops {
 namespace {
@@ -24,7 +25,7 @@ LinearDType linear_dtype(at::ScalarType t, const char* name) {
                     "got ", t, "; other dtypes run through torch.nn.functional.linear");
 }
 
-int panel_width() { return JACOBI_CPU_DISPATCH(linear_panel_width); }
+using linear_common::panel_width;
 PackFormat pack_format(LinearDType d) { return JACOBI_CPU_DISPATCH(linear_pack_format, d); }
 
 const char* format_name(PackFormat f) {
@@ -98,34 +99,18 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
                     " but a ", N, " x ", K, " weight packs to ", at::IntArrayRef(want),
                     " on this CPU (", format_name(f),
                     "): pack it with cpu_linear_pack(weight) in this process, for this x");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    ck::rank(*bias, "bias", 1, "[out_features]");
-    TORCH_CHECK_VALUE(bias->size(0) == N, "bias has ", bias->size(0), " entries, out_features is ",
-                      N);
-    TORCH_CHECK_VALUE(bias->device().is_cpu(), "bias is on ", bias->device(), ", x on the CPU");
-    TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat || bias->scalar_type() == x.scalar_type(),
-                      "bias must be float32 or x's dtype (", x.scalar_type(), "), got ",
-                      bias->scalar_type());
-  }
-  const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
-  // M from the leading dims, not reshape({-1, K}): that cannot infer M when K is 0.
-  int64_t M = 1;
-  for (int64_t i = 0; i + 1 < x.dim(); ++i) M *= x.size(i);
-  const at::Tensor x2 = x.reshape({M, K});
-  const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  at::Tensor y = at::empty(out_shape, x.options());
+  const at::Tensor b = linear_common::checked_bias(bias, N, x);
+  const linear_common::Rows rows = linear_common::rows_of(x);
+  at::Tensor y = linear_common::output_for(x, N);
   cpu::LinearArgs a{d,
-                    M,
+                    rows.M,
                     N,
                     K,
-                    xc.data_ptr(),
-                    M > 1 ? xc.stride(0) : K,
+                    rows.x.data_ptr(),
+                    rows.ldx,
                     packed.data_ptr(),
-                    has_bias ? b.data_ptr() : nullptr,
-                    has_bias && b.scalar_type() == at::kFloat,
+                    b.defined() ? b.data_ptr() : nullptr,
+                    b.defined() && b.scalar_type() == at::kFloat,
                     y.data_ptr(),
                     N};
   JACOBI_CPU_DISPATCH(linear_packed, a);
