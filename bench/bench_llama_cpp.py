@@ -46,7 +46,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -139,20 +138,6 @@ def read_bandwidth(rounds: int = 7) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _is_gguf_codes(model) -> bool:
-    return any(type(m).__name__.startswith("GGUF") for m in model.modules())
-
-
 # ---- one whole call of each kind --------------------------------------------------------------
 
 
@@ -207,6 +192,7 @@ def _load_models(dequantize: bool, log) -> tuple[dict, dict, object]:
     """{label: model}, {label: what its linears read}, and the base model's tokenizer."""
     from jacobi_ext.decoding.tuning import step_curve
     from jacobi_ext.models import load_model
+    from jacobi_ext.quantized import is_quantized
 
     models, weights, tokenizer = {}, {}, None
     for label, name in MODELS.items():
@@ -214,7 +200,7 @@ def _load_models(dequantize: bool, log) -> tuple[dict, dict, object]:
         model, tok = load_model(name, **({"dequantize": True} if dequantize else {}))
         models[label] = model
         tokenizer = tokenizer or tok
-        weights[label] = "GGUF codes" if _is_gguf_codes(model) else "fp32 (dequantized)"
+        weights[label] = "GGUF codes" if is_quantized(model) else "fp32 (dequantized)"
         step_curve(model)  # the tuner's curve, once per machine: not charged to a timed call
         log(f"loaded {label} ({weights[label]}) in {time.perf_counter() - t0:.1f} s")
     return models, weights, tokenizer
@@ -439,6 +425,8 @@ def markdown(rows: list[dict], meta: dict | None = None) -> str:
 
 
 def _meta(rows) -> dict:
+    from jacobi_ext.decoding.tuning import cpu_name
+
     versions = {"torch": torch.__version__}
     try:
         from jacobi_ext._version import __version__
@@ -450,7 +438,7 @@ def _meta(rows) -> dict:
     if llama:
         versions["llama_cpp_python"] = llama
     return dict(
-        cpu=_cpu_name(), date=datetime.date.today().isoformat(), quick=QUICK,
+        cpu=cpu_name(), date=datetime.date.today().isoformat(), quick=QUICK,
         **{f"{k} version": v for k, v in versions.items()},
     )  # fmt: skip
 

@@ -61,54 +61,30 @@ def kernel_type_names() -> list[str]:
 
 
 def _panel_width() -> int:
-    from ._native import ops
+    from .ops import cpu_linear_layout
 
-    return int(ops.cpu_linear_info(torch.float32).rsplit("NR=", 1)[1])
+    return cpu_linear_layout(torch.float32)[1]
 
 
 class _Lora:
     """An unmerged LoRA on a linear: y += B (A x) * scale, both products on the fp32 kernel's
     chain (each row computed alone, as the quantized product), run inside the GGUF linear's call
-    (cpu_linear_gguf's lora_a / lora_b); the scale is folded into B."""
+    (cpu_linear_gguf's lora_a / lora_b). `a`, `b`: A [rank, K] and B [N, rank] (the scale folded
+    in), each packed by cpu_linear_pack; for linears the loader fused, views of their group's."""
 
-    __slots__ = ("a", "b", "rank", "out_features", "nbytes", "a_weight", "b_weight")
+    __slots__ = ("a", "b", "rank", "out_features", "nbytes")
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        from ._native import ops
-
-        a32, b32 = a.detach().float(), b.detach().float() * scale
-        self.rank, self.out_features = a32.shape[0], b32.shape[0]
-        self.a = ops.cpu_linear_pack(a32.contiguous())
-        self.b = ops.cpu_linear_pack(b32.contiguous())
-        self.nbytes = (self.a.numel() + self.b.numel()) * 4
-        self.a_weight, self.b_weight = a32, b32  # until fused into a group's LoRA (attach_lora)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ops = torch.ops.jacobi_ext
-        return ops.cpu_linear(ops.cpu_linear(x, self.a, self.rank), self.b, self.out_features)
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, rank: int, out_features: int,
+                 nbytes: int) -> None:  # fmt: skip
+        self.a, self.b, self.rank, self.out_features, self.nbytes = a, b, rank, out_features, nbytes
 
     @staticmethod
-    def fuse(loras: list[_Lora | None], splits: list[int], in_features: int) -> _Lora | None:
-        """One LoRA for linears side by side (q/k/v): A stacked, B block-diagonal."""
-        if all(lo is None for lo in loras):
-            return None
+    def pack(a: torch.Tensor, b: torch.Tensor) -> _Lora:
+        """From fp32 A [rank, K] and B [N, rank]."""
         from ._native import ops
 
-        ranks = [lo.rank if lo is not None else 0 for lo in loras]
-        a = torch.zeros(sum(ranks), in_features)
-        b = torch.zeros(sum(splits), sum(ranks))
-        r0 = n0 = 0
-        for lo, r, n in zip(loras, ranks, splits, strict=True):
-            if lo is not None:
-                a[r0 : r0 + r] = lo.a_weight
-                b[n0 : n0 + n, r0 : r0 + r] = lo.b_weight
-            r0, n0 = r0 + r, n0 + n
-        fused = _Lora.__new__(_Lora)
-        fused.rank, fused.out_features = sum(ranks), sum(splits)
-        fused.a, fused.b = ops.cpu_linear_pack(a), ops.cpu_linear_pack(b)
-        fused.nbytes = (fused.a.numel() + fused.b.numel()) * 4
-        fused.a_weight = fused.b_weight = None
-        return fused
+        pa, pb = ops.cpu_linear_pack(a.contiguous()), ops.cpu_linear_pack(b.contiguous())
+        return _Lora(pa, pb, a.shape[0], b.shape[0], (pa.numel() + pb.numel()) * 4)
 
 
 class GGUFLinear(nn.Module):
@@ -484,7 +460,7 @@ def attach_lora(model, adapter_dir: str | Path) -> None:
             if tag in key:
                 mod = key.split(tag)[0].removeprefix("base_model.model.")
                 pairs.setdefault(mod, {})[part] = val
-    attached = 0
+    factors: dict[GGUFLinear, tuple[torch.Tensor, torch.Tensor]] = {}  # fp32 A, B * scale
     for mod_path, ab in pairs.items():
         try:
             mod = model.get_submodule(mod_path)
@@ -495,31 +471,33 @@ def attach_lora(model, adapter_dir: str | Path) -> None:
                 f"{adapter_dir}: the adapter targets {mod_path}, which is not a GGUF linear of "
                 "this model; load it dequantized (dequantize=True) to merge it"
             )
-        mod.lora = _Lora(ab["lora_A"], ab["lora_B"], scale)
-        attached += 1
-    groups = {id(m.group): m.group for m in model.modules()
-              if isinstance(m, GGUFLinear) and m.group is not None}  # fmt: skip
+        factors[mod] = (ab["lora_A"].float(), ab["lora_B"].float() * scale)
     nr = _panel_width()
-    for g in groups.values():
-        loras = [m.lora for m in g.mods]
-        splits = [m.out_features for m in g.mods]
-        g.lora = _Lora.fuse(loras, splits, g.mods[0].in_features)
-        if g.lora is None:
+    for mod, (a, b) in factors.items():
+        g = mod.group
+        if g is None:
+            mod.lora = _Lora.pack(a, b)
             continue
-        # Each linear of the group reads the group's factors (its rows of the block-diagonal B,
-        # the stacked A whole): one copy of them, not two.
+        if g.lora is not None:
+            continue  # made with its first member
+        # Linears side by side (q/k/v): one LoRA, A stacked and B block-diagonal, one call;
+        # each member reads its rows of B and the whole A (views: one copy of the factors).
+        ranks = [factors[m][0].shape[0] if m in factors else 0 for m in g.mods]
+        a_all = torch.zeros(sum(ranks), mod.in_features)
+        b_all = torch.zeros(g.n, sum(ranks))
+        r0 = n0 = 0
+        for m, r in zip(g.mods, ranks, strict=True):
+            if r:
+                a_all[r0 : r0 + r] = factors[m][0]
+                b_all[n0 : n0 + m.out_features, r0 : r0 + r] = factors[m][1]
+            r0, n0 = r0 + r, n0 + m.out_features
+        g.lora = _Lora.pack(a_all, b_all)
         p0 = 0
         for m in g.mods:
             panels = -(-m.out_features // nr)
-            view = _Lora.__new__(_Lora)
-            view.a, view.b = g.lora.a, g.lora.b.narrow(0, p0, panels)
-            view.rank, view.out_features = g.lora.rank, m.out_features
-            view.nbytes = (view.b.numel() + view.a.numel() // len(g.mods)) * 4
-            view.a_weight = view.b_weight = None
-            m.lora, p0 = view, p0 + panels
-    for m in model.modules():
-        if isinstance(m, GGUFLinear) and m.lora is not None:
-            m.lora.a_weight = m.lora.b_weight = None  # the packed copies are what runs
-    object.__setattr__(model, "lora_adapter", str(adapter_dir))
-    if attached == 0:
+            b_rows = g.lora.b.narrow(0, p0, panels)
+            nbytes = (b_rows.numel() + g.lora.a.numel() // len(g.mods)) * 4
+            m.lora, p0 = _Lora(g.lora.a, b_rows, g.lora.rank, m.out_features, nbytes), p0 + panels
+    if not factors:
         raise ValueError(f"{adapter_dir}: no LoRA weights found")
+    object.__setattr__(model, "lora_adapter", str(adapter_dir))

@@ -29,14 +29,14 @@ def _machine(benches=()) -> dict:
     (a re-render from another shell must not report its own), several values joined by ' / '."""
     import torch
 
-    from jacobi_ext.decoding.tuning import _cpu_name
+    from jacobi_ext.decoding.tuning import cpu_name
 
     def recorded(key, now):
         vals = sorted({str(b[key]) for b in benches if b.get(key) is not None})
         return " / ".join(vals) if vals else now
 
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch threads": recorded("_threads", torch.get_num_threads()),
         "torch": recorded("_torch", torch.__version__),

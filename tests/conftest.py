@@ -3,6 +3,10 @@ runs in a child process under a timeout, see gpu_isolation.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -44,3 +48,22 @@ def _run_outside_the_source_tree(tmp_path, monkeypatch) -> None:
     `import jacobi_ext` resolves to the installed package (with its compiled _C), never to the
     source folder of a checkout that was installed non-editable."""
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def best_isa(tmp_path_factory) -> str:
+    """The best CPU kernel variant the CPU supports: what a process that asks for no cap runs
+    (tests/test_cpu_linear.py, tests/test_gguf_linear.py). (A session fixture is set up before
+    the per-test chdir, so it names an empty directory itself: started in a checkout's root,
+    `import jacobi_ext` would find the source folder.)"""
+    env = {k: v for k, v in os.environ.items() if k != "JACOBI_EXT_CPU_ISA"}
+    code = "import jacobi_ext; print(jacobi_ext.CPU_ISA)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path_factory.mktemp("best_isa"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip()

@@ -120,7 +120,6 @@ def dequantized_model(config, path: Path):
     through transformers' own tensor processor (its reordering of q and k rows), in fp32."""
     from gguf import GGUFReader, quants
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from jacobi_ext.quantized import _processor_and_map
 
@@ -128,8 +127,7 @@ def dequantized_model(config, path: Path):
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32).eval()
     reader = GGUFReader(str(path))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    _, names = _processor_and_map(model, arch)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    processor, names = _processor_and_map(model, arch)  # transformers' own processor
     state = {}
     for t in reader.tensors:
         w = quants.dequantize(t.data, t.tensor_type)

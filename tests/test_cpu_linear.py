@@ -245,24 +245,6 @@ def test_this_process_isa():
     check_this_process(jacobi_ext.CPU_ISA)
 
 
-@pytest.fixture(scope="module")
-def best_isa(tmp_path_factory) -> str:
-    """The best variant the CPU supports: what a process that asks for no cap runs. (A module
-    fixture is set up before conftest's per-test chdir, so it names an empty directory itself:
-    started in a checkout's root, `import jacobi_ext` would find the source folder.)"""
-    env = {k: v for k, v in os.environ.items() if k != "JACOBI_EXT_CPU_ISA"}
-    code = "import jacobi_ext; print(jacobi_ext.CPU_ISA)"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path_factory.mktemp("best_isa"),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip()
-
-
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_isa(isa, best_isa):
     """Each variant, in a process of its own (the ISA is fixed at process start). A request above

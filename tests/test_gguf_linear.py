@@ -106,17 +106,6 @@ def check_this_process(expected_isa: str, tmp: str) -> None:
         check_type(qtype, Path(tmp))
 
 
-@pytest.fixture(scope="module")
-def best_isa(tmp_path_factory) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "JACOBI_EXT_CPU_ISA"}
-    out = subprocess.run(
-        [sys.executable, "-c", "import jacobi_ext; print(jacobi_ext.CPU_ISA)"],
-        capture_output=True, text=True, env=env, cwd=tmp_path_factory.mktemp("best_isa"),
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip()
-
-
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_isa(isa, best_isa, tmp_path):
     """Each ISA variant in a process of its own (capped to what the CPU has)."""

@@ -143,7 +143,7 @@ def test_machine_measures_this_cpu() -> None:
     m = roofline.measure_machine("cpu", torch.float32)
     assert m.read_gbps > 0.1 and m.peak_gflops > 0.1
     assert (m.dtype, m.device, m.threads) == ("torch.float32", "cpu", torch.get_num_threads())
-    assert m.hardware == tuning._cpu_name()
+    assert m.hardware == tuning.cpu_name()
     assert "GB/s" in m.describe() and "GFLOP/s" in m.describe()
 
 

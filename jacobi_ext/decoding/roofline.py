@@ -68,9 +68,9 @@ def _normalise(device: torch.device | str) -> torch.device:
 
 
 def _hardware(dev: torch.device) -> str:
-    from .tuning import _cpu_name
+    from .tuning import cpu_name
 
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
 
 
 def _machine_path(dev: torch.device, dtype: torch.dtype) -> Path:

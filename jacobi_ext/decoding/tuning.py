@@ -42,7 +42,8 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -72,7 +73,7 @@ def model_key(model) -> str:
         return cached[1]
     p = params[0]
     dev = str(p.device)
-    hw = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else _cpu_name()
+    hw = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else cpu_name()
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     nparams = sum(x.numel() for x in params)
     # A few values of every weight tell a distilled checkpoint from its base model: a merged
@@ -189,7 +190,7 @@ def measure_step_curve(
         for q in sizes:
             times[q].append(one(q))
     secs = monotone([reduce(times[q]) for q in sizes])
-    hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+    hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     return StepCurve(
         list(sizes), secs, context, str(dev), str(p.dtype), torch.get_num_threads(), hw
     )
