@@ -70,6 +70,6 @@ def build_info() -> dict[str, object]:
 
 
 def _gguf_types() -> list[str]:
-    from .quantized import kernel_type_names
+    from .ops import gguf_kernel_type_names  # not .quantized: that one needs numpy
 
-    return kernel_type_names()
+    return gguf_kernel_type_names()

@@ -348,6 +348,21 @@ GGUF_FORMATS = {
     13: (256, 176, 32, 8, 8),  # Q5_K
     14: (256, 210, 16, 4, 8),  # Q6_K
 }
+# ggml's type ids -> names, for the types the kernels read.
+GGUF_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+@functools.cache
+def gguf_kernel_types() -> tuple[int, ...]:
+    """The ggml type ids this build's CPU kernels read (empty without the compiled op)."""
+    if not hasattr(ops, "cpu_linear_gguf_types"):
+        return ()
+    return tuple(int(t) for t in ops.cpu_linear_gguf_types())
+
+
+def gguf_kernel_type_names() -> list[str]:
+    """`gguf_kernel_types()` by name ("Q4_0", ...); needs no numpy, so `build_info` can say it."""
+    return [GGUF_TYPE_NAMES.get(t, str(t)) for t in gguf_kernel_types()]
 
 
 def cpu_linear_gguf_packed_shape(ggml_type: int, N, K) -> tuple:

@@ -29,7 +29,6 @@ model dequantized (`load_model(..., dequantize=True)`).
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import warnings
@@ -40,24 +39,12 @@ import numpy as np
 import torch
 from torch import nn
 
-# ggml's type ids -> names, for the types our kernels read (csrc/cpu/linear_gguf_cpu.h).
-KERNEL_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+from .ops import GGUF_TYPE_NAMES as KERNEL_TYPE_NAMES
+from .ops import gguf_kernel_type_names as kernel_type_names
+from .ops import gguf_kernel_types as kernel_types
+
 # Llama-shaped layers: linears fused into one kernel call where they share a type.
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-@functools.cache
-def kernel_types() -> tuple[int, ...]:
-    """The ggml type ids this build's CPU kernels read (empty without the compiled op)."""
-    from ._native import ops
-
-    if not hasattr(ops, "cpu_linear_gguf_types"):
-        return ()
-    return tuple(int(t) for t in ops.cpu_linear_gguf_types())
-
-
-def kernel_type_names() -> list[str]:
-    return [KERNEL_TYPE_NAMES.get(t, str(t)) for t in kernel_types()]
 
 
 def _panel_width() -> int:

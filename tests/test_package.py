@@ -19,6 +19,19 @@ def test_version_and_ops_namespace() -> None:
     assert info["cpu kernel isa"] in {"baseline", "avx2", "avx512"}
 
 
+def test_build_info_without_numpy() -> None:
+    """torch runs without numpy (the CUDA build check installs only torch and the wheel), so
+    `build_info` must too: it names the GGUF types without importing the numpy-based loader."""
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "import jacobi_ext\n"
+        "print(jacobi_ext.build_info()['gguf types read'])"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "Q4_0" in run.stdout.splitlines()[-1]
+
+
 def test_cli_help_and_info() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "jacobi_ext.cli", "--help"],
