@@ -101,11 +101,13 @@ class GGUFLinear(nn.Module):
                 f"{self.name or 'this linear'} holds GGUF codes ({self.type_name}) for inference "
                 "only; to train, load the model dequantized: load_model(..., dequantize=True)"
             )
+        return torch.ops.jacobi_ext.cpu_linear_gguf(x, *self.args())
+
+    def args(self) -> tuple:
+        """cpu_linear_gguf's arguments after x."""
         lo = self.lora
-        return torch.ops.jacobi_ext.cpu_linear_gguf(
-            x, self.packed, self.ggml_type, self.out_features, self.bias,
-            None if lo is None else lo.a, None if lo is None else lo.b,
-        )  # fmt: skip
+        return (self.packed, self.ggml_type, self.out_features, self.bias,
+                None if lo is None else lo.a, None if lo is None else lo.b)  # fmt: skip
 
     def extra_repr(self) -> str:
         lora = f", lora r={self.lora.rank}" if self.lora is not None else ""

@@ -36,6 +36,10 @@ constexpr int kMaxGroupsPerBlock = 16;
 // k per dequantized chunk: an fp32 [k, NR] panel of 16 KB (a multiple of every group size).
 constexpr int64_t kChunkK = 4096 / kNR;
 static_assert(kChunkK % 32 == 0, "a chunk holds whole groups");
+// Bytes ahead of the group being dequantized that the one-tile path prefetches: a core streams
+// the codes at ~6 GB/s while dequantizing, against ~11 GB/s reading alone (AVX2 EPYC); asking for
+// them 2 KB ahead gained ~5 % there (1-32 KB measured alike).
+constexpr int64_t kPrefetchAhead = 2048;
 
 uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -190,64 +194,59 @@ inline void dequant_group_scalar(const uint8_t* g, float* __restrict dst) {
 
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// The same with vector instructions, 16 (AVX2) or 32 (AVX-512) columns at once: the codes widened
-// to int32, converted to fp32 (exact), times the scale, plus the offset: each its own rounding,
-// as in the scalar loop (the file is compiled without contraction, and the intrinsics are
-// separate multiplies and adds).
+// The same with vector instructions, 16 (AVX2) or 32 (AVX-512) columns at once. Each weight gets
+// the scalar loop's value, with fewer instructions where that is exact:
+//  - Q4_0, Q4_1, Q8_0: the scale is the file's fp16 d (11 significant bits) and the code has at
+//    most 8, so d * q is exact in fp32 and (d * q) + m, rounded once, is one fused multiply-add:
+//    fma(d, q, m); Q4_0's d * (q - 8) is fma(d, q, -8 d) (every term exact, so the sum is too).
+//  - the k-quants' fp32 scale times a code is not exact: a multiply, then the offset added, each
+//    rounded on its own, as the scalar loop (the file is compiled without contraction).
+// Codes are widened from memory straight to int32 (two k of 4-bit codes at once, split with an
+// and and a shift), then converted to fp32 (exact).
 #if defined(CPU_CAPABILITY_AVX512)
 using VF = __m512;
-using VB = __m256i;  // the NR = 32 codes of one k (or two k, as nibbles)
+using VI = __m512i;
 inline VF vload(const uint8_t* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
 inline VF vhalves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline VB bload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline VB low_nibbles(VB b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0F)); }
-inline VB high_nibbles(VB b) {
-  return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F));
+// 16 bytes at p -> 16 int32, zero- or sign-extended.
+inline VI widen_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-template <bool kSigned>
-inline void widen(VB b, int bias, VF* lo, VF* hi) {
-  const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
-  __m512i i0 = kSigned ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0);
-  __m512i i1 = kSigned ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1);
-  if (bias != 0) {
-    i0 = _mm512_add_epi32(i0, _mm512_set1_epi32(bias));
-    i1 = _mm512_add_epi32(i1, _mm512_set1_epi32(bias));
-  }
-  *lo = _mm512_cvtepi32_ps(i0);
-  *hi = _mm512_cvtepi32_ps(i1);
+inline VI widen_s8(const uint8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline VI low_nibbles(VI b) { return _mm512_and_si512(b, _mm512_set1_epi32(0xF)); }
+inline VI high_nibbles(VI b) { return _mm512_srli_epi32(b, 4); }  // b < 256
+inline VF vcvt(VI i) { return _mm512_cvtepi32_ps(i); }
 inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF vfmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF vset1(float v) { return _mm512_set1_ps(v); }
 inline VF vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline VF vzero() { return _mm512_setzero_ps(); }
 inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
 inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
 #else
 using VF = __m256;
-using VB = __m128i;
+using VI = __m256i;
 inline VF vload(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
 inline VF vhalves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline VB bload(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline VB low_nibbles(VB b) { return _mm_and_si128(b, _mm_set1_epi8(0x0F)); }
-inline VB high_nibbles(VB b) { return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)); }
-template <bool kSigned>
-inline void widen(VB b, int bias, VF* lo, VF* hi) {
-  const __m128i b1 = _mm_srli_si128(b, 8);
-  __m256i i0 = kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-  __m256i i1 = kSigned ? _mm256_cvtepi8_epi32(b1) : _mm256_cvtepu8_epi32(b1);
-  if (bias != 0) {
-    i0 = _mm256_add_epi32(i0, _mm256_set1_epi32(bias));
-    i1 = _mm256_add_epi32(i1, _mm256_set1_epi32(bias));
-  }
-  *lo = _mm256_cvtepi32_ps(i0);
-  *hi = _mm256_cvtepi32_ps(i1);
+// 8 bytes at p -> 8 int32, zero- or sign-extended.
+inline VI widen_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
+inline VI widen_s8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline VI low_nibbles(VI b) { return _mm256_and_si256(b, _mm256_set1_epi32(0xF)); }
+inline VI high_nibbles(VI b) { return _mm256_srli_epi32(b, 4); }  // b < 256
+inline VF vcvt(VI i) { return _mm256_cvtepi32_ps(i); }
 inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF vfmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF vset1(float v) { return _mm256_set1_ps(v); }
 inline VF vbroadcast(const float* p) { return _mm256_set1_ps(*p); }
 inline VF vzero() { return _mm256_setzero_ps(); }
 inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
@@ -255,83 +254,110 @@ inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
 #endif
 constexpr int kHalfNR = kNR / 2;  // floats per VF
 static_assert(sizeof(VF) == kHalfNR * sizeof(float), "a panel row is two vectors");
-static_assert(sizeof(VB) == kNR, "one byte vector holds a panel row of codes");
 
-// Walks the G weight rows of one packed group in k order: f(k, w0, w1) gets row k's NR weights
-// (two vectors), each dequantized exactly as the scalar loop does: the codes widened to int32,
-// converted (exact), times the scale, plus the offset, every step rounded on its own.
-template <GgufType T, typename F>
-inline void for_each_weight_row(const uint8_t* g, F&& f) {
+// One group's scale and offset vectors for half h of its columns, and the weight of a code.
+template <GgufType T>
+struct GroupScales {
   using Tr = Traits<T>;
-  VF s0, s1, o0{}, o1{};
-  if constexpr (Tr::kHalfHeader) {
-    s0 = vhalves(g);
-    s1 = vhalves(g + 2 * kHalfNR);
-    if constexpr (Tr::kOffset) {
-      o0 = vhalves(g + 2 * kNR);
-      o1 = vhalves(g + 2 * kNR + 2 * kHalfNR);
-    }
-  } else {
-    s0 = vload(g);
-    s1 = vload(g + 4 * kHalfNR);
-    if constexpr (Tr::kOffset) {
-      o0 = vload(g + 4 * kNR);
-      o1 = vload(g + 4 * kNR + 4 * kHalfNR);
+  // fp16 scale times a code of <= 8 bits is exact in fp32 (see above).
+  static constexpr bool kFused = Tr::kHalfHeader && (Tr::kOffset || Tr::kNibbleBias != 0);
+  VF s[2], o[2];
+  void load(const uint8_t* g) {
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (Tr::kHalfHeader) {
+        s[h] = vhalves(g + 2 * kHalfNR * h);
+        if constexpr (Tr::kOffset) {
+          o[h] = vhalves(g + 2 * kNR + 2 * kHalfNR * h);
+        } else if constexpr (Tr::kNibbleBias != 0) {
+          o[h] = vmul(s[h], vset1(static_cast<float>(Tr::kNibbleBias)));  // exact
+        }
+      } else {
+        s[h] = vload(g + 4 * kHalfNR * h);
+        if constexpr (Tr::kOffset) o[h] = vload(g + 4 * kNR + 4 * kHalfNR * h);
+      }
     }
   }
-  auto row = [&](int k, VB codes) {
-    VF q0, q1;
-    widen<!Tr::kNibbles>(codes, Tr::kNibbleBias, &q0, &q1);
-    VF w0 = vmul(s0, q0), w1 = vmul(s1, q1);
-    if constexpr (Tr::kOffset) {
-      w0 = vadd(w0, o0);
-      w1 = vadd(w1, o1);
+  VF weight(int h, VI code) const {
+    const VF q = vcvt(code);
+    if constexpr (kFused) {
+      return vfmadd(s[h], q, o[h]);
+    } else if constexpr (Tr::kOffset) {
+      return vadd(vmul(s[h], q), o[h]);
+    } else {
+      return vmul(s[h], q);
     }
-    f(k, w0, w1);
-  };
-  const uint8_t* c = g + kNR * Tr::kHeaderBytes;
+  }
+};
+
+// Walks the G weight rows of the same group of P panels (g[p]): f(k, p, h, w) gets the weights
+// of row k, panel p, half h of its columns (one vector). For each (p, h), k comes in order, so a
+// chain that f runs per (p, h) is the chain over k; the (p, h) of one k may interleave with the
+// next k's (two k of nibbles come from one load).
+template <GgufType T, int P, typename F>
+inline void for_each_weight_row(const uint8_t* const* g, F&& f) {
+  using Tr = Traits<T>;
+  GroupScales<T> sc[P];
+  for (int p = 0; p < P; ++p) sc[p].load(g[p]);
+  constexpr int64_t kCodes = kNR * Tr::kHeaderBytes;
   if constexpr (Tr::kNibbles) {
     for (int i = 0; i < Tr::kG / 2; ++i) {
-      const VB b = bload(c + i * kNR);
-      row(2 * i, low_nibbles(b));
-      row(2 * i + 1, high_nibbles(b));
+      for (int p = 0; p < P; ++p) {
+        for (int h = 0; h < 2; ++h) {
+          const VI b = widen_u8(g[p] + kCodes + i * kNR + h * kHalfNR);
+          f(2 * i, p, h, sc[p].weight(h, low_nibbles(b)));
+          f(2 * i + 1, p, h, sc[p].weight(h, high_nibbles(b)));
+        }
+      }
     }
   } else {
-    for (int k = 0; k < Tr::kG; ++k) row(k, bload(c + k * kNR));
+    for (int k = 0; k < Tr::kG; ++k) {
+      for (int p = 0; p < P; ++p) {
+        for (int h = 0; h < 2; ++h) {
+          f(k, p, h, sc[p].weight(h, widen_s8(g[p] + kCodes + k * kNR + h * kHalfNR)));
+        }
+      }
+    }
   }
 }
 
 template <GgufType T>
 inline void dequant_group(const uint8_t* g, float* __restrict dst) {
-  for_each_weight_row<T>(g, [&](int k, VF w0, VF w1) {
-    vstore(dst + k * kNR, w0);
-    vstore(dst + k * kNR + kHalfNR, w1);
+  for_each_weight_row<T, 1>(&g, [&](int k, int, int h, VF w) {
+    vstore(dst + k * kNR + h * kHalfNR, w);
   });
 }
 
-// Up to kMaxMR rows (one M tile: a decoding step of a few tokens): each weight vector dequantized
-// in registers and used at once by every row, as the fp32 tile uses a loaded one. The same
-// multiply-add on the same values in the same order as tile_f32 over dequant_group's panel
-// (_mm*_fmadd_ps(x, w, acc) is at::vec::fmadd's instruction), without the round trip of the
-// weights through L1, which at one row cost a third of the time.
-template <GgufType T, int MR>
-inline void codes_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t groups,
-                       int64_t gbytes, float* out) {
-  VF acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = vzero();
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* xg = x + g * Traits<T>::kG;
-    for_each_weight_row<T>(panel + g * gbytes, [&](int k, VF w0, VF w1) {
-      for (int m = 0; m < MR; ++m) {
-        const VF xv = vbroadcast(xg + m * ldx + k);
-        acc[m][0] = vfmadd(xv, w0, acc[m][0]);
-        acc[m][1] = vfmadd(xv, w1, acc[m][1]);
+// Up to kMaxMR rows (one M tile: a decoding step of a few tokens) on P panels side by side: each
+// weight vector dequantized in registers and used at once by every row, as the fp32 tile uses a
+// loaded one. The same multiply-add on the same values in the same order as tile_f32 over
+// dequant_group's panel (_mm*_fmadd_ps(x, w, acc) is at::vec::fmadd's instruction), without the
+// round trip of the weights through L1. P = 2 at one row: two panels give four independent chains,
+// enough to hide the multiply-add's latency (one panel's two chains wait on it).
+template <GgufType T, int MR, int P>
+inline void codes_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_t panel_bytes,
+                       int64_t groups, int64_t gbytes, float* out) {
+  VF acc[MR][P][2];
+  for (int m = 0; m < MR; ++m) {
+    for (int p = 0; p < P; ++p) acc[m][p][0] = acc[m][p][1] = vzero();
+  }
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const float* xg = x + gi * Traits<T>::kG;
+    const uint8_t* g[P];
+    for (int p = 0; p < P; ++p) g[p] = panel + p * panel_bytes + gi * gbytes;
+    for (int p = 0; p < P; ++p) {  // the codes are read once: ask for them ahead of the walk
+      for (int64_t b = 0; b < gbytes; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(g[p] + kPrefetchAhead + b), _MM_HINT_T0);
       }
+    }
+    for_each_weight_row<T, P>(g, [&](int k, int p, int h, VF w) {
+      for (int m = 0; m < MR; ++m) acc[m][p][h] = vfmadd(vbroadcast(xg + m * ldx + k), w, acc[m][p][h]);
     });
   }
-  for (int m = 0; m < MR; ++m) {
-    vstore(out + m * kNR, acc[m][0]);
-    vstore(out + m * kNR + kHalfNR, acc[m][1]);
+  for (int p = 0; p < P; ++p) {
+    for (int m = 0; m < MR; ++m) {
+      vstore(out + (p * MR + m) * kNR, acc[m][p][0]);
+      vstore(out + (p * MR + m) * kNR + kHalfNR, acc[m][p][1]);
+    }
   }
 }
 
@@ -339,11 +365,13 @@ constexpr bool kCodesTile = true;
 
 template <GgufType T, int MR = kMaxMR>
 inline void codes_tile_rows(int rows, const float* x, int64_t ldx, const uint8_t* panel,
-                            int64_t groups, int64_t gbytes, float* out) {
+                            int64_t panel_bytes, int64_t groups, int64_t gbytes, float* out) {
   if constexpr (MR > 1) {
-    if (rows < MR) return codes_tile_rows<T, MR - 1>(rows, x, ldx, panel, groups, gbytes, out);
+    if (rows < MR) {
+      return codes_tile_rows<T, MR - 1>(rows, x, ldx, panel, panel_bytes, groups, gbytes, out);
+    }
   }
-  codes_tile<T, MR>(x, ldx, panel, groups, gbytes, out);
+  codes_tile<T, MR, 1>(x, ldx, panel, panel_bytes, groups, gbytes, out);
 }
 #else
 template <GgufType T>
@@ -354,7 +382,10 @@ inline void dequant_group(const uint8_t* g, float* __restrict dst) {
 constexpr bool kCodesTile = false;
 
 template <GgufType T>
-inline void codes_tile_rows(int, const float*, int64_t, const uint8_t*, int64_t, int64_t, float*) {}
+inline void codes_tile_rows(int, const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
+                            float*) {}
+template <GgufType T, int MR, int P>
+inline void codes_tile(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*) {}
 #endif
 
 // ---- the driver ----------------------------------------------------------------------------------
@@ -388,15 +419,28 @@ void run(const LinearArgs& a, const GgufLora& lo) {
   const int64_t mr = (a.M + tiles - 1) / tiles;
   const float* x = static_cast<const float*>(a.x);
   if (kCodesTile && a.M <= kMaxMR) {
-    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-      alignas(64) float out[kMaxMR * kNR];
-      for (int64_t p = p0; p < p1; ++p) {
-        const uint8_t* panel = static_cast<const uint8_t*>(a.packed) + p * panel_bytes;
-        const int rows = static_cast<int>(a.M);
-        codes_tile_rows<T>(rows, x, a.ldx, panel, groups, gbytes, out);
-        const int64_t n0 = p * kNR;
-        write_tile<float>(out, rows, static_cast<int>(std::min<int64_t>(kNR, a.N - n0)), a, 0, n0);
-        if (lo.t != nullptr) add_lora(lo, a, p, rows, 0, out);
+    // One row: panels in pairs (codes_tile's P = 2), each thread's range starting on a pair.
+    const bool pairs = a.M == 1;
+    const int64_t units = pairs ? (panels + 1) / 2 : panels;
+    at::parallel_for(0, units, pairs ? (grain + 1) / 2 : grain, [&](int64_t u0, int64_t u1) {
+      alignas(64) float out[2 * kMaxMR * kNR];
+      const int rows = static_cast<int>(a.M);
+      const auto* packed = static_cast<const uint8_t*>(a.packed);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t p = pairs ? 2 * u : u;
+        const int64_t np = pairs ? std::min<int64_t>(2, panels - p) : 1;
+        if (np == 2) {
+          codes_tile<T, 1, 2>(x, a.ldx, packed + p * panel_bytes, panel_bytes, groups, gbytes, out);
+        } else {
+          codes_tile_rows<T>(rows, x, a.ldx, packed + p * panel_bytes, panel_bytes, groups, gbytes,
+                             out);
+        }
+        for (int64_t q = 0; q < np; ++q) {
+          const int64_t n0 = (p + q) * kNR;
+          const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
+          write_tile<float>(out + q * rows * kNR, rows, cols, a, 0, n0);
+          if (lo.t != nullptr) add_lora(lo, a, p + q, rows, 0, out + q * rows * kNR);
+        }
       }
     });
     return;

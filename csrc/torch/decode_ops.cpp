@@ -1,4 +1,5 @@
-// cpu_decode_attention, cpu_rope_attention, cpu_rms_norm, cpu_add_rms_norm, cpu_silu_mul:
+// cpu_decode_attention, cpu_rope_attention, cpu_rms_norm, cpu_add_rms_norm, cpu_silu_mul,
+// cpu_kv_commit:
 // argument checks, output allocation and the hand-off to
 // the fused small ops of a decoding step (csrc/cpu/decode_cpu.h).
 #include <ATen/Parallel.h>
@@ -6,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -183,9 +185,41 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   return out;
 }
 
+void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst,
+                   const at::Tensor& count) {
+  for (auto [t, name] : {std::pair{&src, "src"}, {&dst, "dst"}, {&count, "count"}}) {
+    ck::dtype(*t, name, at::kLong);
+    TORCH_CHECK_VALUE(t->dim() == 1, name, " must be [B] int64, got ", t->sizes());
+  }
+  const int64_t B = src.size(0);
+  TORCH_CHECK_VALUE(dst.size(0) == B && count.size(0) == B, "src, dst and count must be [B], got ",
+                    src.sizes(), ", ", dst.sizes(), ", ", count.sizes());
+  const at::Tensor sc = src.contiguous(), dc = dst.contiguous(), cc = count.contiguous();
+  const int64_t *s = sc.data_ptr<int64_t>(), *d = dc.data_ptr<int64_t>(), *c = cc.data_ptr<int64_t>();
+  for (const at::Tensor& t : caches) {
+    TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == B && t.is_contiguous() && t.device().is_cpu(),
+                      "each cache must be a contiguous CPU tensor [B = ", B,
+                      ", H, capacity, D], got ", t.sizes());
+    const int64_t H = t.size(1), cap = t.size(2), row = t.size(3) * t.element_size();
+    auto* base = static_cast<char*>(t.data_ptr());
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK_VALUE(c[b] >= 0 && s[b] >= 0 && d[b] >= 0 && s[b] + c[b] <= cap &&
+                            d[b] + c[b] <= cap,
+                        "sequence ", b, ": slots [", s[b], ", ", s[b] + c[b], ") -> [", d[b], ", ",
+                        d[b] + c[b], ") are outside the cache [0, ", cap, ")");
+      if (c[b] == 0 || s[b] == d[b]) continue;
+      for (int64_t h = 0; h < H; ++h) {
+        char* head = base + (b * H + h) * cap * row;
+        std::memmove(head + d[b] * row, head + s[b] * row, static_cast<size_t>(c[b] * row));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
+  m.impl("cpu_kv_commit", &cpu_kv_commit);
   m.impl("cpu_decode_attention", &cpu_decode_attention);
   m.impl("cpu_rms_norm", &cpu_rms_norm);
   m.impl("cpu_add_rms_norm", &cpu_add_rms_norm);

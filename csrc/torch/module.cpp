@@ -117,6 +117,10 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def("cpu_rope_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int attend, Tensor mask, "
         "float scale) -> Tensor");
+  // The decoding step's commit on a CPU: in every cache [B, H, capacity, D] of caches, for each
+  // sequence b, the slots [src[b], src[b] + count[b]) move to [dst[b], dst[b] + count[b]) (as one
+  // gather then scatter: the ranges may overlap). One call for all layers, in place.
+  m.def("cpu_kv_commit(Tensor(a!)[] caches, Tensor src, Tensor dst, Tensor count) -> ()");
 }
 
 namespace {

@@ -119,6 +119,22 @@ class _Packed:
             return self.calls[0](x)
         return torch.cat([c(x) for c in self.calls], dim=-1)
 
+    def call(self) -> tuple:
+        """(fn, args): fn(x, *args) is this linear with the fewest Python frames (the op's
+        overload itself where one kernel call does it). Valid until the next refresh."""
+        if self.calls is None:
+            return torch.ops.jacobi_ext.cpu_linear.default, (self.packed, self.n, self.bias)
+        if len(self.calls) == 1 and isinstance(self.calls[0], _GroupCall):
+            return torch.ops.jacobi_ext.cpu_linear_gguf.default, self.calls[0].args()
+        if len(self.calls) == 1 and isinstance(self.calls[0], _LinearCall):
+            c = self.calls[0]
+            return torch.ops.jacobi_ext.cpu_linear.default, (c.packed, c.n, c.bias)
+        if len(self.calls) == 1 and isinstance(
+            getattr(self.calls[0], "__self__", None), GGUFLinear
+        ):
+            return torch.ops.jacobi_ext.cpu_linear_gguf.default, self.calls[0].__self__.args()
+        return self.__call__, ()
+
 
 def _cat_bias(mods) -> torch.Tensor | None:
     bs = [m.bias for m in mods]
@@ -140,12 +156,14 @@ class _GroupCall:
         self.group = group
         self.bias = _cat_bias(mods)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def args(self) -> tuple:
+        """cpu_linear_gguf's arguments after x."""
         g, lo = self.group, self.group.lora
-        return torch.ops.jacobi_ext.cpu_linear_gguf(
-            x, g.packed, g.ggml_type, g.n, self.bias,
-            None if lo is None else lo.a, None if lo is None else lo.b,
-        )  # fmt: skip
+        return (g.packed, g.ggml_type, g.n, self.bias,
+                None if lo is None else lo.a, None if lo is None else lo.b)  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.jacobi_ext.cpu_linear_gguf(x, *self.args())
 
 
 class _LinearCall:
@@ -237,6 +255,18 @@ class LeanDecoder:
             for lin in layer.linears():
                 lin.refresh()
         self.head.refresh()
+        self.plans = [self._plan(i) for i in range(len(self.layers))]
+
+    def _plan(self, i: int) -> tuple:
+        """What _fused needs of layer i, looked up once: at one token a step's 30 layers spent
+        ~1 ms in Python attribute lookups and call frames, the size of the attention itself."""
+        L, a = self.layers[i], self.layers[i].attn
+        nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.inner.norm
+        return (
+            *L.qkv.call(), L.splits[0] // a.head_dim, L.splits[1] // a.head_dim, a.head_dim,
+            a.scaling, *L.o.call(), L.ln2.weight, L.ln2.variance_epsilon, *L.gate_up.call(),
+            L if not L.silu else None, *L.down.call(), nxt.weight, nxt.variance_epsilon,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache) -> torch.Tensor:
@@ -279,26 +309,28 @@ class LeanDecoder:
         B, Q = ids.shape
         rt = cache.layers[0]._rt  # the runtime: where this step's K/V go, how far to attend
         slots, attend = rt.write_slots, rt.attend
-        n = len(self.layers)
         first = self.layers[0].ln1
         x = ops.cpu_rms_norm(h, first.weight, first.variance_epsilon)
-        for i, L in enumerate(self.layers):
-            a, layer = L.attn, cache.layers[i]
-            qkv = L.qkv(x)
+        rope_attention, add_rms_norm, silu_mul = (
+            ops.cpu_rope_attention.default,
+            ops.cpu_add_rms_norm.default,
+            ops.cpu_silu_mul.default,
+        )
+        for layer, plan in zip(cache.layers, self.plans, strict=False):
+            (qkv_fn, qkv_args, heads, kv_heads, head_dim, scaling, o_fn, o_args, ln2_w, ln2_eps,
+             gu_fn, gu_args, act_layer, down_fn, down_args, norm_w, norm_eps) = plan  # fmt: skip
+            qkv = qkv_fn(x, *qkv_args)
             if not layer.is_initialized:  # the cache's buffers, made on first use
-                kv = qkv.new_empty(B, L.splits[1] // a.head_dim, 1, a.head_dim)
+                kv = qkv.new_empty(B, kv_heads, 1, head_dim)
                 layer.lazy_initialization(kv, kv)
-            out = ops.cpu_rope_attention(
-                qkv, L.splits[0] // a.head_dim, L.splits[1] // a.head_dim, cos, sin, layer.keys,
-                layer.values, slots, attend, mask, a.scaling,
+            out = rope_attention(
+                qkv, heads, kv_heads, cos, sin, layer.keys, layer.values, slots, attend, mask,
+                scaling,
             )  # fmt: skip
-            h, x = ops.cpu_add_rms_norm(
-                L.o(out.view(B, Q, -1)), h, L.ln2.weight, L.ln2.variance_epsilon
-            )
-            gu = L.gate_up(x)
-            m = ops.cpu_silu_mul(gu) if L.silu else self._act_mul(L, gu)
-            norm = self.layers[i + 1].ln1 if i + 1 < n else inner.norm
-            h, x = ops.cpu_add_rms_norm(L.down(m), h, norm.weight, norm.variance_epsilon)
+            h, x = add_rms_norm(o_fn(out.view(B, Q, -1), *o_args), h, ln2_w, ln2_eps)
+            gu = gu_fn(x, *gu_args)
+            m = silu_mul(gu) if act_layer is None else self._act_mul(act_layer, gu)
+            h, x = add_rms_norm(down_fn(m, *down_args), h, norm_w, norm_eps)
         return self.head(x)
 
     @staticmethod

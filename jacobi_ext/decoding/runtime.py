@@ -166,6 +166,10 @@ class StaticRuntime:
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
         self.graph_replays = 0
         self._lean = None  # lean.LeanDecoder, False where it does not apply; set at prefill
+        ops = torch.ops.jacobi_ext
+        self._kv_commit = (
+            ops.cpu_kv_commit if dev.type == "cpu" and hasattr(ops, "cpu_kv_commit") else None
+        )
 
     def fits(self, model, batch: int, committed: int, scratch: int) -> bool:
         p = next(model.parameters())
@@ -342,10 +346,18 @@ class StaticRuntime:
             self.warmup_seconds += time.perf_counter() - t0
 
     # ---- commit ---------------------------------------------------------------------------------
+    def _kv_bufs(self) -> list[torch.Tensor]:
+        return [buf for layer in self.cache.layers for buf in (layer.keys, layer.values)]
+
     def commit(self, src: torch.Tensor, count: torch.Tensor) -> None:
         """For each sequence b, move the K/V of scratch slots [src[b], src[b] + count[b]) to
         [hi[b], hi[b] + count[b]) and advance hi[b] (count[b] <= scratch). Fixed shapes and no
-        host values: it runs inside the step's graph."""
+        host values: it runs inside the step's graph. On a CPU, one native call for all layers
+        (the indexed copy below costs ~25 us a layer there, ~1.5 ms a step)."""
+        if self._kv_commit is not None:
+            self._kv_commit(self._kv_bufs(), src, self.hi, count)
+            self.hi.add_(count)
+            return
         width = self.scratch
         ar = self._slots[:width][None, :]
         valid = ar < count[:, None]
