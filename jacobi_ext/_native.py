@@ -4,6 +4,7 @@ that addresses that cause."""
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.util
 import os
@@ -116,6 +117,18 @@ CUDA_ARCHS: str = getattr(_C, "cuda_archs", "")  # "sm_80, sm_90a"; "" without C
 # "full" (every dtype and head dim), "ci" (bf16 only), "gate" (bf16, head dim 128); "" without CUDA
 CUDA_KERNEL_SET: str = getattr(_C, "cuda_kernel_set", "")
 CPU_ISA: str = _C.cpu_isa
+
+
+@functools.cache
+def build_id() -> str:
+    """A digest of the compiled extension's bytes: what a cached measurement of its kernels (the
+    tuner's profiles) is valid for. A rebuilt or upgraded extension gets new measurements."""
+    import hashlib
+
+    try:
+        return hashlib.sha1(Path(_C.__file__).read_bytes()).hexdigest()[:12]
+    except (OSError, AttributeError, TypeError):
+        return "unknown"
 
 
 def cuda_note() -> str | None:

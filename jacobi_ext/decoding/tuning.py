@@ -54,7 +54,8 @@ def cpu_name() -> str:
 
 
 def model_key(model) -> str:
-    """Identity of (model weights, dtype, device, threads): what the curve depends on.
+    """Identity of (model weights, dtype, device, threads, compiled kernels): what the curve
+    depends on.
 
     Read a few times per tuned `generate` call, so it is computed once per state of the
     weights: the cached key stands while every parameter keeps its storage and its version
@@ -85,7 +86,10 @@ def model_key(model) -> str:
             [w.detach().flatten()[:: max(1, w.numel() // 8)][:8].double().sum() for w in params]
         ).sum()
     )
+    from .._native import build_id
+
     raw = f"{name}|{nparams}|{probe:.6e}|{p.dtype}|{dev}|{hw}|{torch.get_num_threads()}"
+    raw += f"|{build_id()}"  # the kernels measured: a rebuild measures again
     which = prepack.backend(model)
     if which is not None:  # packed CPU linears cost differently: a curve of their own
         raw += "|prepack" if which == "onednn" else f"|{which}"
