@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from jacobi_ext.decoding import generate
-from jacobi_ext.decoding.engine import TrajectoryRecorder
+from jacobi_ext.decoding.engine import TrajectoryRecorder, eos_ids
 
 from .packing import pad_after_eos
 from .prompts import Prompt
@@ -128,15 +128,6 @@ def make_record(
     }
 
 
-def eos_ids_of(model, tokenizer) -> set[int]:
-    e = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if e is None:
-        e = model.config.eos_token_id
-    if e is None and tokenizer is not None:
-        e = tokenizer.eos_token_id
-    return set() if e is None else ({e} if isinstance(e, int) else set(e))
-
-
 def _left_pad(seqs: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, P] left-padded ids and their attention mask (1 = token), as generate takes a batch."""
     P = max(int(x.shape[0]) for x in seqs)
@@ -185,7 +176,7 @@ def collect(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     d = Path(out_dir)
-    eos = eos_ids_of(model, tokenizer)
+    eos = eos_ids(model, tokenizer=tokenizer)
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     pad = pad if pad is not None else (min(eos) if eos else 0)
     meta = {

@@ -63,12 +63,16 @@ class GenerateResult:
         return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-def _eos_ids(model, eos_token_id) -> set[int]:
+def eos_ids(model, eos_token_id=None, tokenizer=None) -> set[int]:
+    """The token ids that end a generation: `eos_token_id` (an int or several) where given, else
+    the model's generation config, its config, and last the tokenizer's EOS."""
     if eos_token_id is None:
         cfg = getattr(model, "generation_config", None)
         eos_token_id = getattr(cfg, "eos_token_id", None)
         if eos_token_id is None:
             eos_token_id = getattr(model.config, "eos_token_id", None)
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
     if eos_token_id is None:
         return set()
     if isinstance(eos_token_id, int):
@@ -256,7 +260,7 @@ def generate(
             )
     if lookup is None:
         lookup = method == "multiblock" or (method == "jacobi" and block_size is None)
-    eos = _eos_ids(model, eos_token_id)
+    eos = eos_ids(model, eos_token_id)
     limit = _max_positions(model)
     longest = max(len(p) for p in prompts)
     if limit is not None and longest + max_new_tokens > limit:
