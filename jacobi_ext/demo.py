@@ -71,28 +71,98 @@ def _weights_label(model) -> str:
     return "GGUF " + "+".join(types) + (" +LoRA" if lora else "")
 
 
-def run_demo(args) -> int:
-    from rich.console import Console
+#: The table's short method labels: the row's name (as in demo_results.json) -> (label, what
+#: the legend says, the method the row asked `generate` for; None for transformers' own rows).
+_METHODS = {
+    "transformers greedy": ("hf", "transformers' greedy (its own generate)", None),
+    "transformers sampling": ("hf", "transformers' sampling, the same filters", None),
+    "ar (the reference sample)": ("ar", "our AR sample: the reference of the parallel rows", "ar"),
+    "jacobi n=16": ("jacobi", "plain Jacobi decoding, one block of n=16 tokens", "jacobi"),
+    "multiblock (tuned)": ("tuned", "multiblock, the tuner's settings (the default)", "multiblock"),
+}
+
+
+#: What the legend calls the base model's two rows (other models by their name or path).
+_MODEL_NAMES = {
+    "base": "SmolLM2-135M-Instruct as transformers loads it",
+    "base (codes)": "SmolLM2-135M-Instruct read on its GGUF codes",
+}
+
+
+def _model_label(name: str) -> str:
+    """A model's short label in the table (the legend spells it out)."""
+    from jacobi_ext.models import DISTILLED_MODEL
+
+    return {"base": "base", "base (codes)": "codes", DISTILLED_MODEL: "jf"}.get(name, "dist")
+
+
+def _short_settings(settings: str, asked: str | None) -> str:
+    """'multiblock+lookup n=16 K=2 p=4' (a row's settings in demo_results.json) as the table
+    shows it: 'n=16 K=2 p=4 +lookup', the method named only where the tuner chose another one
+    than the row asked for, and only the settings that method reads."""
+    if asked is None or settings == "-":
+        return "-"
+    method, *pairs = settings.split()
+    base, _, extra = method.partition("+")
+    kv = dict(p.split("=", 1) for p in pairs)
+    words = [] if base == asked else [base]
+    if base == "jacobi":
+        words.append(f"n={kv['n']}")
+    elif base == "multiblock":
+        words += [f"n={kv['n']}", f"K={kv['K']}", f"p={kv['p']}"]
+    words += [f"+{extra}"] if extra else []
+    return " ".join(words) or "-"
+
+
+def results_table(rows: list[dict], title: str, caption: str, sampled: bool):
+    """The demo's table of `rows` (demo_results.json's) and the legend printed under it, which
+    spells out the table's short labels; both fit an 80-column terminal with one line a row."""
     from rich.table import Table
 
-    from jacobi_ext.cli_args import sampling_kwargs
-    from jacobi_ext.data import humaneval_input_ids, load_humaneval
-    from jacobi_ext.decoding import generate, roofline, tuning
-    from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
+    table = Table(title=title, caption=caption)
+    cols = ("model", "method", "settings", "tok/s", "TPF", "speedup", "lossless")
+    for col in cols:
+        table.add_column(col, justify="left" if col in cols[:3] else "right", no_wrap=True)
+    for r in rows:
+        label, _, asked = _METHODS[r["method"]]
+        table.add_row(
+            _model_label(r["model"]),
+            label,
+            _short_settings(r["settings"], asked),
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['tpf']:.2f}",
+            f"{r['speedup']:.2f}x",
+            "yes" if r["identical"] else "NO",
+        )
+    legend = Table.grid(padding=(0, 2))
+    legend.add_column(style="bold", no_wrap=True)
+    legend.add_column(style="dim")
+    for m, weights in dict.fromkeys((r["model"], r["weights"]) for r in rows):
+        name = _MODEL_NAMES.get(m, m)
+        legend.add_row(_model_label(m), f"{name}, {weights} weights")
+    for name in dict.fromkeys(r["method"] for r in rows):
+        label, text, _ = _METHODS[name]
+        legend.add_row(label, text)
+    ref = "its model's ar row (the same seed)" if sampled else "its model's hf row (greedy)"
+    legend.add_row("settings", "n tokens a block, K blocks, p candidates; +lookup: context drafts")
+    legend.add_row("TPF", "tokens per forward; speedup: tokens/s over base's hf row")
+    legend.add_row("lossless", f"the output is identical to {ref}")
+    return table, legend
+
+
+def _load_models(args, console) -> tuple[dict, str, str | None]:
+    """(model name -> (model, tokenizer), the name of the model the demo decodes, the
+    distilled model or None). The base model's transformers greedy is the speed every row is
+    compared with; the distilled model's own greedy is what its parallel decoding must
+    reproduce exactly. The baseline is the base model as transformers loads its GGUF file
+    (dequantized); the rows we decode run on the GGUF codes where they can (load_model's
+    default on a CPU in float32), and their reference greedy is transformers' on those same
+    weights."""
     from jacobi_ext.models import DTYPE_NAMES, load_model
-    from jacobi_ext.plots import plot_step_curve
     from jacobi_ext.quantized import is_quantized
 
-    console = Console()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     distilled = _pick_distilled(args, console)
     dtype = DTYPE_NAMES[args.dtype]
-    # The base model's transformers greedy is the speed every row is compared with; the
-    # distilled model's own greedy is what its parallel decoding must reproduce exactly.
-    # The baseline is the base model as transformers loads its GGUF file (dequantized); the
-    # rows we decode run on the GGUF codes where they can (load_model's default on a CPU in
-    # float32), and their reference greedy is transformers' on those same weights.
     dequantize = True if getattr(args, "dequantize", False) else None
     models = {}
     with console.status("loading SmolLM2-135M-Instruct (offline)"):
@@ -104,22 +174,39 @@ def run_demo(args) -> int:
         models[shown] = loaded
     else:  # the base model, dequantized as asked: one copy serves every row
         shown, models["base"] = "base", loaded
-    weights = {m: _weights_label(mt[0]) for m, mt in models.items()}
-    model, tok = models[shown]
+    return models, shown, distilled
+
+
+def _forward_curve(model, out_dir: Path):
+    """This machine's forward latency against parallel tokens, its roofline floor, and the
+    figure of both: (curve, floor, png path)."""
+    from jacobi_ext.decoding import roofline, tuning
+    from jacobi_ext.plots import plot_step_curve
+
     curve = tuning.step_curve(model, progress=True, full=True)
-    param = next(model.parameters())  # the roofline floor beside the measured curve
+    param = next(model.parameters())
     floor = roofline.floor_curve(
         roofline.machine(param.device, param.dtype), roofline.model_cost(model), curve
     )
     png = plot_step_curve(curve, out_dir / "forward_latency_vs_tokens.png", floor=floor)
-    problems = load_humaneval(args.prompts)
-    # Under --do-sample the baseline is transformers' sampling with the same filters, and each
-    # model's reference is our own AR sample (the same noise: the parallel rows must equal it).
+    return curve, floor, png
+
+
+def _sampling(args) -> tuple[dict, bool, str]:
+    """(generate's sampling kwargs, whether the demo samples, the baseline rows' name). Under
+    --do-sample the baseline is transformers' sampling with the same filters, and each model's
+    reference is our own AR sample (the same noise: the parallel rows must equal it)."""
+    from jacobi_ext.cli_args import sampling_kwargs
+
     samp = sampling_kwargs(args)
     sampled = bool(samp.get("do_sample"))
     if sampled and samp["seed"] is None:
         samp["seed"] = 0
-    hf_name = "transformers sampling" if sampled else "transformers greedy"
+    return samp, sampled, "transformers sampling" if sampled else "transformers greedy"
+
+
+def _methods(shown: str, hf_name: str, sampled: bool) -> list[tuple[str, str, dict | None]]:
+    """The rows to decode, in order: (name, model, generate's kwargs; None for transformers)."""
     methods = [(hf_name, "base", None)]
     if shown != "base":
         methods.append((hf_name, shown, None))
@@ -129,60 +216,56 @@ def run_demo(args) -> int:
         ("jacobi n=16", shown, dict(method="jacobi", block_size=16)),
         ("multiblock (tuned)", shown, dict(method="multiblock")),
     ]
-    totals = {
-        (name, m): {"tokens": 0, "seconds": 0.0, "forwards": 0, "same": True}
-        for name, m, _ in methods
-    }
-    for k, prob in enumerate(problems):
-        ids = humaneval_input_ids(tok, prob).to(args.device)
-        console.rule(
-            f"[bold]{prob['task_id']}[/] ({k + 1}/{len(problems)}, prompt {ids.shape[1]} tokens)"
-        )
-        refs = {}
-        for name, m, kw in methods:
-            t = totals[(name, m)]
-            if kw is None:
-                if sampled:
-                    filters = {k: v for k, v in samp.items() if k not in ("do_sample", "seed")}
-                    toks, dt = hf_sample(models[m][0], ids, args.max_new_tokens, samp["seed"],
-                                         **filters)  # fmt: skip
-                else:
-                    toks, dt = hf_greedy(models[m][0], ids, args.max_new_tokens)
-                    refs[m] = toks
-                t["tokens"] += len(toks)
-                t["seconds"] += dt
-                t["forwards"] += max(len(toks) - 1, 0)
-                continue
-            show = not args.quiet and name.startswith("multiblock")
-            if show:
-                console.print(f"[dim]{m}, {name}: each colour is one forward pass[/]")
-            streamer = ForwardColourStreamer(tok, console, enabled=show)
-            res = generate(
-                models[m][0], ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **kw,
-                **samp,
-            )  # fmt: skip
-            if sampled and kw.get("method") == "ar":
-                refs[m] = res.tokens[0].tolist()
-            t["tokens"] += res.new_tokens
-            t["seconds"] += res.seconds
-            t["forwards"] += res.forwards
-            t["same"] &= res.tokens[0].tolist() == refs[m]
-            t["settings"] = f"{res.method} n={res.block_size} K={res.num_blocks} p={res.pool_size}"
-    table = Table(
-        title=f"{len(problems)} HumanEval prompts, {args.max_new_tokens} new tokens max, "
-        f"{args.dtype}, {curve.hardware}"
-    )
-    ref_name = "its AR sample" if sampled else "its greedy"
-    cols = ("model", "weights", "method", "settings", "tokens/s", "TPF",
-            f"speedup vs base {hf_name[13:]}", f"identical to {ref_name}")  # fmt: skip
-    for col in cols:
-        table.add_column(col, justify="left" if col in cols[:4] else "right")
+    return methods
+
+
+def _decode_prompt(args, console, models, tok, ids, methods, samp, totals) -> None:
+    """Decode one prompt by every row's method, adding to `totals`; the tuned row is shown
+    live (one colour per forward) unless --quiet."""
+    from jacobi_ext.decoding import generate
+    from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
+
+    sampled = bool(samp.get("do_sample"))
+    refs = {}
+    for name, m, kw in methods:
+        t = totals[(name, m)]
+        if kw is None:
+            if sampled:
+                filters = {k: v for k, v in samp.items() if k not in ("do_sample", "seed")}
+                toks, dt = hf_sample(models[m][0], ids, args.max_new_tokens, samp["seed"],
+                                     **filters)  # fmt: skip
+            else:
+                toks, dt = hf_greedy(models[m][0], ids, args.max_new_tokens)
+                refs[m] = toks
+            t["tokens"] += len(toks)
+            t["seconds"] += dt
+            t["forwards"] += max(len(toks) - 1, 0)
+            continue
+        show = not args.quiet and name.startswith("multiblock")
+        if show:
+            console.print(f"[dim]{m}, {name}: each colour is one forward pass[/]")
+        streamer = ForwardColourStreamer(tok, console, enabled=show)
+        res = generate(
+            models[m][0], ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **kw,
+            **samp,
+        )  # fmt: skip
+        if sampled and kw.get("method") == "ar":
+            refs[m] = res.tokens[0].tolist()
+        t["tokens"] += res.new_tokens
+        t["seconds"] += res.seconds
+        t["forwards"] += res.forwards
+        t["same"] &= res.tokens[0].tolist() == refs[m]
+        t["settings"] = f"{res.method} n={res.block_size} K={res.num_blocks} p={res.pool_size}"
+
+
+def _rows(totals: dict, weights: dict, hf_name: str) -> list[dict]:
+    """demo_results.json's rows: each method's speed, tokens per forward, speedup against the
+    base model's transformers row, and whether its output equals its model's reference."""
     base = totals[(hf_name, "base")]
     base_tps = base["tokens"] / base["seconds"]
     rows = []
     for (name, m), t in totals.items():
         tps = t["tokens"] / t["seconds"]
-        tpf = t["tokens"] / max(t["forwards"], 1)
         rows.append(
             dict(
                 model=m,
@@ -190,32 +273,20 @@ def run_demo(args) -> int:
                 method=name,
                 settings=t.get("settings", "-"),
                 tokens_per_s=tps,
-                tpf=tpf,
+                tpf=t["tokens"] / max(t["forwards"], 1),
                 speedup=tps / base_tps,
                 identical=t["same"],
             )
         )
-        table.add_row(
-            m,
-            weights[m],
-            name,
-            t.get("settings", "-"),
-            f"{tps:.1f}",
-            f"{tpf:.2f}",
-            f"{tps / base_tps:.2f}x",
-            "yes" if t["same"] else "NO",
-        )
-    console.print(table)
-    if sampled:
-        console.print(
-            f"[dim]sampled with seed {samp['seed']}: transformers draws from its own generator, "
-            "so its rows are other samples of the same law (speed baseline only)[/]"
-        )
-    (out_dir / "demo_results.json").write_text(
+    return rows
+
+
+def _write_results(path: Path, rows: list[dict], samp: dict | None, curve, floor) -> None:
+    path.write_text(
         json.dumps(
             {
                 "rows": rows,
-                "sampling": {k: v for k, v in samp.items()} if sampled else None,
+                "sampling": dict(samp) if samp is not None else None,
                 "curve": {
                     "sizes": curve.sizes,
                     "seconds": curve.seconds,
@@ -227,13 +298,54 @@ def run_demo(args) -> int:
             indent=1,
         )
     )
+
+
+def run_demo(args) -> int:
+    """Load the models, measure the forward curve, decode the prompts by every row's method,
+    then print the table and write demo_results.json; 1 if any output was not lossless."""
+    from rich.console import Console
+
+    from jacobi_ext.data import humaneval_input_ids, load_humaneval
+
+    console = Console()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samp, sampled, hf_name = _sampling(args)
+    models, shown, distilled = _load_models(args, console)
+    weights = {m: _weights_label(mt[0]) for m, mt in models.items()}
+    model, tok = models[shown]
+    curve, floor, png = _forward_curve(model, out_dir)
+    problems = load_humaneval(args.prompts)
+    methods = _methods(shown, hf_name, sampled)
+    totals = {
+        (name, m): {"tokens": 0, "seconds": 0.0, "forwards": 0, "same": True}
+        for name, m, _ in methods
+    }
+    for k, prob in enumerate(problems):
+        ids = humaneval_input_ids(tok, prob).to(args.device)
+        console.rule(
+            f"[bold]{prob['task_id']}[/] ({k + 1}/{len(problems)}, prompt {ids.shape[1]} tokens)"
+        )
+        _decode_prompt(args, console, models, tok, ids, methods, samp, totals)
+    rows = _rows(totals, weights, hf_name)
+    title = f"{len(problems)} HumanEval prompts, {args.max_new_tokens} new tokens max, {args.dtype}"
+    table, legend = results_table(rows, title, curve.hardware, sampled)
+    console.print(table)
+    console.print(legend)
+    if sampled:
+        console.print(
+            f"[dim]sampled with seed {samp['seed']}: transformers draws from its own generator, "
+            "so its rows are other samples of the same law (speed baseline only)[/]"
+        )
+    results = out_dir / "demo_results.json"
+    _write_results(results, rows, samp if sampled else None, curve, floor)
     console.print(
         f"forward latency vs parallel tokens: [bold]{png}[/] "
-        f"(knee at {curve.knee()} tokens); results: {out_dir / 'demo_results.json'}"
+        f"(knee at {curve.knee()} tokens); results: {results}"
     )
     if distilled is None:
         console.print(
             "[dim]The base model accepts ~1 token per forward; a distilled Jacobi Forcing "
             "model (smollm2-jf, python_training) is what makes parallel decoding pay.[/]"
         )
-    return 0 if all(t["same"] for t in totals.values()) else 1
+    return 0 if all(r["identical"] for r in rows) else 1

@@ -1,5 +1,6 @@
-"""The README's main job, `jacobi-forcing demo`: which checkpoint it picks up, and (slow) a
-short real run on SmolLM2 whose results file holds the three methods, all identical to greedy."""
+"""The README's main job, `jacobi-forcing demo`: which checkpoint it picks up, its table in an
+80-column terminal, and (slow) a short real run on SmolLM2 whose results file holds the three
+methods, all identical to greedy."""
 
 from __future__ import annotations
 
@@ -22,6 +23,82 @@ def test_find_distilled_picks_the_newest_recipe_output(tmp_path):
         os.utime(d / "config.json", (time.time() - 100 + i * 50,) * 2)
     (tmp_path / "runs" / "half" / "final").mkdir(parents=True)  # no config: not a checkpoint
     assert find_distilled(tmp_path / "runs") == tmp_path / "runs" / "new" / "final"
+
+
+def _fake_rows(sampled: bool, shown: str = "smollm2-jf") -> list[dict]:
+    """demo_results.json rows as a full demo writes them (every method, wide numbers, the
+    longest settings the tuner can choose for the demo's K=2 p=4), no model needed."""
+    hf = "transformers sampling" if sampled else "transformers greedy"
+    q = "GGUF Q4_1+Q8_0 +LoRA"
+    rows = [("base", "float32", hf, "-"), (shown, q, hf, "-")]
+    rows += [(shown, q, "ar (the reference sample)", "ar n=1 K=1 p=0")] if sampled else []
+    rows += [
+        (shown, q, "jacobi n=16", "jacobi n=16 K=1 p=0"),
+        (shown, q, "multiblock (tuned)", "multiblock+lookup n=64 K=2 p=4"),
+    ]
+    return [
+        dict(
+            model=m,
+            weights=w,
+            method=name,
+            settings=st,
+            tokens_per_s=12345.6 / (i + 1),
+            tpf=12.34,
+            speedup=123.45,
+            identical=i != 1,
+        )  # fmt: skip
+        for i, (m, w, name, st) in enumerate(rows)
+    ]
+
+
+@pytest.mark.parametrize(
+    "sampled, shown", [(False, "smollm2-jf"), (True, "smollm2-jf"), (False, "runs/x/final")]
+)
+def test_demo_table_fits_80_columns(monkeypatch, sampled, shown):
+    """The table a full demo prints fits an 80-column terminal (rich reads COLUMNS): no cell
+    cut ('…'), one line a row; the legend under it spells out every short label."""
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    from jacobi_ext.demo import results_table
+
+    monkeypatch.setenv("COLUMNS", "80")
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=False)
+    assert console.width == 80
+    rows = _fake_rows(sampled, shown)
+    title = "164 HumanEval prompts, 1024 new tokens max, bfloat16"
+    table, legend = results_table(rows, title, "AMD EPYC 7B13 64-Core Processor", sampled)
+    console.print(table)
+    console.print(legend)
+    out = buf.getvalue()
+    assert "…" not in out
+    lines = out.splitlines()
+    assert all(Text(line).cell_len <= 80 for line in lines)
+    body = [line for line in lines if line.startswith("│")]
+    assert len(body) == len(rows)  # one line a row: no cell wrapped onto a second line
+    assert sum(line.startswith("┃") for line in lines) == 1  # the header, one line too
+    cells = [[c.strip() for c in line.strip("│").split("│")] for line in body]
+    assert cells[-1][2] == "n=64 K=2 p=4 +lookup" and cells[-1][-1] == "yes"
+    assert cells[1][-1] == "NO"
+    legend_labels = {line.split()[0] for line in lines[lines.index(body[-1]) + 1 :] if line}
+    for row in cells:
+        assert {row[0], row[1]} <= legend_labels
+    assert {"settings", "TPF", "lossless"} <= legend_labels
+    assert shown in out  # the legend names the model the short label stands for
+
+
+def test_demo_table_settings_name_the_method_the_tuner_chose():
+    from jacobi_ext.demo import _short_settings
+
+    assert _short_settings("multiblock n=16 K=2 p=4", "multiblock") == "n=16 K=2 p=4"
+    assert _short_settings("ar+lookup n=1 K=1 p=0", "multiblock") == "ar +lookup"
+    assert _short_settings("jacobi+lookup n=32 K=1 p=0", "multiblock") == "jacobi n=32 +lookup"
+    assert _short_settings("jacobi n=16 K=1 p=0", "jacobi") == "n=16"
+    assert _short_settings("ar n=1 K=1 p=0", "ar") == "-"
+    assert _short_settings("-", None) == "-"
 
 
 @pytest.mark.slow
