@@ -44,11 +44,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define JACOBI_HD __host__ __device__ __forceinline__
-#else
-#define JACOBI_HD inline
-#endif
+#include "jacobi/hd.h"
 
 namespace jacobi {
 
