@@ -332,6 +332,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--render-only", action="store_true", help="do not run; render the JSON already in --out"
     )
+    p.add_argument(
+        "--bench-dir",
+        default=None,
+        metavar="DIR",
+        help="the suites' folder (a clone's bench/); default: the checkout this package runs from",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda[:i] for the decoding suites")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPE_NAMES), help="model dtype")
     p.add_argument(

@@ -45,16 +45,32 @@ def _machine(benches=()) -> dict:
     }
 
 
-def run_suites(
-    suites, out_dir: Path, quick: bool = False, extra_args=(), env_extra=None
-) -> list[Path]:
-    """Run bench/bench_<suite>.py for each suite; one JSON per suite in out_dir."""
-    root = Path(__file__).resolve().parent.parent / "bench"
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"{root} not found: `jacobi-forcing bench` runs from a source checkout (the bench/ "
-            "suites are not installed with the wheel)"
+class BenchNotFound(FileNotFoundError):
+    """The benchmark suites are not where `jacobi-forcing bench` looked."""
+
+
+def bench_dir(given: str | Path | None = None) -> Path:
+    """The folder of the bench_<suite>.py suites: `given`, else the bench/ of the source checkout
+    this package runs from. The suites are not part of the wheel (they are pytest files beside
+    the library, not the library), so an installed package needs a checkout's bench/ named."""
+    root = Path(given) if given is not None else Path(__file__).resolve().parent.parent / "bench"
+    if not (root / "conftest.py").is_file():
+        where = "the folder given" if given is not None else "beside this installed package"
+        raise BenchNotFound(
+            f"no benchmark suites in {root} ({where}): `jacobi-forcing bench` runs the pytest "
+            "suites of a source checkout. Run it from a clone of the repository (the editable "
+            "install of the README), or pass --bench-dir CLONE/bench; --render-only renders "
+            "JSON you already have"
         )
+    return root
+
+
+def run_suites(
+    suites, out_dir: Path, quick: bool = False, extra_args=(), env_extra=None, root=None
+) -> list[Path]:
+    """Run bench_<suite>.py of `root` (default: bench_dir()) for each suite; one JSON per suite
+    in out_dir."""
+    root = bench_dir(root)
     # Absolute: the suites may change directory, and pytest-benchmark writes the JSON at the end.
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -247,11 +263,25 @@ def _fmt(x, spec=".1f"):
 
 
 def markdown(benches, machine: dict, figures: dict, compare: dict | None = None) -> str:
+    """The report: the machine, then a section per kind of benchmark present, the figures and
+    (with a baseline) the comparison."""
     out = ["# jacobi_ext benchmark report", ""]
     out += ["| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in machine.items()]
     models = sorted({b["_model"] for b in benches if b.get("_model")})
     if models:
         out.append(f"| model | {', '.join(models)} |")
+    for section in (_md_decoding, _md_loop, _md_forward, _md_sweep, _md_attention):
+        out += section(benches)
+    if figures:
+        out += ["", "## Figures", ""] + [f"![{k}]({v.name})" for k, v in figures.items()]
+    if compare:
+        out += _md_compare(compare)
+    return "\n".join(out) + "\n"
+
+
+def _md_decoding(benches) -> list[str]:
+    """The decoding table (bench_decoding): tokens/s, TPF and speedup per method."""
+    out: list[str] = []
     dec = [b for b in benches if b["name"].startswith("test_decoding[")]
     if dec:
         e0 = dec[0]["extra_info"]
@@ -271,6 +301,12 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
                 f" | {_fmt(e.get('speedup_vs_hf_greedy'), '.2f')}x | "
                 f"{'-' if ident is None else ('yes' if ident else 'NO')} |"
             )
+    return out
+
+
+def _md_loop(benches) -> list[str]:
+    """The decoding loop's host costs: verify_step latency and the loop's share of a step."""
+    out: list[str] = []
     ver = [b for b in benches if b["name"] == "test_verify_step_cpu_latency"]
     loop = [b for b in benches if b["name"] == "test_decoding_loop_overhead"]
     if ver or loop:
@@ -286,6 +322,12 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
                 f"- host loop outside the model forward: **{100 * e['loop_share']:.1f}%** "
                 f"of step time ({e['per_step_overhead_ms']:.2f} ms per step; target <= 5%)"
             )
+    return out
+
+
+def _md_forward(benches) -> list[str]:
+    """Forward latency vs parallel tokens, against the roofline floor the run recorded."""
+    out: list[str] = []
     fwd_b = sorted(
         (b for b in benches if b["name"].startswith("test_forward_latency_vs_tokens")),
         key=lambda b: b["extra_info"]["tokens"],
@@ -314,6 +356,12 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
                 f"{e['weight_bytes'] / 1e6:.1f} MB of weights, read {e['read_gbps']:.1f} GB/s, "
                 f"peak {e['peak_gflops']:.0f} GFLOP/s (this machine, as the run recorded them).",
             ]
+    return out
+
+
+def _md_sweep(benches) -> list[str]:
+    """The decoding sweep over block sizes, against the reference rows of the same run."""
+    out: list[str] = []
     sweep = [b for b in benches if b["name"].startswith("test_sweep[")]
     if sweep:
         refs = {
@@ -349,6 +397,12 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
                 f"{_fmt(e['tokens_per_s'])} | {_fmt(e['tpf'], '.2f')} | "
                 + (f"{e['tokens_per_s'] / greedy:.2f}x |" if greedy else "- |")
             )
+    return out
+
+
+def _md_attention(benches) -> list[str]:
+    """The training attention table: ours against the other implementations."""
+    out: list[str] = []
     att = _attention_rows(benches)
     if att:
         mm = _matmul_rates(benches)
@@ -393,8 +447,12 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
                 f"{r['impl']} | {1e3 * r['median']:.1f} | {_fmt(r['gflops'])} | "
                 f"{_fmt(r['peak_mb'])} | {ratio} | {pct} |"
             )
-    if figures:
-        out += ["", "## Figures", ""] + [f"![{k}]({v.name})" for k, v in figures.items()]
+    return out
+
+
+def _md_compare(compare) -> list[str]:
+    """Each benchmark's median against the baseline run's (regressions flagged)."""
+    out: list[str] = []
     if compare:
         out += [
             "",
@@ -407,7 +465,7 @@ def markdown(benches, machine: dict, figures: dict, compare: dict | None = None)
             ratio = new / old
             flag = "REGRESSION" if ratio > 1.10 else ("faster" if ratio < 0.90 else "")
             out.append(f"| {name} | {1e3 * old:.2f} | {1e3 * new:.2f} | {ratio:.2f} | {flag} |")
-    return "\n".join(out) + "\n"
+    return out
 
 
 def compare_runs(benches, baseline_paths) -> dict:
@@ -446,9 +504,15 @@ def cmd_bench(args) -> int:
         unknown = set(suites) - set(SUITES) - {"attention_cuda", "sampling"}
         if unknown:
             raise ValueError(f"unknown suite(s) {sorted(unknown)}; choose from {SUITES}")
+        try:
+            root = bench_dir(getattr(args, "bench_dir", None))
+        except BenchNotFound as exc:
+            print(f"jacobi-forcing bench: {exc}", file=sys.stderr)
+            return 2
         paths = run_suites(
             suites,
             out_dir,
+            root=root,
             quick=args.quick,
             extra_args=["-k", args.k] if args.k else [],
             env_extra={

@@ -122,3 +122,14 @@ def test_machine_block_uses_what_the_run_recorded(sample, tmp_path) -> None:
     text = report.render([path], tmp_path).read_text()
     assert "| torch threads | 7 |" in text and "| torch | 9.9.9 |" in text
     assert "| model | runs/x/final |" in text
+
+
+def test_bench_says_where_the_suites_are_missing(tmp_path, capsys) -> None:
+    """From an installed wheel (no bench/ beside the package) the command says what to do."""
+    from jacobi_ext.cli import main
+
+    rc = main(["bench", "--out", str(tmp_path / "out"), "--bench-dir", str(tmp_path / "nope")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "no benchmark suites in" in err and "--bench-dir" in err
+    assert report.bench_dir().name == "bench"  # this checkout's own suites are found

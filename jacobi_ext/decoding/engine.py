@@ -22,6 +22,7 @@ import torch
 
 from .loop import DecodeConfig, decode
 from .trajectory import TrajectoryRecorder
+from .tuning import Tuner
 
 METHODS = ("ar", "jacobi", "multiblock")
 
@@ -163,6 +164,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    tuner=None,
     **generation_kwargs,
 ) -> GenerateResult:
     """Generate with `method` ("ar" | "jacobi" | "multiblock"), greedily or (do_sample=True)
@@ -206,15 +208,91 @@ def generate(
     num_beams, ...) raise ValueError unless left at their neutral value. `do_sample=False` is
     greedy decoding, bit for bit.
 
+    `tuner`: the `tuning.Tuner` a tuned call consults and informs (default: one of `model`'s,
+    which reads its profile from disk once and writes it once, after the call).
+
     `seed`: one seed for both random choices of a call: the initial draft tokens (which change
     only the speed, never the tokens) and, with do_sample, the sampling noise (which picks the
     sample). None: 0 for greedy; for sampling, drawn from torch's default generator, so
     `torch.manual_seed` makes it reproducible as in transformers. `res.seed` is the one used.
     """
-    from ..sampling import check_unsupported, sampling_config, stream_keys
+    from ..sampling import stream_keys
+
+    sampling, seed = _sampling_rule(
+        model, do_sample, seed, temperature, top_k, top_p, min_p, cuda_graphs, generation_kwargs
+    )
+    _check_args(
+        model, input_ids, max_new_tokens, method, block_size, num_blocks, pool_size,
+        activation_ratio,
+    )  # fmt: skip
+    prompts = _prompts(input_ids, attention_mask)
+    recorders = _recorders(trajectory, method, block_size, lookup, len(prompts))
+    _check_context(model, prompts, max_new_tokens)
+    if lookup is None:
+        lookup = method == "multiblock" or (method == "jacobi" and block_size is None)
+    eos = eos_ids(model, eos_token_id)
+    tuner = tuner if tuner is not None else Tuner(model)
+    plan = _plan(tuner, method, block_size, num_blocks, pool_size, lookup)
+    cfg = DecodeConfig(
+        max_new=max_new_tokens, eos=eos, block_size=plan.n, num_blocks=plan.K,
+        pool_size=plan.pool, activation_ratio=activation_ratio, cost_ratio=plan.cost_ratio,
+        lookup_cost=plan.lookup_cost, cuda_graphs=cuda_graphs, sampling=sampling,
+    )  # fmt: skip
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    keys = stream_keys(prompts, seed) if sampling is not None else None
+    results, stats = decode(model, prompts, cfg, gen, streamer, recorders, keys)
+    if streamer is not None:
+        streamer.end()
+    tuner.observe(
+        results, stats, plan.n, plan.K, lookup=lookup,
+        priced=plan.cost_ratio is not None or plan.lookup_cost is not None,
+        tuned=plan.cost_ratio is not None, greedy=sampling is None,
+    )  # fmt: skip
+    tuner.save()
+    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+    return _result(results, stats, plan, lookup, pad, seed, sampling)
+
+
+@dataclass
+class _Plan:
+    """The settings a call decodes with: method, block size n, blocks in flight K, candidate
+    pool, and the curve's cost ratio (None: untuned, no controller) and lookup drafts' cost."""
+
+    method: str
+    n: int
+    K: int
+    pool: int
+    cost_ratio: object = None
+    lookup_cost: object = None
+
+
+def _plan(tuner, method, block_size, num_blocks, pool_size, lookup) -> _Plan:
+    """The call's settings: as given, or (block_size None) the tuner's choice from the measured
+    curve and the acceptance this model has shown, with an online fallback to AR when the
+    acceptance observed now is too low (the cost ratio the controller weighs it by)."""
+    cost_ratio = None
+    if method == "ar":
+        plan = _Plan("ar", 1, 1, 0)
+    else:
+        if block_size is None:
+            curve = tuner.curve()
+            s = tuner.choose(method, num_blocks, pool_size, lookup=lookup, curve=curve)
+            block_size, num_blocks, pool_size = s.block_size, s.num_blocks, s.pool_size
+            method, cost_ratio = s.method, curve.cost_ratio
+        K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
+        plan = _Plan("ar", 1, 1, 0) if method == "ar" else _Plan(method, block_size, K, p)
+    plan.cost_ratio = cost_ratio
+    if lookup:  # a fixed block size too: drafts are weighed by their cost
+        plan.lookup_cost = cost_ratio if cost_ratio is not None else tuner.curve().cost_ratio
+    return plan
+
+
+def _sampling_rule(model, do_sample, seed, temperature, top_k, top_p, min_p, cuda_graphs, kwargs):
+    """(SamplingConfig or None for greedy, the call's seed), the arguments checked."""
+    from ..sampling import check_unsupported, sampling_config
     from .runtime import _graphs_wanted
 
-    check_unsupported(generation_kwargs)
+    check_unsupported(kwargs)
     _graphs_wanted(torch.device("cpu"), cuda_graphs)  # a bad value fails here, on any device
     sampling = None
     if do_sample:
@@ -229,38 +307,33 @@ def generate(
                 f"do_sample=False: {', '.join(given)} only apply to sampling and are ignored "
                 "(greedy decoding); pass do_sample=True to sample",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         seed = 0 if seed is None else seed
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int or None, got {seed!r}")
-    _check_args(
-        model,
-        input_ids,
-        max_new_tokens,
-        method,
-        block_size,
-        num_blocks,
-        pool_size,
-        activation_ratio,
-    )
-    prompts = _prompts(input_ids, attention_mask)
-    recorders = None
-    if trajectory is not None:
-        recorders = list(trajectory) if isinstance(trajectory, (list, tuple)) else [trajectory]
-        if method != "jacobi" or block_size is None or lookup:
-            raise ValueError(
-                "recording a trajectory needs method='jacobi', a fixed block_size and lookup "
-                "off (a lookup win is not a Jacobi iteration)"
-            )
-        if len(recorders) != len(prompts):
-            raise ValueError(
-                f"trajectory: {len(recorders)} recorder(s) for a batch of {len(prompts)} "
-                "prompts: pass one TrajectoryRecorder per sequence"
-            )
-    if lookup is None:
-        lookup = method == "multiblock" or (method == "jacobi" and block_size is None)
-    eos = eos_ids(model, eos_token_id)
+    return sampling, seed
+
+
+def _recorders(trajectory, method, block_size, lookup, batch) -> list | None:
+    """The trajectory recorders, one per sequence, checked against the call's settings."""
+    if trajectory is None:
+        return None
+    recorders = list(trajectory) if isinstance(trajectory, (list, tuple)) else [trajectory]
+    if method != "jacobi" or block_size is None or lookup:
+        raise ValueError(
+            "recording a trajectory needs method='jacobi', a fixed block_size and lookup "
+            "off (a lookup win is not a Jacobi iteration)"
+        )
+    if len(recorders) != batch:
+        raise ValueError(
+            f"trajectory: {len(recorders)} recorder(s) for a batch of {batch} "
+            "prompts: pass one TrajectoryRecorder per sequence"
+        )
+    return recorders
+
+
+def _check_context(model, prompts, max_new_tokens) -> None:
     limit = _max_positions(model)
     longest = max(len(p) for p in prompts)
     if limit is not None and longest + max_new_tokens > limit:
@@ -268,89 +341,23 @@ def generate(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
             f"the model's context of {limit} positions"
         )
-    cost_ratio = None  # no controller unless the settings are tuned
-    if method == "ar":
-        n, K, p = 1, 1, 0
-    else:
-        if block_size is None:
-            # Tuned: the block size from the measured curve and the acceptance this model has
-            # shown, and an online fallback to AR when the acceptance observed now is too low.
-            from .tuning import choose_settings, step_curve
 
-            curve = step_curve(model)
-            s = choose_settings(
-                model, method=method, num_blocks=num_blocks, pool_size=pool_size, curve=curve,
-                lookup=lookup,
-            )  # fmt: skip
-            block_size, num_blocks, pool_size = s.block_size, s.num_blocks, s.pool_size
-            method = s.method
-            cost_ratio = curve.cost_ratio
-        n = block_size
-        K, p = (1, 0) if method == "jacobi" else (num_blocks, pool_size)
-        if method == "ar":
-            n, K, p = 1, 1, 0
-    lookup_cost = cost_ratio
-    if lookup and lookup_cost is None:  # a fixed block size: still weigh drafts by their cost
-        from .tuning import step_curve
 
-        lookup_cost = step_curve(model).cost_ratio
-    cfg = DecodeConfig(
-        max_new=max_new_tokens,
-        eos=eos,
-        block_size=n,
-        num_blocks=K,
-        pool_size=p,
-        activation_ratio=activation_ratio,
-        cost_ratio=cost_ratio,
-        lookup_cost=lookup_cost if lookup else None,
-        cuda_graphs=cuda_graphs,
-        sampling=sampling,
-    )
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    keys = stream_keys(prompts, seed) if sampling is not None else None
-    results, stats = decode(model, prompts, cfg, gen, streamer, recorders, keys)
-    if streamer is not None:
-        streamer.end()
-    if cost_ratio is not None or lookup_cost is not None:
-        from .tuning import remember_step_times  # the curve learns from the steps it priced
-
-        remember_step_times(model, stats.widths, stats.step_seconds)
-    if sampling is None and n > 1:
-        # Every greedy parallel call, tuned or not, tells the tuner the model's acceptance (a
-        # fixed `jacobi` n=16 call before the first tuned one, as in the demo, informs it). Only
-        # greedy acceptance is remembered: a sampled call converges later, and its own controller
-        # falls back to AR when its acceptance does not pay.
-        from .tuning import estimate_rho, remember_acceptance
-
-        window = n + (K - 1) * n // 2  # as tuning.predict credits K blocks
-        for r in results:
-            if r.mean_accepted_parallel is not None:  # None unless parallel steps ran
-                rho = estimate_rho(r.mean_accepted_parallel, window)
-                remember_acceptance(model, rho, weight=len(r.accepted))
-    if cost_ratio is not None and sampling is None:
-        from .tuning import AR_LOOKUP, PARALLEL, remember_mode_speed
-
-        cost = sum(r.cost or 0.0 for r in results)
-        if lookup and cost > 0:  # the race of tuning.choose_settings: its speed over plain AR
-            committed = sum(len(r.tokens) for r in results)
-            mode = PARALLEL if n > 1 else AR_LOOKUP
-            remember_mode_speed(model, mode, committed / cost, weight=committed)
+def _result(results, stats, plan: _Plan, lookup, pad, seed, sampling) -> GenerateResult:
+    """The call's GenerateResult: rows padded with `pad` to the longest."""
     rows = [r.tokens for r in results]
     width = max(len(r) for r in rows)
-    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     tokens = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    if lookup:
-        method += "+lookup"
     return GenerateResult(
         tokens=tokens,
         forwards=stats.forwards,
         seconds=stats.seconds,
-        method=method,
-        block_size=n,
-        num_blocks=K,
-        pool_size=p,
+        method=plan.method + ("+lookup" if lookup else ""),
+        block_size=plan.n,
+        num_blocks=plan.K,
+        pool_size=plan.pool,
         prefill_seconds=stats.prefill_seconds,
         lengths=[len(r) for r in rows],
         accepted=[a for r in results for a in r.accepted],

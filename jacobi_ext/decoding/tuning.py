@@ -143,9 +143,8 @@ class StepCurve:
 #: a wide one, over a cache of QUICK_CONTEXT tokens, one forward each after the probe's prefill
 #: (~0.1 s for SmolLM2-135M on a 2-core CPU, against ~4-7 s for the full curve, SIZES x 5
 #: rounds, that `jacobi-forcing tune` and the demo's plot measure). A first tuned call should
-#: not wait seconds for its answer (issue 36: the first tuned call on a fresh cache within 1.3x
-#: of the same call warm). The steps tuned calls then run are timed and refine the curve
-#: (remember_step_times).
+#: not wait seconds for its answer: on a fresh cache it stays within 1.3x of the same call warm.
+#: The steps tuned calls then run are timed and refine the curve (Tuner.add_step_times).
 QUICK_SIZES = (1, 16, 64)
 QUICK_CONTEXT = 8
 QUICK_REPEATS = 1
@@ -263,21 +262,11 @@ _warned_unwritable: list[str] = []  # a failed profile write is reported once pe
 def step_curve(
     model, remeasure: bool = False, progress: bool = False, full: bool = False
 ) -> StepCurve:
-    """The cached curve for this model / device / dtype / threads, measured on first use: the
-    quick curve (a few widths, ~0.2 s) for a tuned call, the full one (every size in SIZES,
-    seconds) with `full` (`jacobi-forcing tune`, the demo's plot), which then replaces the quick
-    one in the profile. Where tuned calls have timed their own steps (remember_step_times), the
-    curve is refined by them (`refined`), except with `full` (what was measured, as measured)."""
-    prof = load_profile(model)
-    if "curve" in prof and not remeasure:
-        curve = StepCurve(**prof["curve"])
-        if not full or list(curve.sizes) == list(SIZES):
-            return curve if full else refined(curve, prof.get("observed", {}))
-    curve = measure_step_curve(model, progress=progress) if full else measure_quick_curve(model)
-    prof["curve"] = asdict(curve)
-    if remeasure:
-        prof.pop("observed", None)
-    save_profile(model, prof)
+    """The cached curve for this model / device / dtype / threads (Tuner.curve), its profile
+    written if it was measured now."""
+    tuner = Tuner(model)
+    curve = tuner.curve(remeasure=remeasure, progress=progress, full=full)
+    tuner.save()
     return curve
 
 
@@ -286,23 +275,10 @@ MIN_OBSERVED_STEPS = 3
 
 
 def remember_step_times(model, widths: list[int], seconds: list[float]) -> None:
-    """Blend the median time of the steps a call ran at each width into the model's profile
-    (per width, recent calls counting most). These are whole steps as decoding runs them
-    (forward, verification, bookkeeping), timed where the tuner's probe times the forward
-    alone, so `refined` uses their ratios to each other and to the probe, not their size."""
-    by: dict[int, list[float]] = {}
-    for w, s in zip(widths, seconds, strict=True):
-        by.setdefault(int(w), []).append(s)
-    by = {w: v for w, v in by.items() if len(v) >= MIN_OBSERVED_STEPS}
-    if not by:
-        return
-    prof = load_profile(model)
-    obs = prof.setdefault("observed", {})
-    for w, v in by.items():
-        old = obs.get(str(w), {"seconds": 0.0, "weight": 0.0})
-        val, wt = _blend(old["seconds"], old["weight"], statistics.median(v), len(v), cap=200.0)
-        obs[str(w)] = {"seconds": val, "weight": wt}
-    save_profile(model, prof)
+    """Tuner.add_step_times, written to the model's profile."""
+    tuner = Tuner(model)
+    tuner.add_step_times(widths, seconds)
+    tuner.save()
 
 
 def refined(curve: StepCurve, observed: dict) -> StepCurve:
@@ -327,12 +303,10 @@ def _blend(old: float, w_old: float, new: float, weight: float, cap: float) -> t
 
 
 def remember_acceptance(model, rho: float, weight: float) -> None:
-    """Blend an observed acceptance rate into the model's profile (weight = steps observed)."""
-    prof = load_profile(model)
-    prof["rho"], prof["rho_weight"] = _blend(
-        prof.get("rho", PRIOR_RHO), prof.get("rho_weight", 0.0), rho, weight, cap=200.0
-    )
-    save_profile(model, prof)
+    """Tuner.add_acceptance, written to the model's profile."""
+    tuner = Tuner(model)
+    tuner.add_acceptance(rho, weight)
+    tuner.save()
 
 
 #: Modes a tuned call with lookup drafts races (measured speed over plain AR, see below).
@@ -342,17 +316,10 @@ RETRY_LOSER_EVERY = 10
 
 
 def remember_mode_speed(model, mode: str, speedup: float, weight: float) -> None:
-    """Blend a tuned call's measured speed over plain AR into the model's profile, and count the
-    call. `speedup`: tokens committed / the steps' cost in one-token forwards (the curve's
-    ratios t(q) / t(1), so how busy the machine was during the call does not bias it);
-    `weight`: tokens committed. Recent calls count (the old weight is capped)."""
-    prof = load_profile(model)
-    modes = prof.setdefault("modes", {})
-    old = modes.get(mode, {"speedup": speedup, "weight": 0.0})
-    v, w = _blend(old["speedup"], old["weight"], speedup, weight, cap=2000.0)
-    modes[mode] = {"speedup": v, "weight": w}
-    prof["tuned_calls"] = prof.get("tuned_calls", 0) + 1
-    save_profile(model, prof)
+    """Tuner.add_mode_speed, written to the model's profile."""
+    tuner = Tuner(model)
+    tuner.add_mode_speed(mode, speedup, weight)
+    tuner.save()
 
 
 def expected_accepted(rho: float, window: int) -> float:
@@ -410,43 +377,158 @@ def choose_settings(
     curve: StepCurve | None = None,
     lookup: bool = False,
 ) -> Settings:
-    """The block size (and, where parallel decoding cannot pay, "ar") that maximises predicted
-    tokens/s for `method` with the given blocks and pool.
+    """Tuner.choose for `model` (None: no profile, the prior acceptance; `curve` then needed)."""
+    return Tuner(model).choose(method, num_blocks, pool_size, lookup, rho=rho, curve=curve)
 
-    With `lookup` (the tuned default) the alternative to parallel decoding is AR with lookup
-    drafts, which the prediction (against plain AR, with an acceptance that repetition raises
-    for both) cannot weigh. So the two race on measured speed: the engine records each tuned
-    call's tokens per one-token-forward cost (`remember_mode_speed`); once the parallel pick has
-    a figure, the next call runs AR with lookup to get one, then the faster runs, and one call
-    in RETRY_LOSER_EVERY runs the slower again. (Measured on a 2-core CPU, fp32, 2026-11-26:
-    the prediction picked `multiblock` n = 4, K = 2, pool 4 for the distilled model, which AR
-    with lookup beat side by side; trying one block without candidates did not help either.)"""
-    curve = curve or step_curve(model)
-    prof = load_profile(model) if model is not None else {}
-    if rho is None:
-        rho = prof.get("rho", PRIOR_RHO)
-    # `multiblock` also weighs one block without candidates (a Jacobi step inside the multiblock
-    # engine): where a wide forward costs little more than a narrow one (bf16 on a CPU with AMX:
-    # t(16) = 1.22 t(1)), n = 16 alone commits more per cost than K blocks of n = 4 with a pool
-    # (measured 2026-11-26, chunk G, HumanEval[:25] bf16: jacobi n = 16 2.46x greedy, the
-    # pick n = 4, K = 2, pool 4 2.00x); where it costs more (fp32 here), the prediction says so.
-    shapes = [(1, 0)] if method == "jacobi" else [(num_blocks, pool_size)]
-    if method == "multiblock" and (num_blocks, pool_size) != (1, 0):
-        shapes.append((1, 0))
-    ar = Settings("ar", 1, 1, 0, 1.0, rho)
-    best = ar
-    for K, p in shapes:
-        for n in BLOCK_SIZES:
-            s = predict(curve, rho, n, K, p)
-            if s > best.expected_speedup:
-                best = Settings(method, n, K, p, s, rho)
-    modes = prof.get("modes", {})
-    if not lookup or best is ar or PARALLEL not in modes:
-        return best
-    if AR_LOOKUP not in modes:
-        return ar  # measure AR with lookup once
-    par, arl = modes[PARALLEL]["speedup"], modes[AR_LOOKUP]["speedup"]
-    retry = prof.get("tuned_calls", 0) % RETRY_LOSER_EVERY == RETRY_LOSER_EVERY - 1
-    if (par >= arl) != retry:
-        return replace(best, expected_speedup=par)
-    return replace(ar, expected_speedup=arl)
+
+class Tuner:
+    """The roofline tuner of one model, as a tuned `generate` call uses it: it reads the model's
+    profile (its curve, acceptance and measured mode speeds; one JSON file per model_key) once,
+    chooses the settings, takes what the call observed, and writes the profile once."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._profile: dict | None = None
+        self._changed = False
+
+    @property
+    def profile(self) -> dict:
+        if self._profile is None:
+            self._profile = load_profile(self.model) if self.model is not None else {}
+        return self._profile
+
+    def save(self) -> None:
+        """Write the profile if this tuner changed it."""
+        if self._changed and self.model is not None:
+            save_profile(self.model, self.profile)
+        self._changed = False
+
+    def curve(self, remeasure: bool = False, progress: bool = False, full: bool = False):
+        """The cached curve, measured on first use: the quick curve (a few widths, ~0.2 s) for a
+        tuned call, the full one (every size in SIZES, seconds) with `full` (`jacobi-forcing
+        tune`, the demo's plot), which then replaces the quick one. Where tuned calls have timed
+        their own steps (add_step_times), the curve is refined by them (`refined`), except with
+        `full` (what was measured, as measured)."""
+        prof = self.profile
+        if "curve" in prof and not remeasure:
+            curve = StepCurve(**prof["curve"])
+            if not full or list(curve.sizes) == list(SIZES):
+                return curve if full else refined(curve, prof.get("observed", {}))
+        model = self.model
+        curve = measure_step_curve(model, progress=progress) if full else measure_quick_curve(model)
+        prof["curve"] = asdict(curve)
+        if remeasure:
+            prof.pop("observed", None)
+        self._changed = True
+        return curve
+
+    def add_step_times(self, widths: list[int], seconds: list[float]) -> None:
+        """Blend the median time of the steps a call ran at each width into the profile (per
+        width, recent calls counting most). These are whole steps as decoding runs them
+        (forward, verification, bookkeeping), timed where the tuner's probe times the forward
+        alone, so `refined` uses their ratios to each other and to the probe, not their size."""
+        by: dict[int, list[float]] = {}
+        for w, sec in zip(widths, seconds, strict=True):
+            by.setdefault(int(w), []).append(sec)
+        by = {w: v for w, v in by.items() if len(v) >= MIN_OBSERVED_STEPS}
+        if not by:
+            return
+        obs = self.profile.setdefault("observed", {})
+        for w, v in by.items():
+            old = obs.get(str(w), {"seconds": 0.0, "weight": 0.0})
+            val, wt = _blend(old["seconds"], old["weight"], statistics.median(v), len(v), 200.0)
+            obs[str(w)] = {"seconds": val, "weight": wt}
+        self._changed = True
+
+    def add_acceptance(self, rho: float, weight: float) -> None:
+        """Blend an observed acceptance rate into the profile (weight = steps observed)."""
+        prof = self.profile
+        prof["rho"], prof["rho_weight"] = _blend(
+            prof.get("rho", PRIOR_RHO), prof.get("rho_weight", 0.0), rho, weight, cap=200.0
+        )
+        self._changed = True
+
+    def add_mode_speed(self, mode: str, speedup: float, weight: float) -> None:
+        """Blend a tuned call's measured speed over plain AR into the profile, and count the
+        call. `speedup`: tokens committed / the steps' cost in one-token forwards (the curve's
+        ratios t(q) / t(1), so how busy the machine was during the call does not bias it);
+        `weight`: tokens committed. Recent calls count (the old weight is capped)."""
+        prof = self.profile
+        modes = prof.setdefault("modes", {})
+        old = modes.get(mode, {"speedup": speedup, "weight": 0.0})
+        v, w = _blend(old["speedup"], old["weight"], speedup, weight, cap=2000.0)
+        modes[mode] = {"speedup": v, "weight": w}
+        prof["tuned_calls"] = prof.get("tuned_calls", 0) + 1
+        self._changed = True
+
+    def observe(self, results, stats, n: int, K: int, lookup: bool, priced: bool,
+                tuned: bool, greedy: bool) -> None:  # fmt: skip
+        """What a call teaches: the time of the steps it priced (`priced`: it weighed steps or
+        drafts by the curve), the acceptance of greedy parallel steps (a fixed `jacobi` n = 16
+        call before the first tuned one, as in the demo, informs it; a sampled call converges
+        later, and its own controller falls back to AR when that does not pay), and, for a
+        tuned greedy call with lookup, its speed over plain AR (the race of `choose`)."""
+        if priced:
+            self.add_step_times(stats.widths, stats.step_seconds)
+        if greedy and n > 1:
+            window = n + (K - 1) * n // 2  # as `predict` credits K blocks
+            for r in results:
+                if r.mean_accepted_parallel is not None:  # None unless parallel steps ran
+                    rho = estimate_rho(r.mean_accepted_parallel, window)
+                    self.add_acceptance(rho, weight=len(r.accepted))
+        if tuned and greedy and lookup:
+            cost = sum(r.cost or 0.0 for r in results)
+            if cost > 0:
+                committed = sum(len(r.tokens) for r in results)
+                mode = PARALLEL if n > 1 else AR_LOOKUP
+                self.add_mode_speed(mode, committed / cost, weight=committed)
+
+    def choose(
+        self,
+        method: str = "multiblock",
+        num_blocks: int = 2,
+        pool_size: int = 4,
+        lookup: bool = False,
+        rho: float | None = None,
+        curve: StepCurve | None = None,
+    ) -> Settings:
+        """The block size (and, where parallel decoding cannot pay, "ar") that maximises predicted
+        tokens/s for `method` with the given blocks and pool.
+
+        With `lookup` (the tuned default) the alternative to parallel decoding is AR with lookup
+        drafts, which the prediction (against plain AR, with an acceptance that repetition raises
+        for both) cannot weigh. So the two race on measured speed: the engine records each tuned
+        call's tokens per one-token-forward cost (`add_mode_speed`); once the parallel pick has
+        a figure, the next call runs AR with lookup to get one, then the faster runs, and one call
+        in RETRY_LOSER_EVERY runs the slower again. (Measured on a 2-core CPU, fp32, 2026-11-26:
+        the prediction picked `multiblock` n = 4, K = 2, pool 4 for the distilled model, which AR
+        with lookup beat side by side; trying one block without candidates did not help either.)"""
+        curve = curve or self.curve()
+        prof = self.profile
+        if rho is None:
+            rho = prof.get("rho", PRIOR_RHO)
+        # `multiblock` also weighs one block without candidates (a Jacobi step inside the multiblock
+        # engine): where a wide forward costs little more than a narrow one (bf16 on a CPU with AMX:
+        # t(16) = 1.22 t(1)), n = 16 alone commits more per cost than K blocks of n = 4 with a pool
+        # (measured 2026-11-26, chunk G, HumanEval[:25] bf16: jacobi n = 16 2.46x greedy, the
+        # pick n = 4, K = 2, pool 4 2.00x); where it costs more (fp32 here), the prediction says so.
+        shapes = [(1, 0)] if method == "jacobi" else [(num_blocks, pool_size)]
+        if method == "multiblock" and (num_blocks, pool_size) != (1, 0):
+            shapes.append((1, 0))
+        ar = Settings("ar", 1, 1, 0, 1.0, rho)
+        best = ar
+        for K, p in shapes:
+            for n in BLOCK_SIZES:
+                s = predict(curve, rho, n, K, p)
+                if s > best.expected_speedup:
+                    best = Settings(method, n, K, p, s, rho)
+        modes = prof.get("modes", {})
+        if not lookup or best is ar or PARALLEL not in modes:
+            return best
+        if AR_LOOKUP not in modes:
+            return ar  # measure AR with lookup once
+        par, arl = modes[PARALLEL]["speedup"], modes[AR_LOOKUP]["speedup"]
+        retry = prof.get("tuned_calls", 0) % RETRY_LOSER_EVERY == RETRY_LOSER_EVERY - 1
+        if (par >= arl) != retry:
+            return replace(best, expected_speedup=par)
+        return replace(ar, expected_speedup=arl)
