@@ -2,11 +2,11 @@
 
 A ``noisy_context`` layout is exactly two causal streams that share the prompt: every noisy query
 sees the prompt, the earlier noisy blocks and its own block causally, every clean query the
-prompt, the earlier clean blocks and its own block causally (SPEC §4). So its attention is two
-plain causal attentions over ``prompt ⊕ noisy blocks`` and ``prompt ⊕ clean blocks``, which
-torch's SDPA runs with its best kernel (cuDNN or flash on CUDA): gather each stream, two causal
-SDPA calls, scatter the outputs back to the packed order. Autograd gives the backward: the
-prompt's keys and values collect gradients from both streams; the prompt's queries are computed
+prompt, the earlier clean blocks and its own block causally (docs/method.md §1). So its
+attention is two plain causal attentions over ``prompt ⊕ noisy blocks`` and ``prompt ⊕ clean
+blocks``, which torch's SDPA runs with its best kernel (cuDNN or flash on CUDA): gather each stream,
+two causal SDPA calls, scatter the outputs back to the packed order. Autograd gives the backward:
+the prompt's keys and values collect gradients from both streams; the prompt's queries are computed
 in both (square causal calls, so the fastest SDPA kernels apply) and the second copy is dropped,
 which costs P^2/2 scores per head and changes nothing else.
 

@@ -182,7 +182,7 @@ def jacobi_attention(
     scale: float | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Attention over a packed Jacobi Forcing sequence with the layout's mask (SPEC §4).
+    """Attention over a packed Jacobi Forcing sequence with the layout's mask (docs/method.md §1).
 
     q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]; Hq % Hkv == 0; S == layout.seq_len.
     Returns [B, Hq, S, D] in the packed order; differentiable in q, k, v.

@@ -1,11 +1,11 @@
 """The Jacobi Forcing sequence layout and the general block-causal table it compiles to.
 
 A packed JF training sequence is ``[prompt P][noisy_0 n][clean_0 n] ... [noisy_{T-1}][clean_{T-1}]``
-(SPEC §3). Which keys a query may attend (SPEC §4) is block-causal: it is decided per (query
-block, key block) pair, plus causality inside the diagonal block. :class:`BlockTable` is that
-general form (the struct in ``csrc/include/jacobi/block_table.h``) and :class:`JacobiLayout`
-describes one JF sequence; everything else (position ids, the kernels' table, the dense mask of
-the tests, the FlexAttention ``mask_mod``) is derived from it.
+(docs/method.md §1). Which keys a query may attend (same section) is block-causal: it is
+decided per (query block, key block) pair, plus causality inside the diagonal block.
+:class:`BlockTable` is that general form (the struct in ``csrc/include/jacobi/block_table.h``) and
+:class:`JacobiLayout` describes one JF sequence; everything else (position ids, the kernels' table,
+the dense mask of the tests, the FlexAttention ``mask_mod``) is derived from it.
 
 The visibility rule itself is stated once, in C++ (``JfLayout`` in block_table.h), and reaches
 Python through ``torch.ops.jacobi_ext.jf_block_table``.
@@ -139,7 +139,7 @@ class StreamPlan(NamedTuple):
 
 @dataclass(frozen=True)
 class JacobiLayout:
-    """One packed Jacobi Forcing training sequence (SPEC §3-§4).
+    """One packed Jacobi Forcing training sequence (docs/method.md §1).
 
     Args:
         prompt_len: P >= 0 prompt tokens.

@@ -1,2 +1,2 @@
 """Progressive consistency distillation: trajectories -> noise-scheduled packing -> AR +
-consistency training -> a Jacobi Forcing model (SPEC §2-§5)."""
+consistency training -> a Jacobi Forcing model (docs/method.md §1-§3)."""

@@ -186,8 +186,9 @@ def _add_train(sub) -> None:
     p.add_argument("--ar-weight", type=float, default=None, help="λ (default 10)")
     p.add_argument(
         "--no-ar-prompt", action="store_true",
-        help="AR loss on the answer only, not on the prompt's own tokens (SPEC §5 includes "
-        "them): anchors the student to the teacher's answers without fine-tuning it on prompts",
+        help="AR loss on the answer only, not on the prompt's own tokens (docs/method.md §3 "
+        "includes them): anchors the student to the teacher's answers without fine-tuning it "
+        "on prompts",
     )  # fmt: skip
     p.add_argument(
         "--kl-weight", type=float, default=None,
@@ -198,7 +199,8 @@ def _add_train(sub) -> None:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument(
         "--consistency-reduction", default=None, choices=["mean_div_T", "mean"],
-        help="mean_div_T (SPEC §5, default): mean over kept positions / T; mean: plain mean",
+        help="mean_div_T (docs/method.md §3, default): mean over kept positions / T; "
+        "mean: plain mean",
     )  # fmt: skip
     p.add_argument(
         "--synthetic-fraction", type=float, default=None,

@@ -1,6 +1,6 @@
-"""The curriculum (SPEC §3): stage 1 (n=16, W=16) on the base model's trajectories, then each
-later stage regenerates trajectories with the previous stage's model (on-policy) and trains on
-from its weights, as one resumable command driven by a recipe file (TOML).
+"""The curriculum (docs/method.md §2): stage 1 (n=16, W=16) on the base model's trajectories,
+then each later stage regenerates trajectories with the previous stage's model (on-policy) and
+trains on from its weights, as one resumable command driven by a recipe file (TOML).
 
 On-disk layout under the recipe's ``out``::
 

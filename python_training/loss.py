@@ -1,5 +1,5 @@
-"""The Jacobi Forcing objective (SPEC §5): λ·AR + progressive consistency, from ONE forward of
-the packed sequence with ``attn_implementation="jacobi"``.
+"""The Jacobi Forcing objective (docs/method.md §3): λ·AR + progressive consistency, from ONE
+forward of the packed sequence with ``attn_implementation="jacobi"``.
 
 Only the logits the loss reads are computed: transformers' ``logits_to_keep`` takes an index
 tensor, so the LM head runs on the AR positions and the consistency positions only (the noisy
@@ -100,19 +100,19 @@ def example_loss(
     consistency_reduction: str = "mean_div_T",
     kl_weight: float = 0.0,
 ) -> LossParts:
-    """λ·AR + consistency (+ μ·KL) for one packed example (SPEC §5) from one forward.
+    """λ·AR + consistency (+ μ·KL) for one packed example (docs/method.md §3) from one forward.
 
-    ``consistency_reduction``: "mean_div_T" (SPEC §5: mean over the kept positions, divided by
-    the number of blocks T) or "mean" (the plain mean; with T blocks per sequence it weighs the
-    consistency term T times more against the AR term).
+    ``consistency_reduction``: "mean_div_T" (docs/method.md §3: mean over the kept positions,
+    divided by the number of blocks T) or "mean" (the plain mean; with T blocks per sequence it
+    weighs the consistency term T times more against the AR term).
 
-    ``kl_weight`` μ (not in SPEC; 0 leaves the objective as written): μ · KL(base ‖ model) at
-    the AR positions, the frozen base model's next-token distribution read by a second,
-    gradient-free forward of the sequence's clean stream with the LoRA adapter off. The AR term's
-    one-hot targets (the base's greedy tokens) teach the base's choice where the base was sure
-    and where it was torn alike, so a pattern common in the training answers (e.g. restating
-    the docstring) becomes a bias that flips the base's close calls on other prompts; the KL
-    keeps the base's whole distribution at every clean position instead."""
+    ``kl_weight`` μ (optional, docs/method.md §3; 0 leaves the base objective):
+    μ · KL(base ‖ model) at the AR positions, the frozen base model's next-token distribution read
+    by a second, gradient-free forward of the sequence's clean stream with the LoRA adapter off. The
+    AR term's one-hot targets (the base's greedy tokens) teach the base's choice where the base was
+    sure and where it was torn alike, so a pattern common in the training answers (e.g. restating
+    the docstring) becomes a bias that flips the base's close calls on other prompts; the KL keeps
+    the base's whole distribution at every clean position instead."""
     if consistency_reduction not in CONSISTENCY_REDUCTIONS:
         raise ValueError(
             f"consistency_reduction must be one of {CONSISTENCY_REDUCTIONS}, "
@@ -136,8 +136,8 @@ def example_loss(
     )
     cons_tokens = int(noisy_rows.numel())
     if cons_tokens:
-        # Mean over kept positions, divided by the number of blocks T (SPEC §5); the clean
-        # logits are a detached target from this same forward.
+        # Mean over kept positions, divided by the number of blocks T (docs/method.md §3);
+        # the clean logits are a detached target from this same forward.
         s = soft_cross_entropy(
             logits[noisy_rows.to(device)],
             logits[clean_rows.to(device)].detach(),

@@ -339,7 +339,7 @@ GRID = {  # name -> overrides of the default Setting (the README table)
     },
     "fixed trajectories, random phase": {"noise": "fixed"},
     "noisy_context mask": {"variant": "noisy_context"},
-    "λ=10, mean/T (SPEC)": {"ar_weight": 10.0, "consistency_reduction": "mean_div_T"},
+    "λ=10, mean/T (docs/method.md §3)": {"ar_weight": 10.0, "consistency_reduction": "mean_div_T"},
     "λ=10, mean": {"ar_weight": 10.0},
     "λ=1, mean/T": {"consistency_reduction": "mean_div_T"},
     "no random phase (linear saw-tooth)": {"random_phase": False},

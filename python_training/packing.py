@@ -1,4 +1,4 @@
-"""Noise-scheduled packing of Jacobi trajectories into training sequences (SPEC §3, §5).
+"""Noise-scheduled packing of Jacobi trajectories into training sequences (docs/method.md §2, §3).
 
 One trajectory record (python_training.trajectories) becomes one packed sequence
 ``[prompt P][noisy_0 n][clean_0 n] ... [noisy_{T-1}][clean_{T-1}]`` with its JacobiLayout,
@@ -30,7 +30,8 @@ def first_divergence(state: Sequence[int], fixed: Sequence[int]) -> int:
 
 
 def noise(state: Sequence[int], fixed: Sequence[int]) -> float:
-    """SPEC §3: the left-to-right unconverged fraction (n - d) / n, not a Hamming distance."""
+    """docs/method.md §2: the left-to-right unconverged fraction (n - d) / n, not a Hamming
+    distance."""
     n = len(fixed)
     return (n - first_divergence(state, fixed)) / n
 
@@ -95,8 +96,8 @@ def synthetic_state(
 
     The first replaced token (offset n-k) is drawn among the pool tokens that differ from
     ``fixed[n-k]``, so the state's first divergence is exactly n-k and its noise exactly k/n
-    (SPEC §3); the later ones may coincide with the fixed point by chance, as a Jacobi draft's
-    may. A pool holding nothing but that token falls back to a neighbouring id.
+    (docs/method.md §2); the later ones may coincide with the fixed point by chance, as a Jacobi
+    draft's may. A pool holding nothing but that token falls back to a neighbouring id.
     """
     n = len(fixed)
     if not 0 <= k <= n:
@@ -121,7 +122,8 @@ def context_pool(
     prompt_ids: Sequence[int], fixed_blocks: Sequence[Sequence[int]], j: int, lookback: int
 ) -> list[int]:
     """The last ``lookback`` tokens before block j: the prompt and the fixed points of blocks
-    < j (the committed context a Jacobi draft of block j is initialised from, SPEC §1)."""
+    < j (the committed context a Jacobi draft of block j is initialised from,
+    docs/method.md §4)."""
     ctx = list(prompt_ids[-lookback:]) if lookback > 0 else []
     for b in fixed_blocks[:j]:
         ctx += b
@@ -186,7 +188,7 @@ def pack(
     random_phase: bool = False,
     ar_prompt: bool = True,
 ) -> PackedExample:
-    """Pack one trajectory (SPEC §3) and derive its AR targets and consistency pairs (SPEC §5).
+    """Pack one trajectory (docs/method.md §2), derive its AR targets and consistency pairs (§3).
 
     ``blocks[j]`` is block j's list of states (the last is the fixed point). States are
     normalised to n tokens with PAD after the first EOS.
@@ -200,11 +202,12 @@ def pack(
     ``random.Random(seed)``: the same seed gives the same example, and a trainer that passes a
     new seed per use never shows the same synthetic state twice.
 
-    ``ar_prompt``: whether the AR loss includes the prompt's own next-token pairs (SPEC §5 and
-    the reference do). Without them the AR term is about the answer alone: the teacher's answer,
-    so it anchors the student to the teacher's outputs instead of also fine-tuning it on the
-    prompts' text (here docstrings of installed packages, which the base model predicts at an
-    NLL of ~2 against ~0.3 on its own answers, so they dominate that term's gradient).
+    ``ar_prompt``: whether the AR loss includes the prompt's own next-token pairs
+    (docs/method.md §3 and the reference do). Without them the AR term is about the answer alone:
+    the teacher's answer, so it anchors the student to the teacher's outputs instead of also
+    fine-tuning it on the prompts' text (here docstrings of installed packages, which the base model
+    predicts at an NLL of ~2 against ~0.3 on its own answers, so they dominate that term's
+    gradient).
     """
     n = block_size
     eos = set(eos_ids)

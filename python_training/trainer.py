@@ -1,4 +1,4 @@
-"""The JF trainer: AR + progressive consistency on packed trajectories (SPEC §5).
+"""The JF trainer: AR + progressive consistency on packed trajectories (docs/method.md §3).
 
 Built on accelerate rather than transformers' Trainer: every example is one packed sequence with
 its own JacobiLayout, a loss that needs the layout around both forward AND backward (activation
@@ -52,14 +52,14 @@ class TrainConfig:
     # often the teacher looping, which the consistency term learns to continue most readily.
     finished_only: bool = False
     ar_weight: float = 10.0  # λ
-    # Whether the AR term includes the prompt's next-token pairs (SPEC §5) or only the answer's
-    # (the bridge into the answer and its in-block pairs): packing.pack's ``ar_prompt``.
+    # Whether the AR term includes the prompt's next-token pairs (docs/method.md §3) or only the
+    # answer's (the bridge into the answer and its in-block pairs): packing.pack's ``ar_prompt``.
     ar_prompt: bool = True
     # μ of the KL to the frozen base model at the AR positions (loss.example_loss; LoRA only):
-    # keeps the base's distribution, not only its greedy tokens. 0: SPEC §5's objective.
+    # keeps the base's distribution, not only its greedy tokens. 0: docs/method.md §3's objective.
     kl_weight: float = 0.0
     temperature: float = 1.0
-    consistency_reduction: str = "mean_div_T"  # SPEC §5 (mean / T) | "mean"
+    consistency_reduction: str = "mean_div_T"  # docs/method.md §3 (mean / T) | "mean"
     # Synthetic progressive-masking noise (packing.synthetic_state), redrawn every time a
     # sequence is packed: the fraction of blocks whose noisy state is synthetic (the rest take
     # the collected state nearest the schedule's level), the context window the noise tokens

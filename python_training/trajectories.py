@@ -1,4 +1,4 @@
-"""Jacobi trajectory collection (SPEC §2) and its on-disk format.
+"""Jacobi trajectory collection (docs/method.md §2) and its on-disk format.
 
 Format (schema_version 1): a directory holding
   ``meta.json``            what produced the data: teacher, block_size, max_new_tokens, eos_ids,

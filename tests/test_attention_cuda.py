@@ -1,7 +1,8 @@
 """CUDA block-causal training attention (csrc/cuda/attention) against a float64 dense reference.
 
 The JF block table is built here from a small restatement of csrc/include/jacobi/block_table.h
-(JfLayout), and the dense mask straight from SPEC §4: no dependency on the Python layout code.
+(JfLayout), and the dense mask straight from docs/method.md §1: no dependency on the Python layout
+code.
 Plan tests (permutation + tile classes via the CPU op jacobi_ext::debug_tile_plan, the same header
 the GPU runs) need no GPU; kernel tests are marked `gpu` and skip without CUDA.
 """
@@ -38,7 +39,7 @@ def token_kinds(P: int, n: int, T: int) -> tuple[list[str], list[int], list[int]
 
 
 def dense_mask(P: int, n: int, T: int, variant: str, window: int = 1) -> torch.Tensor:
-    """SPEC §4, token by token."""
+    """docs/method.md §1, token by token."""
     kinds, pairs, blocks = token_kinds(P, n, T)
     L = len(kinds)
     m = torch.zeros(L, L, dtype=torch.bool)
@@ -151,7 +152,7 @@ def test_plan_matches_dense_mask(P, n, T, variant, w):
     starts, ptr, idx = jf_block_table(P, n, T, variant, w)
     S = P + 2 * T * n
     mask = dense_mask(P, n, T, variant, w)
-    assert torch.equal(table_mask(starts, ptr, idx, S), mask), "block table != SPEC §4"
+    assert torch.equal(table_mask(starts, ptr, idx, S), mask), "block table != docs/method.md §1"
     check_plan(starts, ptr, idx, S, mask)
 
 

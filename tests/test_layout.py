@@ -1,5 +1,6 @@
 """JacobiLayout / BlockTable: position ids, masks and tables against hand-worked examples and an
-independent token-level restatement of SPEC §4 (written here from the SPEC, not from the C++)."""
+independent token-level restatement of docs/method.md §1 (written here from that text, not from
+the C++)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 from jacobi_ext import BlockTable, JacobiLayout
 
 
-# ---- SPEC §4, restated token by token -------------------------------------------------------
+# ---- docs/method.md §1, restated token by token ---------------------------------------------
 def spec_token(P: int, n: int, i: int) -> tuple[str, int]:
-    """(kind, pair) of token i (SPEC §3): pair -1 for the prompt."""
+    """(kind, pair) of token i (docs/method.md §1): pair -1 for the prompt."""
     if i < P:
         return "prompt", -1
     b = (i - P) // n
@@ -204,7 +205,7 @@ def test_layout_is_hashable_and_compares_by_value():
 
 
 def test_all_small_layouts_are_consistent():
-    # Exhaustive over tiny shapes: the table agrees with the SPEC restatement everywhere.
+    # Exhaustive over tiny shapes: the table agrees with the restatement (docs/method.md §1).
     for P, n, T in itertools.product(range(3), range(1, 3), range(3)):
         for variant, w in [("noisy_context", None), ("clean_context", None), ("windowed", 1)]:
             got = JacobiLayout(P, n, T, variant, w).dense_mask()

@@ -88,7 +88,8 @@ def dense_mask(starts, ptr, idx, S) -> torch.Tensor:
 
 
 def jf_table(P, n, T, variant, w=1):
-    """The JF block table, restated from SPEC §4 (prompt block 0, then noisy_j / clean_j)."""
+    """The JF block table, restated from docs/method.md §1 (prompt block 0, then noisy_j /
+    clean_j)."""
     blocks = ([("p", -1)] if P else []) + [(k, j) for j in range(T) for k in ("n", "c")]
     starts = [0]
     for kind, _ in blocks:

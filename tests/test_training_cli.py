@@ -71,4 +71,4 @@ def test_train_flags_reach_the_config(monkeypatch, tmp_path, capsys):
     cfg = got["cfg"]
     assert (cfg.warmup_ratio, cfg.stop_after_minutes, cfg.window) == (0.02, 45.0, 8)
     assert (cfg.lora_rank, cfg.adapter_out, cfg.random_phase, cfg.data) == (16, "a", True, ["d"])
-    assert cfg.ar_prompt is False and TrainConfig().ar_prompt is True  # SPEC §5 by default
+    assert cfg.ar_prompt is False and TrainConfig().ar_prompt is True  # docs/method.md §3 default

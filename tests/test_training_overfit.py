@@ -7,8 +7,8 @@ token strings: plain Jacobi then needs ≈ 1 forward per token (asserted). Only 
 training can raise that, by teaching the model to predict tokens several places ahead of the
 last correct one while the tokens in between are wrong.
 
-Ceiling of plain Jacobi (this engine, SPEC §1): a block that starts from random draft tokens
-needs at least two forwards (the first only confirms the seed, the second verifies the rest),
+Ceiling of plain Jacobi (this engine, docs/method.md §4): a block that starts from random draft
+tokens needs at least two forwards (the first only confirms the seed, the second verifies the rest),
 except the first block, whose draft comes from the uncounted prefill forward; with answers of
 3 blocks of n=8 a perfect model reaches 24 / (1 + 2 + 2) = 4.8 tokens per forward.
 """

@@ -1,4 +1,5 @@
-"""Noise metric, schedule, state selection and packing vs hand-worked examples (SPEC §3, §5)."""
+"""Noise metric, schedule, state selection and packing vs hand-worked examples (docs/method.md
+§2, §3)."""
 
 from __future__ import annotations
 

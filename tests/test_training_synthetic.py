@@ -46,7 +46,8 @@ def test_synthetic_state_replaces_exactly_the_rightmost_k(k):
         assert len(s) == N
         assert s[: N - k] == fixed[: N - k]
         assert all(t in pool for t in s[N - k :])
-        # SPEC §3 noise is the first divergence: exactly k/n, whatever the later tokens are.
+        # docs/method.md §2: noise is the first divergence, exactly k/n whatever the later
+        # tokens are.
         assert first_divergence(s, fixed) == N - k
         assert noise(s, fixed) == k / N
 
@@ -107,7 +108,7 @@ def test_pack_synthetic_levels_window_and_consistency_start():
             assert ex.noise_levels[j] == k / N == noise(noisy, clean)
             window = (prompt + sum(fixed[:j], []))[-look:]
             assert all(t in window for t in noisy[N - k :]), (j, noisy, window)
-            # Consistency terms of pair j: offsets f_j .. n-1 with f_j = n - k (SPEC §5).
+            # Consistency terms of pair j: offsets f_j .. n-1 with f_j = n - k (docs/method.md §3).
             rows = (ex.cons_block == j).nonzero().flatten()
             offs = (ex.cons_noisy[rows] - (P + 2 * j * N)).tolist()
             assert offs == list(range(N - k, N))

@@ -345,7 +345,8 @@ std::string attention_bwd_kernel_cpu(const at::Tensor& q, bool /*deterministic*/
   return "cpu";
 }
 
-// The Jacobi Forcing block table, from JfLayout (block_table.h): the one statement of SPEC §4.
+// The Jacobi Forcing block table, from JfLayout (block_table.h): the one statement of
+// docs/method.md §1.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> jf_block_table(int64_t prompt_len,
                                                               int64_t block_size, int64_t num_pairs,
                                                               int64_t variant, int64_t window) {

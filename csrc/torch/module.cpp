@@ -50,9 +50,9 @@ TORCH_LIBRARY(jacobi_ext, m) {
       "block_attention_ordered_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor lse, Tensor block_start, Tensor kv_ptr, Tensor kv_idx, Tensor block_row, "
       "float scale, bool deterministic) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
-  // The Jacobi Forcing block table (SPEC §4), built from JfLayout in block_table.h so that the
-  // visibility rule is stated once. variant: 0 noisy_context, 1 clean_context, 2 windowed (window
-  // = pairs per window; ignored otherwise). int32 tensors on the CPU.
+  // The Jacobi Forcing block table (docs/method.md §1), built from JfLayout in block_table.h so
+  // that the visibility rule is stated once. variant: 0 noisy_context, 1 clean_context, 2
+  // windowed (window = pairs per window; ignored otherwise). int32 tensors on the CPU.
   m.def(
       "jf_block_table(int prompt_len, int block_size, int num_pairs, int variant, int window) -> "
       "(Tensor block_start, Tensor kv_ptr, Tensor kv_idx)");

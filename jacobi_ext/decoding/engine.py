@@ -1,10 +1,10 @@
 """generate(): greedy AR, plain Jacobi, and multi-block Jacobi with rejection recycling.
 
-Every method produces exactly the tokens greedy autoregressive decoding produces (SPEC §1, §6):
-a token is committed only when it equals the model's own argmax given the committed prefix.
-Under sampling (do_sample=True) the argmax is the filtered perturbed argmax of
-jacobi_ext.sampling, a deterministic function of the prefix too: every method produces exactly
-the tokens of autoregressive sampling with the same seed.
+Every method produces exactly the tokens greedy autoregressive decoding produces
+(docs/method.md §5): a token is committed only when it equals the model's own argmax given the
+committed prefix. Under sampling (do_sample=True) the argmax is the filtered perturbed argmax of
+jacobi_ext.sampling, a deterministic function of the prefix too: every method produces exactly the
+tokens of autoregressive sampling with the same seed.
 
 The pieces, one job each: loop.py (prefill and the batched step loop), sequence.py (one
 sequence's state and step work: AR and parallel modes, the verify op), runtime.py (the static

@@ -4,7 +4,8 @@ Each sequence decodes in one of two modes and may switch from the first to the s
   - parallel (`jacobi`, `multiblock`): its rows are the main row (the blocks in flight) and
     candidate rows (recycled drafts, the context-lookup row) for the first block; the fused op
     torch.ops.jacobi_ext.verify_step decides acceptance, winner, commit, next drafts, spawning
-    and the recycling pool (SPEC §1, §6), one launch for every parallel sequence of the batch;
+    and the recycling pool (docs/method.md §4-§5), one launch for every parallel sequence of the
+    batch;
   - ar: its row is the next token (the seed, always correct) and, with lookup, draft tokens
     after it; the longest matching prefix is committed (prompt-lookup decoding).
 Either way a step commits, per sequence, a prefix of one of its rows whose K/V this very

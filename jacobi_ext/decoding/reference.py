@@ -1,8 +1,8 @@
 """Pure-Python restatement of the verify-accept-recycle step (csrc/include/jacobi/verify.h),
 for one sequence (verify_step) and for a batch (verify_batch).
 
-Written from SPEC §1 and §6 without looking at indices the C++ way, so that the randomized tests
-comparing it with torch.ops.jacobi_ext.verify_step check the semantics, not a transliteration.
+Written from docs/method.md §4-§5 without looking at indices the C++ way, so that the randomized
+tests comparing it with torch.ops.jacobi_ext.verify_step check the semantics, not a transliteration.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class _Seq:
         self.lookup_row: list[int] | None = None
 
     def sample_positions(self) -> list[int]:
-        """n context positions drawn uniformly (SPEC §1): a spawned block's draft tokens."""
+        """n context positions drawn uniformly (docs/method.md §4): a spawned block's draft
+        tokens."""
         return torch.randint(0, self.ctx_len, (self.cfg.block_size,), generator=self.gen).tolist()
 
     # ---- what this sequence feeds in the next step -------------------------------------------

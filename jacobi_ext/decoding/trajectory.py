@@ -1,14 +1,15 @@
-"""Trajectory recording for distillation (SPEC §2): every Jacobi iteration's block state."""
+"""Trajectory recording for distillation (docs/method.md §2): every Jacobi iteration's block
+state."""
 
 from __future__ import annotations
 
 
 class TrajectoryRecorder:
-    """Records plain Jacobi's trajectory (SPEC §2): for every n-token block, every iteration's
-    full state (the block's committed prefix ++ the current draft), each a fresh list, ending with
-    the fixed point (greedy's tokens). A block cut short by EOS or the token cap ends with its
-    shorter committed tokens; the caller pads it. ``forwards`` counts this sequence's forwards
-    (in a batch, the steps it took part in)."""
+    """Records plain Jacobi's trajectory (docs/method.md §2): for every n-token block, every
+    iteration's full state (the block's committed prefix ++ the current draft), each a fresh
+    list, ending with the fixed point (greedy's tokens). A block cut short by EOS or the token cap
+    ends with its shorter committed tokens; the caller pads it. ``forwards`` counts this sequence's
+    forwards (in a batch, the steps it took part in)."""
 
     def __init__(self) -> None:
         self.blocks: list[list[list[int]]] = []

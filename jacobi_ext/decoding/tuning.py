@@ -7,7 +7,7 @@ A parallel configuration pays off only where E[a] / t(Q) > 1 / t(1).
 
 Acceptance model: each draft token is accepted with probability rho given the ones before it
 were, so a window of w tokens commits E[a](w) = (1 - rho^w) / (1 - rho) tokens (the seed always
-counts). rho is estimated from what the engine observes (SPEC §1 drafts converge over
+counts). rho is estimated from what the engine observes (docs/method.md §4: drafts converge over
 iterations, so this is an effective, not a per-iteration, rate) and remembered per model; a
 model never seen before starts from an optimistic prior, and the engine's online controller
 (engine._Controller) falls back to AR within a few steps when acceptance is too low.

@@ -1,4 +1,4 @@
-// Which keys a query may attend in the block-causal attention (SPEC §3-§4), once.
+// Which keys a query may attend in the block-causal attention (docs/method.md §1), once.
 //
 // Torch-free and header-only, usable from host and device code: the CPU and CUDA attention
 // kernels and the Python layout (through an op) all derive visibility from this file.
@@ -78,7 +78,7 @@ struct JfLayout {
         return (j / window) * window;
     }
   }
-  // SPEC §4, off the diagonal (kb < qb): is key block kb fully visible to query block qb?
+  // docs/method.md §1 off the diagonal (kb < qb): is key block kb fully visible to query block qb?
   JACOBI_HD bool block_visible(int32_t qb, int32_t kb) const {
     if (kb >= qb) return false;
     const JfKind kk = kind(kb);

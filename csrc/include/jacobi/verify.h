@@ -1,4 +1,4 @@
-// The verify-accept-recycle step of Jacobi / multi-block decoding (SPEC §1, §6), once.
+// The verify-accept-recycle step of Jacobi / multi-block decoding (docs/method.md §4-§5), once.
 //
 // Torch-free and header-only: the CPU op (csrc/cpu/verify_cpu.cpp) and the CUDA kernel
 // (csrc/cuda/verify_cuda.cu) both call verify_step(), so they cannot disagree. The Python
