@@ -31,7 +31,6 @@ Anything else runs transformers' forward. JACOBI_EXT_LEAN=0 switches it off.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -39,7 +38,7 @@ from torch import nn
 
 from ..quantized import GGUFEmbedding, GGUFLinear
 from . import prepack
-from .prepack import same_stamp, weight_stamp
+from .prepack import env_off, same_stamp, weight_stamp
 
 _ATTR = "_jacobi_ext_lean_decoder"
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -210,10 +209,6 @@ class _Layer:
         return (self.qkv, self.o, self.gate_up, self.down)
 
 
-def _off(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() in ("0", "off", "false", "no")
-
-
 class LeanDecoder:
     """The lean forward of one model (see the module docstring)."""
 
@@ -250,7 +245,7 @@ class LeanDecoder:
 
     def refresh(self) -> None:
         """Repack what changed; read JACOBI_EXT_FUSED (at each prefill: a call's steps agree)."""
-        self.fused = not _off("JACOBI_EXT_FUSED")
+        self.fused = not env_off("JACOBI_EXT_FUSED")
         for layer in self.layers:
             for lin in layer.linears():
                 lin.refresh()
@@ -341,7 +336,7 @@ class LeanDecoder:
 
 def lean_decoder(model) -> LeanDecoder | None:
     """The model's lean forward, packed and up to date, or None where it does not apply."""
-    if _off("JACOBI_EXT_LEAN"):
+    if env_off("JACOBI_EXT_LEAN"):
         return None
     if torch.is_grad_enabled() or prepack.backend(model) != "kernel":
         return None  # (the runtime's forwards run under inference mode)
@@ -360,7 +355,7 @@ def lean_decoder(model) -> LeanDecoder | None:
 
 def why_not(model) -> str | None:
     """Why the lean forward does not run for `model` (None: it does)."""
-    if _off("JACOBI_EXT_LEAN"):
+    if env_off("JACOBI_EXT_LEAN"):
         return "JACOBI_EXT_LEAN=0"
     if prepack.backend(model) != "kernel":
         return f"its linears do not run on the CPU kernel (backend {prepack.backend(model)})"

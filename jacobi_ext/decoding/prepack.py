@@ -84,8 +84,11 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default).strip().lower()
 
 
-def _off(value: str) -> bool:
-    return value in ("0", "off", "false", "no")
+def env_off(name: str) -> bool:
+    """Whether the environment switch `name` is set to off ("0", "off", "false" or "no", any case,
+    spaces ignored); unset, or any other value, is on. The switches here and the lean forward's
+    (lean.py) all read this way, so the same words turn any of them off."""
+    return _env(name, "1") in ("0", "off", "false", "no")
 
 
 def backend(model) -> str | None:
@@ -95,10 +98,8 @@ def backend(model) -> str | None:
     if p is None or p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
         return None
     want = _env("JACOBI_EXT_CPU_LINEAR", "auto")
-    onednn_ok = (
-        p.dtype == torch.bfloat16 and available() and not _off(_env("JACOBI_EXT_CPU_PREPACK", "1"))
-    )
-    if _off(want):
+    onednn_ok = p.dtype == torch.bfloat16 and available() and not env_off("JACOBI_EXT_CPU_PREPACK")
+    if env_off("JACOBI_EXT_CPU_LINEAR"):
         return "onednn" if onednn_ok else None
     if want == "onednn":
         return "onednn" if onednn_ok else None
