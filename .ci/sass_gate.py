@@ -1,5 +1,5 @@
-"""The SASS gate of the sm_90a attention objects (issue 21): reads the machine code that ptxas
-made for sm_90a and fails loudly where a Hopper kernel would be slow in a way no CPU test sees.
+"""The SASS gate of the sm_90a attention objects: reads the machine code that ptxas made for
+sm_90a and fails loudly where a Hopper kernel would be slow in a way no CPU test sees.
 
 Checks, over every function of the sm_90a objects given (the jacobi_cuda_sm90 object library):
   - every Hopper attention kernel (HOPPER_KERNELS) exists, uses warpgroup MMAs (HGMMA > 0) and no
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # Substrings of the (mangled) names of the Hopper attention kernels: each must match at least one
-# sm_90a function, and every function it matches must use HGMMA and no HMMA. Stage 1: the forward
-# (csrc/cuda/attention/sm90/fwd_sm90.h); stage 2: the backward (bwd_sm90.h).
+# sm_90a function, and every function it matches must use HGMMA and no HMMA: the forward
+# (csrc/cuda/attention/sm90/fwd_sm90.h) and the backward (bwd_sm90.h).
 HOPPER_KERNELS: list[str] = ["fwd_sm90_kernel", "bwd_sm90_kernel"]
 # Other sm_90a functions, allowed without HGMMA (still no HMMA, no LDL/STL).
 OTHER_KERNELS: list[str] = [
@@ -141,8 +141,8 @@ def check(functions: list[Function], log_text: str | None, require_hopper: bool)
             bad.append(f"Hopper kernel '{k}' (HOPPER_KERNELS) is not in the {ARCH} objects")
     if not HOPPER_KERNELS:
         msg = (
-            "HGMMA check: HOPPER_KERNELS is empty, no Hopper attention kernel exists yet (issue 21 "
-            "stage 0): NOTHING WAS CHECKED for HGMMA; the other checks ran"
+            "HGMMA check: HOPPER_KERNELS is empty (no Hopper attention kernel is listed): "
+            "NOTHING WAS CHECKED for HGMMA; the other checks ran"
         )
         if require_hopper:
             bad.append(msg)

@@ -1,7 +1,7 @@
 """Collection for distillation: prompts per second against the batch size B
 (python_training.trajectories.collect with batch_size=B: B left-padded prompts, one forward per
 step for the batch), of fixed points (KV-cached greedy AR; JACOBI_BENCH_STATES=fixed_point, the
-default) or of real Jacobi trajectories (JACOBI_BENCH_STATES=jacobi). Targets (issue 19, CPU):
+default) or of real Jacobi trajectories (JACOBI_BENCH_STATES=jacobi). Targets (CPU):
 B = 8 at >= 4x the prompts/s of B = 1 for fixed points, >= 3x for trajectories. Every record
 equals its prompt's batch-1 record (asserted in fp64 by tests/test_training_collect.py; counted
 here as extra_info["identical_to_b1"]).

@@ -1,4 +1,4 @@
-"""The CPU decode path at the roofline (issue 36): our linear kernel against `F.linear`, alone and
+"""The CPU decode path at the roofline: our linear kernel against `F.linear`, alone and
 in a whole decoding step, fp32 and bf16, side by side in one run.
 
 1. The kernel alone (`torch.ops.jacobi_ext.cpu_linear`, weights packed once) against

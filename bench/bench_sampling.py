@@ -1,5 +1,5 @@
-"""Decoding under sampling, side by side (issue 22): what sampling costs the parallel methods
-and whether context lookup still pays.
+"""Decoding under sampling, side by side: what sampling costs the parallel methods and
+whether context lookup still pays.
 
 Per model (the base SmolLM2-135M-Instruct, and the shipped distilled adapter `smollm2-jf`) and
 per temperature (top_p 0.9; greedy as the reference row), every method decodes the same HumanEval

@@ -1,4 +1,4 @@
-"""The stream-order fast path of ``jacobi_attention`` (``backend="streams"``, issue 21 part 1).
+"""The stream-order fast path of ``jacobi_attention`` (``backend="streams"``).
 
 A ``noisy_context`` layout is exactly two causal streams that share the prompt: every noisy query
 sees the prompt, the earlier noisy blocks and its own block causally, every clean query the
@@ -79,7 +79,7 @@ class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient. The gradient of a stream's output
     arrives as a slice of the packed gradient (``cat``'s backward narrows along the tokens), and
     SDPA's CUDA backward kernels have read such strided gradients wrongly: on an H200 (torch
-    2.11, 2026-11-26) this backend's dQ was off by 115-144 % against the float64 reference while
+    2.11) this backend's dQ was off by 115-144 % against the float64 reference while
     its forward matched, and strided gradients into fused attention backwards are a known class of
     bugs (e.g. Dao-AILab/flash-attention#355). One copy of [B, Hq, L, D] per stream removes it."""
 

@@ -133,7 +133,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     curve = tuning.step_curve(model, remeasure=args.remeasure, progress=True, full=True)
     prof = tuning.load_profile(model)
     rho = args.rho if args.rho is not None else prof.get("rho", tuning.PRIOR_RHO)
-    # The roofline (issue 36 §3): what this machine allows each width to cost.
+    # The roofline: what this machine allows each width to cost.
     p = next(model.parameters())
     with console.status("measuring read bandwidth and compute peak"):
         machine = roofline.machine(p.device, p.dtype)

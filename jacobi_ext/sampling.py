@@ -1,4 +1,4 @@
-"""Exact sampling for every decoding method: the filtered perturbed argmax (issue 22).
+"""Exact sampling for every decoding method: the filtered perturbed argmax.
 
 The token predicted at absolute position `pos` of a sequence is
 

@@ -1,4 +1,4 @@
-"""Runs each CUDA test (marked `gpu`) in a child pytest process under a timeout (issue 21 part 5).
+"""Runs each CUDA test (marked `gpu`) in a child pytest process under a timeout.
 
 A kernel that waits forever on an mbarrier hangs the process that launched it, and no Python-level
 timeout can interrupt a CUDA call. Run in the suite's own process, such a test would stall every

@@ -1,4 +1,4 @@
-"""`eval --prompts FILE.jsonl` (issue 41): any JSONL prompt file, plain prompts and chats, an
+"""`eval --prompts FILE.jsonl`: any JSONL prompt file, plain prompts and chats, an
 answer checker per line or per file (``tests``: the sandboxed Python run, pass@1; ``answer``:
 the final answer by math-set conventions; ``none``), clear errors naming the line and the field,
 and the same lossless rows and table as for HumanEval."""

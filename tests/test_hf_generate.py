@@ -1,5 +1,5 @@
 """`model.generate(..., custom_generate=jacobi_ext.CUSTOM_GENERATE, trust_remote_code=True)`:
-our decoding behind transformers' API (issue 37 §1). Tiny float64 Llama / Qwen2 from a config,
+our decoding behind transformers' API. Tiny float64 Llama / Qwen2 from a config,
 CPU; the loaded custom generate function is transformers' copy of custom_generate/generate.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The roofline of a decoding forward (issue 36 §3): the model's bytes and FLOPs, the floor, the
+"""The roofline of a decoding forward: the model's bytes and FLOPs, the floor, the
 machine's ceilings (measured once, cached), and what `jacobi-forcing tune` and the plot show."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling on the command line (issue 22): `generate`, `demo` and `eval` take --do-sample and
+"""Sampling on the command line: `generate`, `demo` and `eval` take --do-sample and
 transformers' filter names; eval's summary compares sampled methods with our AR sample."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sampling through the decoding engine (issue 22): every method returns `ar`'s sample token for
+"""Sampling through the decoding engine: every method returns `ar`'s sample token for
 token (batch 1 and ragged batches, lookup on and off, EOS inside a block), a sequence's sample
 does not depend on its batch, greedy stays greedy, and bad options fail clearly. Tiny random
 Llama and Qwen2 models in float64, so that the different summation orders of one-token and

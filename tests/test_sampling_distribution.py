@@ -1,4 +1,4 @@
-"""Exact in distribution, end to end (issue 22): on a tiny model with a 16-token vocabulary, the
+"""Exact in distribution, end to end: on a tiny model with a 16-token vocabulary, the
 first sampled tokens and short sampled sequences of our `generate(do_sample=True)` (thousands of
 independent noise streams) and of transformers' `generate(do_sample=True)` come from one law:
 a two-sample chi-square test at a fixed significance accepts them, and rejects a deliberately

@@ -1,4 +1,4 @@
-"""torch.ops.jacobi_ext.gumbel_argmax and its noise (issue 22): the Philox generator against
+"""torch.ops.jacobi_ext.gumbel_argmax and its noise: the Philox generator against
 known answers and a pure-torch restatement, the op against the torch reference of its rules for
 every dtype and filter, its exactness in distribution against transformers' own logits
 processors (chi-square at a fixed significance, with a wrong variant the test rejects), bad

@@ -1,5 +1,5 @@
 """The host-side pieces of the sm_90a forward, checked on the CPU against Python references
-(issue 21: built so that it is right the first time a GPU runs it).
+(built so that it is right the first time a GPU runs it).
 
 tests/cpp/sm90_host_check.cpp is compiled here with the system C++ compiler (and, for the CuTe
 register views, with nvcc and the CUTLASS headers when both exist) and run on:

@@ -1,5 +1,5 @@
-"""The roofline of a decoding forward (issue 36 §3): what this machine allows a forward of q new
-tokens to cost, to hold the measured forward-time curve against.
+"""The roofline of a decoding forward: what this machine allows a forward of q new tokens to
+cost, to hold the measured forward-time curve against.
 
 A forward streams the model's weights once, whatever q (at decoding widths the activations are
 small), and does 2 FLOPs per linear weight per token plus the attention over the cache. So

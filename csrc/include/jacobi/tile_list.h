@@ -1,4 +1,4 @@
-// Per-CTA tile lists of the sm_90a attention (issue 21): the work plan of attention_plan.h (stream
+// Per-CTA tile lists of the sm_90a attention: the work plan of attention_plan.h (stream
 // order + tile classes) turned into what a warp-specialised kernel walks, at the kernel's own tile
 // sizes (e.g. 128 x 128):
 //   forward, one CTA per query tile:  the key tiles it must visit, ascending;

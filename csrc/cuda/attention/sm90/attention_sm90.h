@@ -2,10 +2,10 @@
 // sm_90a alone (jacobi_cuda_sm90, only when 90a is among JACOBI_EXT_CUDA_ARCHS; the build then
 // defines JACOBI_WITH_SM90). Torch-free like the rest of csrc/cuda.
 //
-// Stage 1 (issue 21): the warp-specialised wgmma/TMA forward (fwd_sm90.h) for bf16/fp16 x head
+// Forward: the warp-specialised wgmma/TMA forward (fwd_sm90.h) for bf16/fp16 x head
 // dims 64/128, driven by the host-built tile lists (jacobi/tile_list.h); other configurations
 // fall back to the sm_80 kernel (choose_kernel, attention_cuda.cu).
-// Stage 2: the warp-specialised wgmma/TMA backward (bwd_sm90.h) for the same configurations,
+// Backward: the warp-specialised wgmma/TMA backward (bwd_sm90.h) for the same configurations,
 // driven by the backward tile lists; it runs when the op's kernel is sm90, deterministic or not
 // (a deterministic backward orders each query tile's dQ sums by key tile); otherwise the sm_80
 // backward runs (same lse).

@@ -1,4 +1,4 @@
-// The sm_90a block-causal attention backward (issue 21 stage 2): TMA loads, wgmma, warp
+// The sm_90a block-causal attention backward: TMA loads, wgmma, warp
 // specialisation and an mbarrier pipeline, driven by the host-built backward tile lists. Like the
 // sm_80 backward (bwd_kernel.h), with P = exp(scale * S - lse) recomputed from the forward's lse and
 // delta = rowsum(dO * O): dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dK = scale * dS^T Q,

@@ -1,4 +1,4 @@
-// The sm_90a block-causal attention forward (issue 21 stage 1): TMA loads, wgmma (GMMA), warp
+// The sm_90a block-causal attention forward: TMA loads, wgmma (GMMA), warp
 // specialisation, an mbarrier pipeline, driven by the host-built per-CTA tile lists.
 //
 // One CTA = one 128-row query tile of one (batch, query head), 3 warpgroups (384 threads):
