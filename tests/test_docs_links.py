@@ -76,6 +76,49 @@ def test_relative_links_resolve(page: Path):
     assert not missing, f"{page.relative_to(ROOT)} links to paths that do not exist: {missing}"
 
 
+METHOD = ROOT / "docs" / "method.md"
+# Files whose comments, docstrings and text may cite the method's sections.
+CITING = ("*.py", "*.h", "*.cuh", "*.cpp", "*.cu", "*.md", "*.toml")
+# "docs/method.md §2", "method.md §1-§3", "[method](../docs/method.md) §1–§3", "§2, §3"
+_CITE = re.compile(r"method\.md\)?((?:[\s,–-]*§\d+)+)")
+_SECTION = re.compile(r"^## (\d+)\. ", re.M)
+
+
+def citing_files() -> list[Path]:
+    """The repository's source and text files, without build outputs and dated results."""
+    skip = ("build", "docs/results", ".git", ".venv", "node_modules")
+    out = []
+    for pattern in CITING:
+        for f in ROOT.rglob(pattern):
+            rel = f.relative_to(ROOT).as_posix()
+            if not any(rel == s or rel.startswith(s + "/") for s in skip) and f.is_file():
+                out.append(f)
+    return sorted(set(out))
+
+
+def test_the_method_guide_is_checked():
+    assert METHOD in PAGES, "docs/method.md must be among the pages whose links are checked"
+    sections = [int(s) for s in _SECTION.findall(METHOD.read_text(encoding="utf-8"))]
+    assert sections == list(range(1, len(sections) + 1)) and sections, sections
+
+
+def test_method_citations_name_existing_sections():
+    """Every "docs/method.md §N" in the code and guides names a numbered section of the guide,
+    and no section sign cites a document outside the repository."""
+    sections = set(_SECTION.findall(METHOD.read_text(encoding="utf-8")))
+    bad, foreign = [], []
+    for f in citing_files():
+        text = f.read_text(encoding="utf-8", errors="replace")
+        rel = f.relative_to(ROOT).as_posix()
+        for m in _CITE.finditer(text):
+            for num in re.findall(r"§(\d+)", m.group(1)):
+                if num not in sections:
+                    bad.append(f"{rel}: §{num}")
+        foreign += [f"{rel}: {m.group(0)}" for m in re.finditer(r"\bSPEC §\d+", text)]
+    assert not bad, f"citations of sections docs/method.md does not have: {bad}"
+    assert not foreign, f"citations of a document outside the repository: {foreign}"
+
+
 def test_readme_is_a_front_door():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= 250, f"README.md has {lines} lines; keep it to 250 and move detail to docs/"
