@@ -14,7 +14,7 @@
 #        |             |                                           | base, batch, 7B shape, distilled);
 #        |             |                                           | fp32 lossless on SmolLM2
 #
-# (.gpu/pN: `python python_training/gpu_carry.py prepare --part-mib N`, the four wheels the
+# (.gpu/pN: `python python_training/jobs/gpu_carry.py prepare --part-mib N`, the four wheels the
 # machine lacks, the model among them, as a wheelhouse cut into parts.) Every step runs under a
 # timeout taken from JF_DEADLINE_S (seconds for the whole job, default 540), so a hung kernel or a
 # slow compile costs its own step, not the job. Logs and benchmark JSON go to $OUT (default
@@ -49,7 +49,7 @@ step() {
 }
 
 say "stage $stage on $(hostname)"
-bash python_training/gpu_setup.sh >>"$LOG" 2>&1 || say "gpu_setup: rc=$? (see the log)"
+bash python_training/jobs/gpu_setup.sh >>"$LOG" 2>&1 || say "gpu_setup: rc=$? (see the log)"
 export PYTHONPATH="$ROOT:$ROOT/runs/gpu-env/site" PYTHONUNBUFFERED=1
 # In-process gpu tests: a child per test (tests/gpu_isolation.py) costs a CUDA start each, more
 # than a job with a time limit can spare; the step's timeout does the isolation's job (a hang

@@ -463,7 +463,7 @@ def _add_distill_report(sub) -> None:
 
 
 def _add_gpu_run(sub) -> None:
-    from .gpu_run import add_parser  # light: its heavy imports happen inside the handler
+    from .jobs.gpu_run import add_parser  # light: its heavy imports happen inside the handler
 
     add_parser(sub)
 

@@ -25,6 +25,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+# A recipe's dtype names (collect_dtype, [eval] dtype).
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 def load_recipe(path: str | Path) -> dict:
     with open(path, "rb") as f:
@@ -34,13 +37,20 @@ def load_recipe(path: str | Path) -> dict:
     return recipe
 
 
-def _mark(path: Path, info: dict) -> None:
+def stage_dir(out: Path, k: int, stage: dict) -> Path:
+    """Stage ``k``'s folder (1-based) under a run's ``out``: ``stage-<k>-<name>``."""
+    return Path(out) / f"stage-{k}-{stage.get('name', 'stage')}"
+
+
+def mark_done(path: Path, info: dict) -> None:
+    """Write the marker that says a step is complete (COLLECTED, TRAINED, ...) with ``info`` as
+    JSON. Atomic: a marker that exists is whole, so a rerun that finds it skips the step."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(info, indent=2))
     os.replace(tmp, path)
 
 
-def _seed_from_shipped(shipped: Path, tdir: Path) -> None:
+def seed_from_shipped(shipped: Path, tdir: Path) -> None:
     """Start a collection from records shipped in the repo (``meta.json`` +
     ``trajectories*.jsonl.gz``), so a run on a fresh machine collects only what is missing."""
     import shutil
@@ -55,10 +65,13 @@ def _seed_from_shipped(shipped: Path, tdir: Path) -> None:
             shutil.copy(f, tdir / f.name)
 
 
-def _dtype(name: str):
+def parse_dtype(name: str):
+    """The torch dtype a recipe names (one of DTYPES); anything else is a ValueError."""
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
 
 
 def check_device(name: str) -> str:
@@ -76,66 +89,98 @@ def check_device(name: str) -> str:
     return name
 
 
+def collect_settings(recipe: dict, stage: dict, teacher, progress: bool) -> dict:
+    """The keyword arguments of ``trajectories.collect`` for ``stage`` (its block size, length,
+    batch size, fixed points or whole trajectories) with ``teacher`` as the collecting model."""
+    return dict(
+        block_size=int(stage["block_size"]), max_new_tokens=int(stage["max_new_tokens"]),
+        teacher=str(teacher or "base"),
+        max_prompt_tokens=recipe.get("prompts", {}).get("max_prompt_tokens"),
+        progress=progress, fixed_points_only=bool(stage.get("collect_fixed_points", False)),
+        batch_size=int(stage.get("collect_batch_size", 1)),
+    )  # fmt: skip
+
+
+def train_settings(recipe: dict, stage: dict, teacher, sdir: Path) -> dict:
+    """The TrainConfig settings of ``stage``: its [train] table, trained on from ``teacher`` on
+    the stage's trajectories into its train/ folder."""
+    tcfg = dict(stage.get("train", {}))
+    tcfg.update(model=teacher, data=[str(sdir / "trajectories")], out=str(sdir / "train"))
+    tcfg.setdefault("window", int(stage.get("window", 16)))
+    tcfg.setdefault("threads", recipe.get("threads"))
+    return tcfg
+
+
+def collect_stage(recipe: dict, stage: dict, sdir: Path, teacher, device: str, prompts: list,
+                  progress: bool) -> dict:  # fmt: skip
+    """Collect the stage's trajectories with ``teacher`` (in one go: a rerun resumes by prompt
+    id inside ``collect``) and mark the stage COLLECTED; returns collect's summary."""
+    from jacobi_ext.models import load_model
+
+    from .trajectories import collect
+
+    t0 = time.perf_counter()
+    tdir = sdir / "trajectories"
+    if stage.get("shipped_trajectories"):
+        seed_from_shipped(Path(stage["shipped_trajectories"]), tdir)
+    dtype = parse_dtype(stage.get("collect_dtype", "float32"))
+    model, tok = load_model(teacher, dtype=dtype, device=device)
+    lo, hi = stage.get("prompt_range", [0, len(prompts)])
+    summary = collect(model, tok, prompts[lo:hi], tdir,
+                      **collect_settings(recipe, stage, teacher, progress))  # fmt: skip
+    del model
+    summary["wall_seconds"] = time.perf_counter() - t0
+    mark_done(sdir / "COLLECTED", summary)
+    return summary
+
+
+def train_stage(recipe: dict, stage: dict, sdir: Path, teacher, progress: bool) -> dict:
+    """Train the stage from ``teacher`` and mark it TRAINED, unless the trainer stopped early
+    (a chunk of a long run: the same command goes on); returns the trainer's last row."""
+    from .trainer import TrainConfig, train
+
+    t0 = time.perf_counter()
+    last = train(TrainConfig.from_dict(train_settings(recipe, stage, teacher, sdir)),
+                 progress=progress)  # fmt: skip
+    last["wall_seconds"] = time.perf_counter() - t0
+    if not last.get("stopped_early"):
+        mark_done(sdir / "TRAINED", last)
+    return last
+
+
+def link_final(out: Path, model_dir: str | Path) -> Path:
+    """``out/final``, a link to the last stage's model (replaced when it exists)."""
+    link = Path(out) / "final"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(model_dir).resolve())
+    return link
+
+
 def run_recipe(recipe: dict, out: str | Path | None = None, progress: bool = True) -> Path:
     """Run (or resume) every stage of ``recipe``; returns the final model's directory."""
     import torch
 
-    from jacobi_ext.models import load_model
-
     from .prompts import load_prompts
-    from .trainer import TrainConfig, train
-    from .trajectories import collect
 
     out = Path(out or recipe.get("out", "runs/distill"))
     device = check_device(recipe.get("device", "cpu"))  # collection's; training: accelerate's
     out.mkdir(parents=True, exist_ok=True)
-    base = recipe.get("model") or None
-    threads = recipe.get("threads")
-    if threads:
-        torch.set_num_threads(int(threads))
-    pcfg = recipe.get("prompts", {})
-    prompts = load_prompts(pcfg.get("source"), None)
-    teacher = base
+    if recipe.get("threads"):
+        torch.set_num_threads(int(recipe["threads"]))
+    prompts = load_prompts(recipe.get("prompts", {}).get("source"), None)
+    teacher = recipe.get("model") or None
     for k, st in enumerate(recipe["stages"], 1):
-        sdir = out / f"stage-{k}-{st.get('name', 'stage')}"
-        tdir, rdir = sdir / "trajectories", sdir / "train"
-        n = int(st["block_size"])
+        sdir = stage_dir(out, k, st)
         # Collection: the base model for stage 1, the previous stage's model after that.
         if not (sdir / "COLLECTED").exists():
-            t0 = time.perf_counter()
-            if st.get("shipped_trajectories"):
-                _seed_from_shipped(Path(st["shipped_trajectories"]), tdir)
-            dtype = _dtype(st.get("collect_dtype", "float32"))
-            model, tok = load_model(teacher, dtype=dtype, device=device)
-            lo, hi = st.get("prompt_range", [0, len(prompts)])
-            summary = collect(
-                model, tok, prompts[lo:hi], tdir, block_size=n,
-                max_new_tokens=int(st["max_new_tokens"]), teacher=str(teacher or "base"),
-                max_prompt_tokens=pcfg.get("max_prompt_tokens"), progress=progress,
-                fixed_points_only=bool(st.get("collect_fixed_points", False)),
-                batch_size=int(st.get("collect_batch_size", 1)),
-            )  # fmt: skip
-            del model
-            summary["wall_seconds"] = time.perf_counter() - t0
-            _mark(sdir / "COLLECTED", summary)
+            summary = collect_stage(recipe, st, sdir, teacher, device, prompts, progress)
             print(f"stage {k}: collected {summary}", flush=True)
-        final = rdir / "final"
         if not (sdir / "TRAINED").exists():
-            t0 = time.perf_counter()
-            tcfg = dict(st.get("train", {}))
-            tcfg.update(model=teacher, data=[str(tdir)], out=str(rdir))
-            tcfg.setdefault("window", int(st.get("window", 16)))
-            tcfg.setdefault("threads", threads)
-            last = train(TrainConfig.from_dict(tcfg), progress=progress)
-            last["wall_seconds"] = time.perf_counter() - t0
-            if last.get("stopped_early"):  # a chunk of a long run: the same command goes on
+            last = train_stage(recipe, st, sdir, teacher, progress)
+            if last.get("stopped_early"):
                 print(f"stage {k}: chunk ended at step {last.get('step')}; rerun to go on")
-                return rdir
-            _mark(sdir / "TRAINED", last)
+                return sdir / "train"
             print(f"stage {k}: trained {last}", flush=True)
-        teacher = str(final)
-    link = out / "final"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(Path(teacher).resolve())
-    return link
+        teacher = str(sdir / "train" / "final")
+    return link_final(out, teacher)

@@ -26,7 +26,7 @@ from pathlib import Path
 def read_log(path: str | Path) -> list[dict]:
     """The rows of a trainer ``log.jsonl``; a step logged twice (redone after a resume) keeps
     its last row."""
-    rows = {int(r["step"]): r for r in _rows(Path(path))}
+    rows = {int(r["step"]): r for r in read_rows(Path(path))}
     return [rows[k] for k in sorted(rows)]
 
 
@@ -160,7 +160,7 @@ def measure_scaling(
     from jacobi_ext.models import load_model
 
     results = Path(results)
-    rows = {r["label"]: r for r in _rows(results)}
+    rows = {r["label"]: r for r in read_rows(results)}
     todo = []
     for p in scaling_points(run):
         old = rows.get(p["label"])
@@ -179,11 +179,8 @@ def measure_scaling(
             continue
         row = dict(p, **got, prompts=limit, max_new_tokens=max_new_tokens, block_size=block_size)
         rows[p["label"]] = row
-        with open(results, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    return _rows(results)
+        append_row(results, row)
+    return read_rows(results)
 
 
 def _rewrite(path: Path, rows: list[dict]) -> None:
@@ -196,7 +193,15 @@ def _rewrite(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def _rows(path: Path) -> list[dict]:
+def append_row(path: str | Path, row: dict) -> None:
+    """Append ``row`` to a JSONL file and sync it to disk: a job killed right after keeps it."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_rows(path: str | Path) -> list[dict]:
     """The records of a JSONL file (none if it does not exist), skipping blank lines and the
     torn last line an interrupted writer may leave."""
     if not Path(path).exists():

@@ -1,10 +1,12 @@
-"""The GPU recipe (recipes/smollm2_gpu.toml) and its driver (python_training/gpu_run.py), dry-run
-on the CPU: the same recipe with a few overrides (device cpu, float32, a tiny random Llama with
-SmolLM2's tokenizer, 6 prompts, 6 steps) runs every phase end to end into one folder; a job whose
-time runs out, a crash mid-training and a chunk that ends early all go on when rerun; a finished
-run's rerun changes nothing; the packed state (what a job brings back from the machine) keeps to
-the part size and the limits asked for and continues on a "fresh machine" (another folder). Also:
-the real recipe parses into valid settings, and CUDA asked for without a GPU is a clear error."""
+"""The GPU recipe (recipes/smollm2_gpu.toml) and its driver (python_training/jobs/gpu_run.py),
+dry-run on the CPU: the same recipe with a few overrides (device cpu, float32, a tiny random
+Llama with SmolLM2's tokenizer, 6 prompts, 6 steps) runs every phase end to end into one folder;
+a job whose time runs out, a crash mid-training and a chunk that ends early all go on when rerun;
+a finished run's rerun changes nothing; the packed state (what a job brings back from the
+machine) keeps to the part size and the limits asked for and continues on a "fresh machine"
+(another folder). Also: the real recipe parses into valid settings, CUDA asked for without a GPU
+is a clear error, and the job helpers' entry points (the command, ``python -m``, the setup
+script's paths) lead to what exists."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from python_training import gpu_carry, gpu_run
 from python_training.distill import load_recipe, run_recipe
+from python_training.jobs import gpu_carry, gpu_run
 from python_training.trainer import TrainConfig
 
 ROOT = Path(__file__).parents[1]
@@ -128,12 +130,40 @@ def test_gpu_run_command_exists(capsys):
     assert e.value.code == 0
     for option in ("--minutes", "--pack", "--part-mib", "--max-files", "--max-total-mib"):
         assert option in out, option
+    # `python -m python_training.jobs.gpu_run` (what gpu_setup.sh runs) takes the same options.
+    with pytest.raises(SystemExit) as e:
+        gpu_run.main(["--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m python_training.jobs.gpu_run")
+
+
+def test_setup_script_leads_to_the_job_helpers():
+    """gpu_setup.sh finds the repository root from where it lies, runs gpu_carry.py as a file
+    (nothing is installed yet) and gpu_run as a module: all of them where it says."""
+    import importlib.util
+    import re
+
+    script = ROOT / "python_training" / "jobs" / "gpu_setup.sh"
+    text = script.read_text()
+    depth = len(script.relative_to(ROOT).parts) - 1
+    up = "/".join([".."] * depth)
+    assert f'ROOT="$(cd "$(dirname "${{BASH_SOURCE[0]}}")/{up}" && pwd)"' in text
+    files = re.findall(r'"\$ROOT/([^"]+\.py)"', text)
+    assert files == ["python_training/jobs/gpu_carry.py"]
+    assert all((ROOT / f).is_file() for f in files)
+    modules = re.findall(r" -m (python_training[\w.]*)", text)
+    assert modules == ["python_training.jobs.gpu_run"]
+    assert all(importlib.util.find_spec(m) for m in modules)
 
 
 def test_unknown_driver_keys_and_bad_overrides_are_errors():
     recipe = load_recipe(GPU_RECIPE)
     recipe["eval"]["limit"] = 3
     with pytest.raises(ValueError, match=r"unknown \[eval\] settings: \['limit'\]"):
+        gpu_run.check_recipe(recipe)
+    recipe = load_recipe(GPU_RECIPE)
+    recipe["eval"]["dtype"] = "fp8"
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         gpu_run.check_recipe(recipe)
     with pytest.raises(ValueError, match="KEY=VALUE"):
         gpu_run.set_key(recipe, "device")
@@ -154,20 +184,41 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
         run_recipe(load_recipe(GPU_RECIPE), out=tmp_path / "out2")
 
 
-def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
-    out, back = tmp_path / "run", tmp_path / "OUT"
-    traj = out / "stage-1-n16" / "trajectories" / "trajectories.jsonl"
+STAGE = "stage-1-n16"  # the GPU recipe's stage folder
 
-    # 1. A job whose time runs out after the first collect chunk (2 prompts): it stops there,
-    #    says so, and packs what it has.
+
+def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
+    """One run through every phase, job by job, as the steps below; each goes on from the last."""
+    out, back = tmp_path / "run", tmp_path / "OUT"
+
+    def recipe(**extra: str) -> dict:
+        return dry_recipe(tiny_model, **extra)
+
+    job_runs_out_of_time_in_collect(recipe, out, back)
+    crashed = job_crashes_mid_training(recipe, out, back, tmp_path / "OUT-crashed", monkeypatch)
+    chunk_ends_at_once(recipe, out)
+    curve = next_job_goes_on_to_the_end(recipe, out, back)
+    rerun_of_a_finished_run_changes_nothing(recipe, out)
+    fresh_machine_restores_the_finished_run(recipe, out, back, tmp_path / "fresh", curve)
+    fresh_machine_goes_on_after_the_crash(recipe, crashed, tmp_path / "fresh-after-crash")
+
+
+def job_runs_out_of_time_in_collect(recipe, out: Path, back: Path) -> None:
+    """A job whose time runs out after the first collect chunk (2 prompts): it stops there, says
+    so, and packs what it has."""
+    traj = out / STAGE / "trajectories" / "trajectories.jsonl"
+
     def clock():  # the budget is gone once the first chunk is written
         return 1e9 if traj.exists() and len(traj.read_text().splitlines()) >= 2 else 0.0
 
-    s = gpu_run.run(dry_recipe(tiny_model), out=out, minutes=1, pack_dir=back, clock=clock)
+    s = gpu_run.run(recipe(), out=out, minutes=1, pack_dir=back, clock=clock)
     assert s["next"] == "collect" and len(lines(traj)) == 2
     assert "stopped" in lines(out / "calls.jsonl")[-1]
 
-    # 2. The next call collects the rest (no prompt twice), then training crashes at step 3.
+
+def job_crashes_mid_training(recipe, out: Path, back: Path, crashed: Path, monkeypatch) -> Path:
+    """The next job collects the rest (no prompt twice), then training crashes at step 3; what
+    it packed despite the crash is kept in ``crashed`` for a fresh machine."""
     from python_training import trainer
 
     real = trainer.example_at
@@ -181,34 +232,38 @@ def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer, "example_at", crash_at_step_3)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        gpu_run.run(dry_recipe(tiny_model), out=out, pack_dir=back)
+        gpu_run.run(recipe(), out=out, pack_dir=back)
     monkeypatch.setattr(trainer, "example_at", real)
-    ids = [r["id"] for r in lines(traj)]
+    ids = [r["id"] for r in lines(out / STAGE / "trajectories" / "trajectories.jsonl")]
     assert len(ids) == len(set(ids)) == N_PROMPTS
-    assert (out / "stage-1-n16" / "COLLECTED").exists()
-    train_dir = out / "stage-1-n16" / "train"
-    assert not (out / "stage-1-n16" / "TRAINED").exists()
-    assert json.loads((train_dir / "adapter" / "train_state.json").read_text())["step"] == 2
+    assert (out / STAGE / "COLLECTED").exists()
+    assert not (out / STAGE / "TRAINED").exists()
+    state = out / STAGE / "train" / "adapter" / "train_state.json"
+    assert json.loads(state.read_text())["step"] == 2
     summary = json.loads((back / "summary.json").read_text())  # packed despite the crash
     assert summary["next"] == "train" and summary["train"]["state"]["step"] == 2
-    crashed = tmp_path / "OUT-crashed"  # what that job brought back, kept for step 7
     shutil.copytree(back, crashed)
     assert list(crashed.glob("state.tar.gz.*"))
+    return crashed
 
-    # 3. A chunk that ends at once (stop_after_minutes ~ 0): stopped early, nothing lost.
-    r = dry_recipe(tiny_model, **{"stages.0.train.stop_after_minutes": "1e-9"})
-    s = gpu_run.run(r, phases=("train",), out=out)
-    assert (
-        s["next"] == "train"
-        and "chunk ended at step 2" in lines(out / "calls.jsonl")[-1]["stopped"]
-    )
 
-    # 4. The same command goes on: training from its checkpoint, then the evaluation.
-    s = gpu_run.run(dry_recipe(tiny_model), out=out, pack_dir=back)
+def chunk_ends_at_once(recipe, out: Path) -> None:
+    """A chunk that ends at once (stop_after_minutes ~ 0): stopped early, nothing lost."""
+    s = gpu_run.run(recipe(**{"stages.0.train.stop_after_minutes": "1e-9"}), phases=("train",),
+                    out=out)  # fmt: skip
+    assert s["next"] == "train"
+    assert "chunk ended at step 2" in lines(out / "calls.jsonl")[-1]["stopped"]
+
+
+def next_job_goes_on_to_the_end(recipe, out: Path, back: Path) -> list[dict]:
+    """The same command goes on: training from its checkpoint, then the evaluation; what comes
+    back is a few files, each at most a part. Returns the curve's rows."""
+    s = gpu_run.run(recipe(), out=out, pack_dir=back)
     assert s["next"] == "done"
+    train_dir = out / STAGE / "train"
     assert [r["step"] for r in lines(train_dir / "log.jsonl")] == list(range(1, STEPS + 1))
     curve = lines(out / "eval" / "curve.jsonl")
-    assert [c["label"] for c in curve] == ["base", "stage-1-n16/final", "stage-1-n16/step-3"]
+    assert [c["label"] for c in curve] == ["base", f"{STAGE}/final", f"{STAGE}/step-3"]
     for c in curve:
         for key in ("humaneval/jacobi", "humaneval/multiblock", "code-heldout/jacobi"):
             assert c[key]["tpf"] >= 1.0 and c[key]["tokens"] > 0
@@ -221,40 +276,47 @@ def test_dry_run_every_phase_resumable(tiny_model, tmp_path, monkeypatch):
         assert (out / "eval" / f).exists()
     assert (train_dir / "adapter" / "adapter_model.safetensors").exists()
     assert s["seconds_per_phase"].keys() == {"collect", "train", "eval"}
-
     # What comes back: a few files, each at most a part (15 MiB by default), summary readable
     # as is.
     files = sorted(back.iterdir())
     assert len(files) <= 8 and all(f.stat().st_size <= 15 * 2**20 for f in files)
     assert {"summary.json", "curve.png"} <= {f.name for f in files}
+    return curve
 
-    # 5. Rerun of a finished run: nothing new anywhere.
+
+def rerun_of_a_finished_run_changes_nothing(recipe, out: Path) -> None:
+    """Nothing new anywhere; and `jacobi-forcing distill` reads the same folder: its one stage
+    done, final linked."""
     before = tree_digest(out)
-    s = gpu_run.run(dry_recipe(tiny_model), out=out)
+    s = gpu_run.run(recipe(), out=out)
     assert s["next"] == "done" and tree_digest(out) == before
     assert all("nothing" in c.get("did", "") for c in lines(out / "calls.jsonl")[-3:])
-    # `jacobi-forcing distill` reads the same folder: both stages done, final linked.
-    final = run_recipe(dry_recipe(tiny_model), out=out, progress=False)
-    assert (final / "model.safetensors").exists() and final.resolve() == (train_dir / "final")
+    final = run_recipe(recipe(), out=out, progress=False)
+    assert final.resolve() == out / STAGE / "train" / "final"
+    assert (final / "model.safetensors").exists()
 
-    # 6. A fresh machine: the finished run's parts restore, and the merged model is rebuilt
-    #    from the adapter (the pack leaves it out) equal to the trained one.
-    fresh = tmp_path / "fresh"
-    s = gpu_run.run(dry_recipe(tiny_model), out=fresh, restore_dir=back)
-    assert s["next"] == "done"
+
+def fresh_machine_restores_the_finished_run(recipe, out: Path, back: Path, fresh: Path,
+                                            curve: list[dict]) -> None:  # fmt: skip
+    """The finished run's parts restore, and the merged model is rebuilt from the adapter (the
+    pack leaves it out) equal to the trained one; the curve is carried over, not measured
+    again."""
     from safetensors.torch import load_file
 
-    a = load_file(train_dir / "final" / "model.safetensors")
-    b = load_file(fresh / "stage-1-n16" / "train" / "final" / "model.safetensors")
+    s = gpu_run.run(recipe(), out=fresh, restore_dir=back)
+    assert s["next"] == "done"
+    a = load_file(out / STAGE / "train" / "final" / "model.safetensors")
+    b = load_file(fresh / STAGE / "train" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-    assert lines(fresh / "eval" / "curve.jsonl") == curve  # measured once, carried over
+    assert lines(fresh / "eval" / "curve.jsonl") == curve
 
-    # 7. A fresh machine with the crashed call's parts: training goes on from the adapter's
-    #    train_state.json (no checkpoint came along) to the end, its log continued.
-    fresh = tmp_path / "fresh-after-crash"
-    s = gpu_run.run(dry_recipe(tiny_model), phases=("train",), out=fresh, restore_dir=crashed)
+
+def fresh_machine_goes_on_after_the_crash(recipe, crashed: Path, fresh: Path) -> None:
+    """With the crashed job's parts, training goes on from the adapter's train_state.json (no
+    checkpoint came along) to the end, its log continued."""
+    s = gpu_run.run(recipe(), phases=("train",), out=fresh, restore_dir=crashed)
     assert s["next"] == "eval" and s["train"]["state"]["step"] == STEPS
-    log = lines(fresh / "stage-1-n16" / "train" / "log.jsonl")
+    log = lines(fresh / STAGE / "train" / "log.jsonl")
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))
 
 
@@ -265,19 +327,20 @@ def test_pack_limits_and_round_trip(tmp_path):
     (src / "a" / "keep.bin").write_bytes(torch.randint(0, 255, (300_000,)).byte().numpy().tobytes())
     (src / "summary.json").write_text("{}")
     dest = tmp_path / "OUT"
-    files = gpu_run.pack(src, dest, part_mib=0.1, max_files=8, max_total_mib=1)
+    files = gpu_run.pack_results(src, dest, part_mib=0.1, max_files=8, max_total_mib=1)
     parts = sorted(dest.glob("state.tar.gz.*"))
     assert len(parts) >= 3 and all(p.stat().st_size <= 0.1 * 2**20 for p in parts)
     assert set(files) == {*parts, dest / "summary.json"}
-    assert len(gpu_run.pack(src, tmp_path / "OUT1", part_mib=0.02)) > 8  # no limit by default
+    # No limit by default.
+    assert len(gpu_run.pack_results(src, tmp_path / "OUT1", part_mib=0.02)) > 8
     back = tmp_path / "back"
-    assert gpu_run.restore(dest, back)
+    assert gpu_run.restore_results(dest, back)
     assert (back / "a" / "keep.bin").read_bytes() == (src / "a" / "keep.bin").read_bytes()
     assert not (back / "a" / "checkpoints").exists()
     with pytest.raises(RuntimeError, match="over the limit set for the results"):
-        gpu_run.pack(src, tmp_path / "OUT2", part_mib=0.02, max_files=8)
+        gpu_run.pack_results(src, tmp_path / "OUT2", part_mib=0.02, max_files=8)
     with pytest.raises(RuntimeError, match="max_total_mib 0.1"):
-        gpu_run.pack(src, tmp_path / "OUT3", part_mib=0.1, max_total_mib=0.1)
+        gpu_run.pack_results(src, tmp_path / "OUT3", part_mib=0.1, max_total_mib=0.1)
 
 
 def _wheel(dest: Path, name: str, payload: bytes) -> Path:

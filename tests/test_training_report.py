@@ -84,7 +84,7 @@ def test_measure_scaling_resumes(tmp_path, monkeypatch):
     out = tmp_path / "scaling.jsonl"
     with pytest.raises(KeyboardInterrupt):
         dr.measure_scaling(run, out, limit=2, progress=False)
-    assert len(dr._rows(out)) == 2
+    assert len(dr.read_rows(out)) == 2
     rows = dr.measure_scaling(run, out, limit=2, progress=False)
     assert [r["label"] for r in rows] == [p["label"] for p in dr.scaling_points(run)]
     assert len(calls) == 3 + 4  # the interrupted model is redone, finished ones are not
@@ -146,7 +146,7 @@ def test_measure_scaling_completes_older_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(dr, "heldout_tpf", fake_tpf)
     out = tmp_path / "scaling.jsonl"
     dr.measure_scaling(run, out, limit=2, progress=False, sets=("humaneval",))
-    before = dr._rows(out)
+    before = dr.read_rows(out)
     calls.clear()
     rows = dr.measure_scaling(run, out, limit=2, progress=False, sets=("humaneval", "code"))
     assert calls == [("code",)] * len(before)

@@ -11,8 +11,8 @@ script runs it before anything is installed.
 - Out: ``pack_tree`` writes a run's state as a gzipped tar cut into parts of a given size;
   ``unpack_tree`` puts such parts back together.
 
-    python python_training/gpu_carry.py prepare --part-mib 32          # here: .gpu/p1, .gpu/p2, ...
-    python3 python_training/gpu_carry.py assemble --stash S --site T   # there (gpu_setup.sh)
+    python python_training/jobs/gpu_carry.py prepare --part-mib 32     # here: .gpu/p1, p2, ...
+    python3 python_training/jobs/gpu_carry.py assemble --stash S --site T  # there (gpu_setup.sh)
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def unpack_tree(src: Path, out: Path) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python python_training/gpu_carry.py")
+    ap = argparse.ArgumentParser(prog="python python_training/jobs/gpu_carry.py")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="here: the wheels as a wheelhouse in parts .gpu/p1, p2, ...")
     p.add_argument("--root", default=".", help="the repo (default: .)")

@@ -2,14 +2,16 @@
 as jobs with a time limit (``--minutes``), each resumable, everything in one output folder
 (``recipes/smollm2_gpu.toml``; docs/training.md "On a GPU machine" has the jobs step by step).
 
-    python -m python_training.gpu_run --recipe R.toml --phase all --minutes 9 --pack "$OUT"
+    python -m python_training.jobs.gpu_run --recipe R.toml --phase all --minutes 9 --pack "$OUT"
 
 ($OUT: the job's output folder, what comes back from the machine.) A job runs the phases it is
 given until its time is spent and stops at a safe point; the same command goes on from there:
 collection by prompt id (in chunks of batches), training in chunks (``stop_after_minutes`` +
 checkpoints), evaluation by the rows already in its JSONL files.
 
-The output folder has ``distill.py``'s layout, so ``distill`` and ``distill-report`` read it too::
+It builds on ``distill``'s stage helpers (``stage_dir``, ``collect_settings``,
+``train_settings``, ``mark_done``) and ``distill_report``'s curve, so the output folder has
+``distill.py``'s layout and ``distill`` and ``distill-report`` read it too::
 
     stage-1-<name>/trajectories/   collection; COLLECTED once every prompt is done
     stage-1-<name>/train/          log.jsonl, checkpoints/, snapshots/, adapter/ (LoRA +
@@ -32,12 +34,29 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-from .distill import _dtype, _mark, _seed_from_shipped, check_device, load_recipe
+from ..distill import (
+    check_device,
+    collect_settings,
+    load_recipe,
+    mark_done,
+    parse_dtype,
+    seed_from_shipped,
+    stage_dir,
+    train_settings,
+)
+from ..distill_report import (
+    append_row,
+    heldout_tpf,
+    plot_scaling,
+    plot_training,
+    read_log,
+    read_rows,
+    scaling_points,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -73,7 +92,7 @@ class Budget:
 def check_recipe(recipe: dict) -> dict:
     """The recipe with its [run] and [eval] tables completed; errors for what this driver cannot
     run (unknown keys are errors, as in TrainConfig: a typo fails here, not mid-run)."""
-    from .trainer import TrainConfig
+    from ..trainer import TrainConfig
 
     if len(recipe["stages"]) != 1:
         raise ValueError("gpu_run runs one-stage recipes; use `jacobi-forcing distill` for more")
@@ -86,7 +105,7 @@ def check_recipe(recipe: dict) -> dict:
             raise ValueError(f"unknown [{name}] settings: {sorted(unknown)}")
         recipe[name] = {**defaults, **recipe.get(name, {})}
     TrainConfig.from_dict(dict(st.get("train", {})))
-    _dtype(st.get("collect_dtype", "float32")), _dtype(recipe["eval"]["dtype"])
+    parse_dtype(st.get("collect_dtype", "float32")), parse_dtype(recipe["eval"]["dtype"])
     return recipe
 
 
@@ -110,7 +129,7 @@ class Run:
         self.recipe, self.out, self.budget, self.progress = recipe, Path(out), budget, progress
         self.device = check_device(recipe.get("device", "cpu"))
         self.stage, self.cfg, self.ev = recipe["stages"][0], recipe["run"], recipe["eval"]
-        self.sdir = self.out / f"stage-1-{self.stage.get('name', 'stage')}"
+        self.sdir = stage_dir(self.out, 1, self.stage)
         self.tdir, self.rdir = self.sdir / "trajectories", self.sdir / "train"
         self.edir = self.out / "eval"
         self.teacher = recipe.get("model") or None
@@ -125,8 +144,8 @@ class Run:
     def collect(self) -> dict:
         from jacobi_ext.models import load_model
 
-        from .prompts import load_prompts
-        from .trajectories import collect, read_trajectories
+        from ..prompts import load_prompts
+        from ..trajectories import collect, read_trajectories
 
         st = self.stage
         if (self.sdir / "COLLECTED").exists():
@@ -134,15 +153,14 @@ class Run:
         if not self.time_for(0):
             return {"stopped": "no time left in this job"}
         if st.get("shipped_trajectories"):
-            _seed_from_shipped(Path(st["shipped_trajectories"]), self.tdir)
-        pcfg = self.recipe.get("prompts", {})
+            seed_from_shipped(Path(st["shipped_trajectories"]), self.tdir)
         lo, hi = st.get("prompt_range", [0, None])
-        prompts = load_prompts(pcfg.get("source"))[lo:hi]
+        prompts = load_prompts(self.recipe.get("prompts", {}).get("source"))[lo:hi]
         done = {r["id"] for r in read_trajectories(self.tdir)} if self.tdir.exists() else set()
         todo = [p for p in prompts if p.id not in done]
-        B = int(st.get("collect_batch_size", 1))
-        chunk = B * int(self.cfg["collect_chunk_batches"])
-        dtype = _dtype(st.get("collect_dtype", "float32"))
+        settings = collect_settings(self.recipe, st, self.teacher, self.progress)
+        chunk = settings["batch_size"] * int(self.cfg["collect_chunk_batches"])
+        dtype = parse_dtype(st.get("collect_dtype", "float32"))
         model, tok = load_model(self.teacher, dtype=dtype, device=self.device)
         total = {"collected": 0, "tokens": 0, "skipped_long": 0, "seconds": 0.0}
         last = 0.0
@@ -150,12 +168,7 @@ class Run:
             if not self.time_for(1.2 * last):
                 return {**total, "stopped": f"budget spent; {len(todo) - i} prompts left"}
             t0 = time.perf_counter()
-            s = collect(
-                model, tok, todo[i : i + chunk], self.tdir, block_size=int(st["block_size"]),
-                max_new_tokens=int(st["max_new_tokens"]), teacher=str(self.teacher or "base"),
-                max_prompt_tokens=pcfg.get("max_prompt_tokens"), progress=self.progress,
-                fixed_points_only=bool(st.get("collect_fixed_points", False)), batch_size=B,
-            )  # fmt: skip
+            s = collect(model, tok, todo[i : i + chunk], self.tdir, **settings)
             last = time.perf_counter() - t0
             for k in ("collected", "tokens", "skipped_long"):
                 total[k] += s[k]
@@ -163,14 +176,14 @@ class Run:
             self.say(f"collect: {i + len(todo[i : i + chunk])}/{len(todo)} prompts, "
                      f"{total['tokens'] / max(total['seconds'], 1e-9):.0f} tok/s")  # fmt: skip
         total["records"] = len(read_trajectories(self.tdir))
-        _mark(self.sdir / "COLLECTED", total)
+        mark_done(self.sdir / "COLLECTED", total)
         return {**total, "done": True}
 
     # ---- train -----------------------------------------------------------------------------
     def train(self) -> dict:
         import torch
 
-        from .trainer import TrainConfig, _latest_checkpoint, train
+        from ..trainer import TrainConfig, _latest_checkpoint, train
 
         if (self.sdir / "TRAINED").exists():
             if not (self.rdir / "final" / "model.safetensors").exists():
@@ -181,10 +194,7 @@ class Run:
         left = self.budget.left() - self.cfg["reserve_seconds"] - self.cfg["train_load_seconds"]
         if left < self.cfg["min_train_seconds"]:
             return {"stopped": f"{left:.0f} s left for training: too little for a chunk"}
-        tcfg = dict(self.stage.get("train", {}))
-        tcfg.update(model=self.teacher, data=[str(self.tdir)], out=str(self.rdir))
-        tcfg.setdefault("window", int(self.stage.get("window", 16)))
-        tcfg.setdefault("threads", self.recipe.get("threads"))
+        tcfg = train_settings(self.recipe, self.stage, self.teacher, self.sdir)
         tcfg["cpu"] = torch.device(self.device).type == "cpu"
         chunk = min(tcfg.get("stop_after_minutes") or math.inf, left / 60)
         tcfg["stop_after_minutes"] = chunk if math.isfinite(chunk) else None
@@ -193,7 +203,7 @@ class Run:
             ck = _latest_checkpoint(self.rdir)
             step = int(ck.name.split("-")[1]) if ck else 0
             return {"stopped": f"chunk ended at step {step}", "last": last}
-        _mark(self.sdir / "TRAINED", last)
+        mark_done(self.sdir / "TRAINED", last)
         return {"done": True, "last": last}
 
     def _rebuild_final(self) -> None:
@@ -207,8 +217,6 @@ class Run:
 
     # ---- eval ------------------------------------------------------------------------------
     def eval(self) -> dict:
-        from .distill_report import _rows, plot_scaling, plot_training, scaling_points
-
         if (self.edir / "EVALUATED").exists():
             return {"done": True, "did": "nothing (evaluated already)"}
         if not (self.sdir / "TRAINED").exists():
@@ -236,11 +244,11 @@ class Run:
                 elif not self._humaneval(unit[1], unit[2], loaded, took):
                     return {"stopped": f"budget spent in humaneval {unit[2]}"}
         finally:
-            rows = _rows(self.edir / "curve.jsonl")
+            rows = read_rows(self.edir / "curve.jsonl")
             if rows:
                 plot_scaling(rows, self.edir / "curve.png")
             plot_training(self.out, self.edir / "training_curves.png")
-        _mark(self.edir / "EVALUATED", {"curve_points": len(rows)})
+        mark_done(self.edir / "EVALUATED", {"curve_points": len(rows)})
         return {"done": True, "curve_points": len(rows)}
 
     def _model(self, point: dict, loaded: list):
@@ -253,16 +261,14 @@ class Run:
             loaded[0] = loaded[1] = None
             if torch.device(self.device).type == "cuda":
                 torch.cuda.empty_cache()
-            dtype = _dtype(self.ev["dtype"])
+            dtype = parse_dtype(self.ev["dtype"])
             loaded[1] = load_model(point["model"] or self.teacher, dtype=dtype, device=self.device)
             loaded[0] = key
         return loaded[1]
 
     def _curve_point(self, point: dict, loaded: list, took: dict) -> None:
-        from .distill_report import _rows, heldout_tpf
-
         path = self.edir / "curve.jsonl"
-        if point["label"] in {r["label"] for r in _rows(path)}:
+        if point["label"] in {r["label"] for r in read_rows(path)}:
             return
         t0 = time.perf_counter()
         model, tok = self._model(point, loaded)
@@ -273,7 +279,7 @@ class Run:
         row = dict(point, **res, prompts=int(ev["curve_prompts"]), dtype=ev["dtype"],
                    max_new_tokens=int(ev["max_new_tokens"]), block_size=int(ev["block_size"]),
                    device=self.device, seconds=round(took["curve"], 1))  # fmt: skip
-        _append(path, row)
+        append_row(path, row)
         self.say(f"curve: {point['label']}: " + ", ".join(
             f"{k} {v['tpf']:.2f}" for k, v in res.items() if isinstance(v, dict)))  # fmt: skip
 
@@ -281,7 +287,7 @@ class Run:
         """HumanEval[:limit] in slices, the budget checked before each; False: budget spent."""
         from jacobi_ext.data import load_humaneval
 
-        from .evaluate import _done, evaluate
+        from ..evaluate import _done, evaluate
 
         ev = self.ev
         path = self.edir / f"humaneval_{which}.jsonl"
@@ -305,19 +311,12 @@ class Run:
         return True
 
 
-def _append(path: Path, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# ---- summary, pack, restore ----------------------------------------------------------------
+# ---- summary; the results packed to take away and restored on a fresh machine --------------
 def humaneval_table(path: Path) -> dict:
     """evaluate.summarize per method, plus: tokens/s against our AR on the same tasks and the
     fraction of tasks whose tokens equal AR's (decoding is lossless; in bf16 rounding may part
     near-ties, so the eval runs in float32 by default)."""
-    from .evaluate import summarize
+    from ..evaluate import summarize
 
     if not path.exists() or not path.read_text().strip():
         return {}
@@ -338,14 +337,12 @@ def humaneval_table(path: Path) -> dict:
 
 
 def summarize_run(run: Run) -> dict:
-    from .distill_report import _rows, read_log
-
     def marker(p: Path):
         return json.loads(p.read_text()) if p.exists() else None
 
     state = run.rdir / "adapter" / "train_state.json"
     log = read_log(run.rdir / "log.jsonl") if (run.rdir / "log.jsonl").exists() else []
-    calls = _rows(run.out / "calls.jsonl")
+    calls = read_rows(run.out / "calls.jsonl")
     seconds: dict[str, float] = {}
     for c in calls:
         seconds[c["phase"]] = seconds.get(c["phase"], 0.0) + c["wall_seconds"]
@@ -353,7 +350,7 @@ def summarize_run(run: Run) -> dict:
             "eval": run.edir / "EVALUATED"}  # fmt: skip
     curve = [{k: (v["tpf"] if isinstance(v, dict) else v) for k, v in r.items()
               if k in ("label", "tokens", "examples") or isinstance(v, dict)}
-             for r in _rows(run.edir / "curve.jsonl")]  # fmt: skip
+             for r in read_rows(run.edir / "curve.jsonl")]  # fmt: skip
     return {
         "next": next((p for p in PHASES if not done[p].exists()), "done"),
         "device": run.device,
@@ -368,10 +365,11 @@ def summarize_run(run: Run) -> dict:
     }  # fmt: skip
 
 
-def pack(out: Path, dest: Path, part_mib: float = 15.0, max_files: int | None = None,
-         max_total_mib: float | None = None) -> list[Path]:  # fmt: skip
-    """summary.json, the curve's PNG and the state in parts of ``part_mib`` into ``dest`` (e.g.
-    the job's output folder); over ``max_files`` files or ``max_total_mib`` MiB (where the job's
+def pack_results(out: Path, dest: Path, part_mib: float = 15.0, max_files: int | None = None,
+                 max_total_mib: float | None = None) -> list[Path]:  # fmt: skip
+    """A run's results to take away: summary.json, the curve's PNG and the run's state as a tar
+    in parts of ``part_mib`` (``state.tar.gz.NNN``, see PACK_EXCLUDE) into ``dest`` (e.g. the
+    job's output folder); over ``max_files`` files or ``max_total_mib`` MiB (where the job's
     output is limited; None: no limit) it raises rather than lose files silently."""
     import shutil
 
@@ -399,9 +397,10 @@ def pack(out: Path, dest: Path, part_mib: float = 15.0, max_files: int | None = 
     return files
 
 
-def restore(src: Path, out: Path) -> bool:
-    """Unpack a packed state from ``src`` into ``out``, unless ``out`` already holds a run (on a
-    machine that kept its disk, that state is newer than any packed copy of it)."""
+def restore_results(src: Path, out: Path) -> bool:
+    """Unpack the state ``pack_results`` wrote into ``src`` into ``out``, unless ``out``
+    already holds a run (on a machine that kept its disk, that state is newer than any packed
+    copy of it)."""
     from .gpu_carry import unpack_tree
 
     if any(Path(out).glob("stage-*")):
@@ -416,26 +415,33 @@ def run(recipe: dict, phases=PHASES, out=None, minutes=None, pack_dir=None, rest
     recipe = check_recipe(recipe)
     r = Run(recipe, Path(out or recipe.get("out", "runs/gpu")), Budget(minutes, clock), progress)
     r.out.mkdir(parents=True, exist_ok=True)
-    if restore_dir and restore(Path(restore_dir), r.out):
+    if restore_dir and restore_results(Path(restore_dir), r.out):
         r.say(f"restored the run from {restore_dir}")
     try:
-        for ph in phases:
-            t0 = time.perf_counter()
-            res = getattr(r, ph)()
-            row = {"phase": ph, "at": time.strftime("%Y-%m-%d %H:%M:%S"),
-                   **res, "wall_seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
-            _append(r.out / "calls.jsonl", row)
-            r.say(f"{ph}: {json.dumps({k: v for k, v in res.items() if k != 'last'})}")
-            if not res.get("done"):
-                break
-    finally:
+        run_phases(r, phases)
+    finally:  # a crashed or stopped job still leaves its summary and packs what it has
         summary = summarize_run(r)
         (r.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         if pack_dir:
             rc = recipe["run"]
-            pack(r.out, Path(pack_dir), rc["part_mib"], rc["max_files"], rc["max_total_mib"])
+            pack_results(r.out, Path(pack_dir), rc["part_mib"], rc["max_files"],
+                         rc["max_total_mib"])  # fmt: skip
     r.say(f"next: {summary['next']}")
     return summary
+
+
+def run_phases(r: Run, phases) -> None:
+    """Each phase in turn, logged to calls.jsonl, until one is not done (stopped by the budget
+    or waiting for an earlier phase)."""
+    for ph in phases:
+        t0 = time.perf_counter()
+        res = getattr(r, ph)()
+        row = {"phase": ph, "at": time.strftime("%Y-%m-%d %H:%M:%S"),
+               **res, "wall_seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        append_row(r.out / "calls.jsonl", row)
+        r.say(f"{ph}: {json.dumps({k: v for k, v in res.items() if k != 'last'})}")
+        if not res.get("done"):
+            break
 
 
 def add_parser(sub) -> None:
@@ -493,7 +499,7 @@ def _cmd(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m python_training.gpu_run")
+    parser = argparse.ArgumentParser(prog="python -m python_training.jobs.gpu_run")
     add_parser(parser.add_subparsers(dest="cmd", required=True))
     args = parser.parse_args(["gpu-run", *(sys.argv[1:] if argv is None else argv)])
     return args.handler(args)

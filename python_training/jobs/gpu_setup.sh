@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Makes a GPU machine that may be offline (Python and torch, nothing of ours) ready for
-# python_training/gpu_run.py, and runs it:
-#   bash python_training/gpu_setup.sh                   setup only (stash, install, build)
-#   bash python_training/gpu_setup.sh run ARGS...       setup, then gpu_run.py ARGS
+# python_training/jobs/gpu_run.py, and runs it:
+#   bash python_training/jobs/gpu_setup.sh               setup only (stash, install, build)
+#   bash python_training/jobs/gpu_setup.sh run ARGS...   setup, then gpu_run.py ARGS
 # Safe at the start of every job: what is done is skipped. It
 # 1. keeps the wheelhouse parts this job brought (.gpu/p1, .gpu/p2, ... from `python
-#    python_training/gpu_carry.py prepare`; .gpu/state, a packed run) in runs/gpu-env, an ignored
-#    folder that stays while the machine keeps its disk, so a later job need not bring them again;
+#    python_training/jobs/gpu_carry.py prepare`; .gpu/state, a packed run) in runs/gpu-env, an
+#    ignored folder that stays while the machine keeps its disk, so a later job need not bring
+#    them again;
 # 2. installs every wheel whose pieces are all there into runs/gpu-env/site (gpu_carry.py
 #    assemble: sha256-checked, pip --no-index --no-deps);
 # 3. builds jacobi_ext's extension against the machine's torch once per source state (CUDA on,
@@ -15,7 +16,7 @@
 #    --restore runs/gpu-env/state when a packed run came along.
 # A fresh machine (or one whose disk was wiped) starts bare: a part it lacks is named in the error.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 ENV="${JF_GPU_ENV:-$ROOT/runs/gpu-env}"
 PY="${PYTHON:-python3}"
 mkdir -p "$ENV/stash" "$ENV/site"
@@ -27,7 +28,7 @@ if [ -d "$ROOT/.gpu/state" ]; then
   rm -rf "$ENV/state" && cp -r "$ROOT/.gpu/state" "$ENV/state"
 fi
 set +e
-"$PY" "$ROOT/python_training/gpu_carry.py" assemble --stash "$ENV/stash" --site "$ENV/site"
+"$PY" "$ROOT/python_training/jobs/gpu_carry.py" assemble --stash "$ENV/stash" --site "$ENV/site"
 missing=$?
 set -e
 export PYTHONPATH="$ROOT:$ENV/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -84,4 +85,4 @@ print("== torch", torch.__version__, "| GPU:", torch.cuda.get_device_name() if
       n.CUDA_ARCHS, "| model:", m.default_model_file())'
 restore=()
 [ -d "$ENV/state" ] && restore=(--restore "$ENV/state")
-PYTHONUNBUFFERED=1 exec "$PY" -m python_training.gpu_run "${restore[@]}" "$@"
+PYTHONUNBUFFERED=1 exec "$PY" -m python_training.jobs.gpu_run "${restore[@]}" "$@"
