@@ -14,7 +14,8 @@ changes; an explicit ``backend`` argument wins over the variable):
 
 - ``auto`` (default): the compiled kernel of q's device (``cpu`` on CPU, ``sm80`` on CUDA), or
   FlexAttention for a CUDA head dim without a kernel; on CUDA, a backend that a GPU run measured
-  fastest for the variant and head dim (``MEASURED_FASTEST``);
+  fastest for the variant and head dim (``MEASURED_FASTEST``); ``sm90`` on compute capability 9
+  only once ``SM90_IS_DEFAULT`` is set;
 - ``cpu``: the CPU kernel;
 - ``sm80``: the sm_80 CUDA kernel (A100, and the fallback everywhere);
 - ``sm90``: the sm_90a CUDA kernel on compute capability 9.x; elsewhere, or where no sm_90a
@@ -23,10 +24,19 @@ changes; an explicit ``backend`` argument wins over the variable):
 - ``streams``: two causal SDPA calls in stream order (``noisy_context`` only: see
   ``jacobi_ext/_attn_streams.py``).
 
-From the environment, ``sm80``/``sm90`` apply where a compiled CUDA kernel fits (CPU tensors
-keep the CPU kernel, CUDA head dims without a kernel take FlexAttention as under ``auto``); as an
-argument, a backend that does not fit the inputs is a ValueError that names the
-ones that do.
+As an argument, a backend that does not fit the inputs is a ValueError that names the ones that
+do. From the environment, a backend is a preference for the whole run: it applies where it fits
+and ``auto``'s choice runs elsewhere (``sm80``/``sm90`` leave CPU tensors on the CPU kernel and
+CUDA head dims without a kernel on FlexAttention, ``streams`` leaves other layouts to ``auto``);
+a value that is not a backend is a ValueError.
+
+This module is the one place that decides (``choose_backend``, a pure function of the inputs'
+device, compute capability, variant and head dim, of what fits, of the variable and of the
+argument). The ops ``block_attention_fwd``/``bwd`` are always passed the kernel it picked by
+name ("cpu", "sm80" or "sm90"), the backward by autograd too, and run that kernel: they never
+read the environment, and a raw call with ``kernel=None`` runs the device's portable kernel
+(``cpu`` on CPU, ``sm80`` on CUDA). ``block_attention`` takes its kernel from the same policy
+(``op_kernel``: the variable where it names a kernel, else the default).
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import os
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -57,6 +67,81 @@ SM90_TILE = 128
 #: (docs/results/h100-2026-11-26, h200-2026-11-26), and the sm90 forward with the sm80 backward
 #: is no match for them either (its backward is the sm80 one).
 MEASURED_FASTEST: dict[tuple[int, str, int], str] = {(9, "noisy_context", 128): "streams"}
+#: Whether ``auto`` runs the sm_90a kernel on compute capability 9 (where MEASURED_FASTEST names
+#: nothing): not until a GPU run has passed every sm_90a attention test (docs/sm90_attention.md,
+#: "GPU checklist"). Flip it in the commit that records those figures under docs/results/.
+SM90_IS_DEFAULT = False
+#: The backends that are compiled kernels of the ops (the names the ops take).
+KERNELS = ("cpu", "sm80", "sm90")
+
+
+def choose_backend(
+    device_type: str,
+    capability: int | None,
+    variant: str | None,
+    head_dim: int,
+    fits: Collection[str],
+    env: str | None = None,
+    argument: str = "auto",
+) -> tuple[str, str]:
+    """The attention policy, as a pure function: (backend to run, why: "argument", "env" or
+    "default").
+
+    ``device_type``: q's (``"cpu"``, ``"cuda"``, ...); ``capability``: the CUDA compute capability
+    major (None where unknown or not needed); ``variant``: the layout's (None for a bare block
+    table); ``fits``: the backends that take the inputs (``"cpu"`` / ``"sm80"`` and ``"sm90"`` only
+    where the device's compiled kernel does); ``env``: the value of ``JACOBI_ATTN_KERNEL`` (None:
+    unset); ``argument``: ``jacobi_attention``'s ``backend``.
+
+    In order: an ``argument`` other than "auto" runs (a ValueError where it does not fit); else a
+    set ``env`` runs where it fits; else the default. On CUDA the default is FlexAttention where
+    no compiled kernel fits, else MEASURED_FASTEST's backend for (capability, variant, head dim)
+    where it fits, else ``sm90`` on capability 9 if SM90_IS_DEFAULT, else ``sm80``; on the CPU it
+    is the CPU kernel; a device type with no compiled kernel family gets "auto" (the op's own
+    dispatch). A name that is not a backend is a ValueError.
+    """
+    if not isinstance(argument, str) or argument not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {argument!r}")
+    if argument != "auto":
+        if argument not in fits:
+            raise ValueError(
+                f"backend={argument!r} does not take these inputs; backends that fit: "
+                f"{', '.join(fits)}"
+            )
+        return argument, "argument"
+    env = (env or "").strip()
+    if env not in ("", "auto"):
+        if env not in BACKENDS:
+            raise ValueError(
+                f"{KERNEL_ENV}={env!r} is not an attention backend; set it to one of "
+                f"{', '.join(BACKENDS)} (or unset it)"
+            )
+        if env in fits:
+            return env, "env"
+    if device_type == "cuda":
+        if "sm80" not in fits:
+            return "flex", "default"
+        measured = MEASURED_FASTEST.get((capability, variant, head_dim))
+        if measured is not None and measured in fits:
+            return measured, "default"
+        return ("sm90" if SM90_IS_DEFAULT and capability == 9 else "sm80"), "default"
+    return _ops.PORTABLE_KERNELS.get(device_type, "auto"), "default"
+
+
+def _capability(q: torch.Tensor) -> int:
+    return torch.cuda.get_device_capability(q.device)[0]
+
+
+def op_kernel(q: torch.Tensor) -> str:
+    """The kernel name the policy passes the ops for q outside ``jacobi_attention``'s backend
+    choice: ``block_attention``'s, and that of tests and benchmarks that call the raw ops but
+    should follow the policy. ``JACOBI_ATTN_KERNEL`` where it names a kernel of q's device, else
+    the default kernel (``choose_backend`` with no variant: the measured table does not apply)."""
+    device = q.device.type
+    fits = {"cuda": ("sm80", "sm90"), "cpu": ("cpu",)}.get(device, ())
+    capability = _capability(q) if device == "cuda" else None
+    env = os.environ.get(KERNEL_ENV)
+    return choose_backend(device, capability, None, q.shape[-1], fits, env)[0]
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -88,13 +173,14 @@ def block_attention(
         )
     if not native:
         return _flex_attention(q, k, v, table.to(q.device), scale, key=table)
+    kernel = op_kernel(q)
     if order is None:
-        return _run(q, k, v, table.to(q.device), None, scale)
+        return _run(q, k, v, table.to(q.device), None, scale, kernel)
     reordered, perm = table.reorder(order)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     plan = StreamPlan(reordered, table.block_rows(order), perm, inv)
-    return _run_plan(q, k, v, plan, scale, original=table)
+    return _run_plan(q, k, v, plan, scale, original=table, kernel=kernel)
 
 
 def _prepare(q, k, v):
@@ -125,8 +211,9 @@ def _run(
 
 def _sm90_tile_lists(q, table: BlockTable, kernel: str | None) -> list[torch.Tensor] | None:
     """The host-built tile lists of the sm_90a forward when it is the kernel that will run (else
-    None): built once per table and device (a host copy of the table) and kept on the table."""
-    if q.device.type != "cuda" or ops.attention_kernel(q, kernel) != "sm90":
+    None): built once per table and device (a host copy of the table) and kept on the table.
+    ``kernel``: the name the op is passed; the op says whether sm90 runs for it (fallbacks)."""
+    if q.device.type != "cuda" or kernel != "sm90" or ops.attention_kernel(q, kernel) != "sm90":
         return None
     cache = table.__dict__.setdefault("_sm90_tile_lists", {})
     key = (q.device, q.shape[2])
@@ -190,7 +277,7 @@ def jacobi_attention(
     ``JACOBI_ATTN_KERNEL`` first.
     """
     q, k, v = _prepare(q, k, v)
-    name, explicit = _resolve_backend(backend, q, k, v, layout)
+    name, source = _resolve_backend(backend, q, k, v, layout)
     if q.shape[2] != layout.seq_len:
         raise ValueError(
             f"q, k, v have seq_len {q.shape[2]} but {layout} describes "
@@ -200,13 +287,15 @@ def jacobi_attention(
         return streams_attention(q, k, v, layout, scale)
     if name == "flex":
         table = _block_table(layout, q.device)
-        return _flex_attention(q, k, v, table, scale, key=layout, warn=not explicit)
+        # Warned only where the default fell back to it (no compiled kernel for the head dim).
+        return _flex_attention(q, k, v, table, scale, key=layout, warn=source == "default")
     plan, table = _stream_plan(layout, q.device), _block_table(layout, q.device)
     return _run_plan(q, k, v, plan, scale, original=table, kernel=name)
 
 
-def _fitting_backends(q, k, v, layout: JacobiLayout) -> list[str]:
-    """The backends that take these inputs (for error messages)."""
+def _fitting_backends(q, k, v, two_stream: bool) -> list[str]:
+    """The backends that take these inputs (``choose_backend``'s ``fits``, error messages);
+    ``two_stream``: whether the layout is two causal streams (``is_two_stream``)."""
     fits = []
     if q.device.type == "cpu":
         fits.append("cpu")
@@ -217,68 +306,67 @@ def _fitting_backends(q, k, v, layout: JacobiLayout) -> list[str]:
         except ValueError:
             pass
     fits.append("flex")
-    if is_two_stream(layout):
+    if two_stream:
         fits.append("streams")
     return fits
 
 
-def _resolve_backend(backend, q, k, v, layout: JacobiLayout) -> tuple[str, bool]:
-    """(backend to run, whether it was asked for explicitly); validates the inputs for it.
-    Runs: "auto" (the device's kernel, which picks its own family), "cpu", "sm80", "sm90",
-    "flex" or "streams"."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    explicit = backend != "auto"
-    if not explicit:
-        env = os.environ.get(KERNEL_ENV, "").strip()
-        if env not in ("", "auto"):
-            if env not in BACKENDS:
-                raise ValueError(
-                    f"{KERNEL_ENV}={env!r} is not an attention backend; set it to one of "
-                    f"{', '.join(BACKENDS)} (or unset it)"
-                )
-            backend = env
+def _resolve_backend(backend, q, k, v, layout: JacobiLayout) -> tuple[str, str]:
+    """(backend to run, why: "argument", "env" or "default"), decided by ``choose_backend``;
+    validates the inputs for it first, so that an error names what is wrong with them."""
     # What every backend needs (shapes, dtypes, devices); the kernels' own rules come below.
     _ops.check_attention_inputs(q, k, v, kernel_rules=False)
-    if backend in ("sm80", "sm90") and not explicit:
-        if q.device.type != "cuda":
-            backend = "auto"  # the variable names CUDA kernels: CPU tensors keep their kernel
-        elif not _ops.check_attention_inputs(q, k, v, allow_fallback=True):
-            # A preference for the whole run: a head dim without a compiled kernel still takes
-            # FlexAttention (with auto's warning), as it would if the variable were unset.
-            return "flex", False
-    if backend == "auto":
-        if not _ops.check_attention_inputs(q, k, v, allow_fallback=True):
-            return "flex", False
-        if MEASURED_FASTEST and q.device.type == "cuda":
-            measured = MEASURED_FASTEST.get(
-                (torch.cuda.get_device_capability(q.device)[0], layout.variant, q.shape[-1])
-            )
-            if measured is not None and (measured != "streams" or is_two_stream(layout)):
-                return measured, False
-        return "auto", False
-    fits = ", ".join(_fitting_backends(q, k, v, layout))
+    named = isinstance(backend, str) and backend in BACKENDS and backend != "auto"
+    if named:
+        _check_argument(backend, q, k, v, layout)
+    env = os.environ.get(KERNEL_ENV)
+    # noisy_context is two streams by definition; another variant only in degenerate shapes,
+    # which is_two_stream finds by comparing block tables: host work that torch.compile must not
+    # trace on every call, so it is done only where streams is asked for.
+    asked = "streams" in (backend, (env or "").strip())
+    two_stream = layout.variant == "noisy_context" or (asked and is_two_stream(layout))
+    fits = _fitting_backends(q, k, v, two_stream)
+    # The capability matters to the default only (the measured table, SM90_IS_DEFAULT).
+    capability = _capability(q) if q.device.type == "cuda" and backend == "auto" else None
+    name, source = choose_backend(
+        q.device.type, capability, layout.variant, q.shape[-1], fits, env, backend
+    )
+    if source != "argument" and (
+        name in (*KERNELS, "auto") or (name, source) == ("flex", "default")
+    ):
+        # The compiled kernels' rules: what neither a kernel nor the FlexAttention fallback of a
+        # head dim without one takes is refused here, with the reason.
+        _ops.check_attention_inputs(q, k, v, allow_fallback=True)
+    return name, source
+
+
+def _check_argument(backend: str, q, k, v, layout: JacobiLayout) -> None:
+    """An explicit ``backend`` that does not fit the inputs: a ValueError saying why, with the
+    backends that fit."""
+
+    def fits() -> str:
+        return ", ".join(_fitting_backends(q, k, v, is_two_stream(layout)))
+
     if backend == "streams" and not is_two_stream(layout):
         raise ValueError(
             f"backend='streams' needs a layout that is two causal streams sharing the prompt "
             f"(variant noisy_context, or a layout with the same mask); {layout} is not. "
-            f"Backends that fit: {fits}"
+            f"Backends that fit: {fits()}"
         )
     if backend == "cpu" and q.device.type != "cpu":
         raise ValueError(
-            f"backend='cpu' is the CPU kernel but q is on {q.device}; backends that fit: {fits}"
+            f"backend='cpu' is the CPU kernel but q is on {q.device}; backends that fit: {fits()}"
         )
     if backend in ("sm80", "sm90"):
         if q.device.type != "cuda":
             raise ValueError(
                 f"backend={backend!r} is a CUDA kernel but q is on {q.device}; backends that "
-                f"fit: {fits}"
+                f"fit: {fits()}"
             )
         try:
             _ops.check_attention_inputs(q, k, v)
         except ValueError as e:
-            raise ValueError(f"backend={backend!r}: {e}. Backends that fit: {fits}") from None
-    return backend, explicit
+            raise ValueError(f"backend={backend!r}: {e}. Backends that fit: {fits()}") from None
 
 
 # ---- FlexAttention: CUDA head dims without a compiled kernel ----------------------------------

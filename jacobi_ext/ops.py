@@ -397,15 +397,24 @@ def _cpu_linear_gguf_fake(x, packed, type, out_features, bias=None, lora_a=None,
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+#: The portable kernel of each device type: what block_attention_fwd/bwd run for kernel=None or
+#: "auto" (the ops never read the environment: jacobi_ext/attention.py decides the rest).
+PORTABLE_KERNELS = {"cpu": "cpu", "cuda": "sm80"}
+
+
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, block_start, kv_ptr, kv_idx, scale, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, block_start, kv_ptr, kv_idx)
     ctx.scale = scale
-    # The backward runs the kernel family of the forward (_attn_backward says which backward),
+    # The backward is passed the kernel the forward was, by name (_attn_backward says which
+    # backward runs; None / "auto" name the device's portable kernel, which the forward ran),
     # with the forward's tile lists (rest[1]: int32 lists built once per table; without them the
     # sm_90a backward would rebuild them from a host copy of the table at every call).
-    ctx.kernel = rest[0] if rest else None
+    kernel = rest[0] if rest else None
+    if kernel in (None, "auto"):
+        kernel = PORTABLE_KERNELS.get(q.device.type, kernel)
+    ctx.kernel = kernel
     ctx.tile_lists = rest[1] if len(rest) > 1 else None
     ctx.mark_non_differentiable(lse)
 
@@ -413,12 +422,12 @@ def _attn_setup_context(ctx, inputs, output):
 def _deterministic_backward(q, kernel) -> bool:
     """Whether autograd asks the op for a deterministic backward. The CPU backward always is, and
     on CUDA the sm_80 backward runs its deterministic form. The sm_90a kernel, where it runs
-    (chosen by name: kernel/backend "sm90" or JACOBI_ATTN_KERNEL=sm90) and has a backward for the
-    dtype and head dim, runs that backward with its dQ sums added in any order (faster;
-    docs/sm90_attention.md), unless torch was told to use deterministic algorithms
-    (``torch.use_deterministic_algorithms(True)``): then the same backward adds each query tile's
-    sums in key-tile order. Under torch.compile the choice is not traced (the op names a kernel
-    with a string): the deterministic one."""
+    (the forward was passed "sm90": backend "sm90", JACOBI_ATTN_KERNEL=sm90, or a default that
+    picks it, jacobi_ext/attention.py) and has a backward for the dtype and head dim, runs that
+    backward with its dQ sums added in any order (faster; docs/sm90_attention.md), unless torch
+    was told to use deterministic algorithms (``torch.use_deterministic_algorithms(True)``): then
+    the same backward adds each query tile's sums in key-tile order. Under torch.compile the
+    choice is not traced (the op names a kernel with a string): the deterministic one."""
     if q.device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
         return True
     if torch.compiler.is_compiling():

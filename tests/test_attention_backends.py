@@ -2,8 +2,9 @@
 
 The stream-order fast path (backend="streams": two causal SDPA calls) against the float64
 dense-mask reference on CPU, values and gradients, random layouts, GQA; which backend runs for
-which argument / environment value (CUDA routing on fake tensors, no GPU needed); the errors.
-GPU tests skip without CUDA.
+which argument / environment value (CUDA routing on fake tensors, and the policy itself as a pure
+function: no GPU needed); the kernel names the ops are passed, which they run without reading the
+environment; the errors. GPU tests skip without CUDA.
 """
 
 from __future__ import annotations
@@ -189,13 +190,13 @@ def fake_cuda(*shape, dtype=torch.bfloat16):
 @pytest.mark.parametrize(
     "env,backend,want",
     [
-        (None, "auto", "auto"),
-        ("", "auto", "auto"),
-        ("auto", "auto", "auto"),
+        (None, "auto", "cpu"),
+        ("", "auto", "cpu"),
+        ("auto", "auto", "cpu"),
         ("streams", "auto", "streams"),
         ("flex", "auto", "flex"),
-        ("sm80", "auto", "auto"),  # CUDA kernel names leave CPU tensors on the CPU kernel
-        ("sm90", "auto", "auto"),
+        ("sm80", "auto", "cpu"),  # CUDA kernel names leave CPU tensors on the CPU kernel
+        ("sm90", "auto", "cpu"),
         ("cpu", "auto", "cpu"),
         ("streams", "cpu", "cpu"),  # an explicit argument wins over the variable
         ("flex", "streams", "streams"),
@@ -211,10 +212,21 @@ def test_cpu_routing(monkeypatch, env, backend, want):
     assert calls == [want]
 
 
+def test_environment_is_a_preference_where_it_does_not_fit(monkeypatch):
+    """JACOBI_ATTN_KERNEL=streams is for the whole run: a layout that is not two streams runs
+    auto's choice (as an argument, streams is refused for it: test_errors_name_...)."""
+    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "streams")
+    calls = _spy(monkeypatch)
+    for layout in (JacobiLayout(3, 2, 2, "clean_context"), JacobiLayout(3, 2, 1, "clean_context")):
+        q = torch.randn(1, 2, layout.seq_len, 16)
+        jacobi_attention(q, q, q, layout)
+    assert calls == ["cpu", "streams"]  # one clean_context pair is two streams
+
+
 @pytest.mark.parametrize(
     "env,backend,D,want",
     [
-        (None, "auto", 64, "auto"),
+        (None, "auto", 64, "sm80"),
         (None, "auto", 80, "flex"),  # no compiled kernel: FlexAttention, as before
         (None, "sm80", 128, "sm80"),
         (None, "sm90", 128, "sm90"),
@@ -222,6 +234,7 @@ def test_cpu_routing(monkeypatch, env, backend, want):
         ("sm90", "auto", 80, "flex"),  # the variable is a preference: no kernel, FlexAttention
         ("sm80", "auto", 32, "flex"),
         ("sm80", "auto", 96, "sm80"),
+        ("cpu", "auto", 64, "sm80"),  # a preference for CPU tensors: CUDA ones keep their kernel
         ("streams", "auto", 80, "streams"),
         ("flex", "auto", 64, "flex"),
         ("sm90", "streams", 64, "streams"),
@@ -254,48 +267,157 @@ def test_measured_table_picks_a_backend_on_cuda(monkeypatch):
     jacobi_attention(q, k, k, JacobiLayout(0, 16, 2))
     jacobi_attention(q, k, k, JacobiLayout(0, 16, 2, "clean_context"))
     jacobi_attention(q, k, k, JacobiLayout(0, 16, 2), backend="sm80")
-    assert calls == ["streams", "auto", "sm80"]
+    assert calls == ["streams", "sm80", "sm80"]
 
 
-def test_errors_name_the_backends_that_fit(monkeypatch):
-    layout = JacobiLayout(3, 2, 2)
-    q = torch.randn(1, 2, layout.seq_len, 16)
-    with pytest.raises(ValueError, match=r"backend must be one of auto, cpu, sm80, sm90, flex"):
-        jacobi_attention(q, q, q, layout, backend="cudnn")
-    with pytest.raises(ValueError, match=r"'sm90' is a CUDA kernel .* fit: cpu, flex, streams"):
-        jacobi_attention(q, q, q, layout, backend="sm90")
-    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "hopper")
-    with pytest.raises(ValueError, match=r"JACOBI_ATTN_KERNEL='hopper' is not an attention"):
-        jacobi_attention(q, q, q, layout)
-    monkeypatch.delenv("JACOBI_ATTN_KERNEL")
-    qc, kc = (
-        fake_cuda(1, 4, 64, 64, dtype=torch.float32),
-        fake_cuda(1, 2, 64, 64, dtype=torch.float32),
+# ---- the policy as a pure function (no GPU needed) ---------------------------------------------
+CUDA_FITS = ("sm80", "sm90", "flex", "streams")  # a compiled head dim, a two-stream layout
+
+
+def test_sm90_is_not_the_default_yet():
+    # Flipped by the commit that records a GPU run passing every sm_90a attention test.
+    assert A.SM90_IS_DEFAULT is False
+
+
+@pytest.mark.parametrize("sm90_default", [False, True])
+@pytest.mark.parametrize("capability", [8, 9, 10])
+def test_policy_default_on_cuda(monkeypatch, sm90_default, capability):
+    """auto on CUDA: sm80, sm90 on capability 9 only once SM90_IS_DEFAULT; the measured table's
+    backend wins where it fits; FlexAttention where no compiled kernel fits."""
+    monkeypatch.setattr(A, "SM90_IS_DEFAULT", sm90_default)
+    choose = A.choose_backend
+    kernel = "sm90" if sm90_default and capability == 9 else "sm80"
+    assert choose("cuda", capability, "clean_context", 128, CUDA_FITS) == (kernel, "default")
+    assert choose("cuda", capability, None, 64, CUDA_FITS) == (kernel, "default")
+    measured = "streams" if capability == 9 else kernel  # (9, noisy_context, 128): streams
+    assert choose("cuda", capability, "noisy_context", 128, CUDA_FITS) == (measured, "default")
+    no_streams = ("sm80", "sm90", "flex")  # the measured backend does not fit: the kernel
+    assert choose("cuda", capability, "noisy_context", 128, no_streams) == (kernel, "default")
+    assert choose("cuda", capability, "clean_context", 80, ("flex",)) == ("flex", "default")
+    # The environment and the argument come first; neither consults the default.
+    assert choose("cuda", capability, "noisy_context", 128, CUDA_FITS, env="sm80") == (
+        "sm80",
+        "env",
     )
-    with pytest.raises(ValueError, match=r"'cpu' is the CPU kernel .* fit: flex, streams"):
-        jacobi_attention(qc, kc, kc, JacobiLayout(0, 16, 2), backend="cpu")
-    with pytest.raises(ValueError, match=r"backend='sm80': the CUDA attention takes bfloat16"):
-        jacobi_attention(qc, kc, kc, JacobiLayout(0, 16, 2), backend="sm80")
-    with pytest.raises(ValueError, match=r"seq_len 64 but"):
-        jacobi_attention(qc, kc, kc, JacobiLayout(0, 16, 3), backend="streams")
+    assert choose("cuda", capability, "noisy_context", 128, CUDA_FITS, "sm90", "flex") == (
+        "flex",
+        "argument",
+    )
 
 
-def test_raw_op_kernel_argument_and_environment(monkeypatch):
+def test_policy_measured_table_and_other_devices(monkeypatch):
+    monkeypatch.setitem(A.MEASURED_FASTEST, (8, "clean_context", 64), "flex")
+    assert A.choose_backend("cuda", 8, "clean_context", 64, CUDA_FITS) == ("flex", "default")
+    assert A.choose_backend("cuda", 8, "clean_context", 96, CUDA_FITS) == ("sm80", "default")
+    monkeypatch.setattr(A, "SM90_IS_DEFAULT", True)  # the CUDA default never reaches the CPU
+    for env in (None, "", " auto ", "sm90", "sm80"):
+        assert A.choose_backend("cpu", None, "noisy_context", 128, ("cpu", "flex"), env) == (
+            "cpu",
+            "default",
+        )
+    assert A.choose_backend("cpu", None, None, 16, ("cpu", "flex"), "cpu") == ("cpu", "env")
+    assert A.choose_backend("meta", None, None, 16, ("flex",)) == ("auto", "default")
+
+
+def test_policy_errors():
+    with pytest.raises(ValueError, match=r"backend must be one of auto, cpu, sm80, sm90, flex"):
+        A.choose_backend("cpu", None, None, 16, ("cpu",), None, "cudnn")
+    with pytest.raises(ValueError, match=r"JACOBI_ATTN_KERNEL='sm100' is not an attention"):
+        A.choose_backend("cpu", None, None, 16, ("cpu",), "sm100")
+    # An explicit argument wins before the variable is read.
+    assert A.choose_backend("cpu", None, None, 16, ("cpu",), "sm100", "cpu") == ("cpu", "argument")
+    with pytest.raises(ValueError, match=r"backend='sm80' does not take .* fit: cpu, flex$"):
+        A.choose_backend("cpu", None, None, 16, ("cpu", "flex"), None, "sm80")
+
+
+def test_op_kernel_follows_the_policy_on_the_cpu(monkeypatch):
+    q = torch.zeros(1, 1, 4, 16)
+    assert A.op_kernel(q) == "cpu"
+    for env in ("sm90", "streams", "flex"):
+        monkeypatch.setenv("JACOBI_ATTN_KERNEL", env)
+        assert A.op_kernel(q) == "cpu"
+    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "sm100")
+    with pytest.raises(ValueError, match=r"JACOBI_ATTN_KERNEL='sm100'"):
+        A.op_kernel(q)
+
+
+@pytest.mark.parametrize("env,want", [(None, "sm80"), ("sm90", "sm90"), ("streams", "sm80")])
+@pytest.mark.parametrize("capability", [8, 9])
+def test_op_kernel_on_cuda_without_a_gpu(monkeypatch, env, want, capability):
+    """block_attention's kernel: the variable where it names a CUDA kernel, else the default
+    (sm80 until SM90_IS_DEFAULT; the measured table needs a variant and does not apply)."""
+    if env is not None:
+        monkeypatch.setenv("JACOBI_ATTN_KERNEL", env)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+    assert A.op_kernel(fake_cuda(1, 4, 64, 128)) == want
+
+
+# ---- what the ops are passed, and what they do with it -------------------------------------
+class _RecordKernels:
+    """Stands in for torch.ops.jacobi_ext in a module: records the `kernel` argument of the
+    attention ops, runs the real ones."""
+
+    def __init__(self):
+        self.fwd, self.bwd = [], []
+
+    def block_attention_fwd(self, *args):
+        self.fwd.append(args[7] if len(args) > 7 else "<none>")
+        return ops.block_attention_fwd(*args)
+
+    def block_attention_bwd(self, *args):
+        self.bwd.append(args[11] if len(args) > 11 else "<none>")
+        return ops.block_attention_bwd(*args)
+
+    def __getattr__(self, name):
+        return getattr(ops, name)
+
+
+def test_front_end_and_autograd_pass_the_ops_a_kernel_name(monkeypatch):
+    """block_attention names the kernel it runs (the policy's), and autograd's backward names
+    the forward's, also where a raw forward was called with kernel=None (the device's portable
+    kernel, which the forward ran)."""
+    from jacobi_ext import block_attention
+    from jacobi_ext import ops as jops
+
+    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "sm90")  # a GPU run's setting: CPU tensors keep cpu
+    rec = _RecordKernels()
+    monkeypatch.setattr(A, "ops", rec)
+    monkeypatch.setattr(jops, "ops", rec)
+    layout = JacobiLayout(3, 2, 2)
+    table = layout.block_table()
+    q = torch.randn(1, 2, layout.seq_len, 16, requires_grad=True)
+    block_attention(q, q, q, table).sum().backward()
+    ops.block_attention_fwd(q, q, q, *table.tensors(), 0.25)[0].sum().backward()
+    assert rec.fwd == ["cpu"]  # the second forward was called on torch.ops directly
+    assert rec.bwd == ["cpu", "cpu"]
+
+
+def test_raw_op_kernel_argument_ignores_the_environment(monkeypatch):
+    """The raw op runs the kernel it is named (None / "auto": the device's portable kernel) and
+    never reads JACOBI_ATTN_KERNEL; jacobi_attention honours the variable (and refuses a value
+    that is not a backend)."""
     layout = JacobiLayout(3, 2, 2)
     t = layout.block_table().tensors()
     q = torch.randn(1, 2, layout.seq_len, 16)
     want, _ = ops.block_attention_fwd(q, q, q, *t, 0.25)
-    for kernel in ("auto", "cpu", None):
+    for kernel in ("auto", "cpu", None, ""):
         assert torch.equal(ops.block_attention_fwd(q, q, q, *t, 0.25, kernel)[0], want)
     with pytest.raises(ValueError, match=r"kernel='sm80' is a CUDA kernel but q is on the CPU"):
         ops.block_attention_fwd(q, q, q, *t, 0.25, "sm80")
     with pytest.raises(ValueError, match=r"'streams' are backends of jacobi_attention"):
         ops.block_attention_fwd(q, q, q, *t, 0.25, "streams")
-    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "sm90")  # a GPU run's setting: CPU calls still run
-    assert torch.equal(ops.block_attention_fwd(q, q, q, *t, 0.25)[0], want)
+    for env in ("sm90", "sm100", "flex"):  # neither a GPU run's setting nor a typo reaches the op
+        monkeypatch.setenv("JACOBI_ATTN_KERNEL", env)
+        assert torch.equal(ops.block_attention_fwd(q, q, q, *t, 0.25)[0], want)
+        assert ops.attention_kernel(q) == ops.attention_bwd_kernel(q, False) == "cpu"
+    # ... while jacobi_attention reads it: a typo is an error, flex runs FlexAttention.
     monkeypatch.setenv("JACOBI_ATTN_KERNEL", "sm100")
-    with pytest.raises(ValueError, match=r"JACOBI_ATTN_KERNEL='sm100' is not an attention kernel"):
-        ops.block_attention_fwd(q, q, q, *t, 0.25)
+    with pytest.raises(ValueError, match=r"JACOBI_ATTN_KERNEL='sm100' is not an attention"):
+        jacobi_attention(q, q, q, layout)
+    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "flex")
+    calls = _spy(monkeypatch)
+    jacobi_attention(q, q, q, layout)
+    assert calls == ["flex"]
 
 
 def test_attention_kernel_op_names_the_family_that_runs():
@@ -334,23 +456,29 @@ def test_opcheck_with_a_kernel_argument():
 
 # ---- GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_cuda_default_stays_sm80_until_the_sm90_kernel_has_run(monkeypatch):
-    """Issue 21 part 5: `auto` runs the sm_80 kernel on every GPU, sm_90 included, until a GPU
-    run has passed the attention tests with the sm_90a kernel (then kSm90IsDefault flips)."""
-    q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
-    assert ops.attention_kernel(q) == "sm80"
-    assert ops.attention_kernel(q, "sm80") == "sm80"
-    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "sm90")
-    # The override runs the sm_90a forward where it exists (compute capability 9.x, a build with
-    # 90a, bf16/fp16 at head dim 64/128); elsewhere sm90 falls back to sm80 (with a warning, once
-    # per process, so not asserted here).
+def test_cuda_raw_op_runs_sm80_and_the_policy_names_sm90(monkeypatch):
+    """A raw op call with kernel=None runs the sm_80 kernel on every GPU, whatever
+    JACOBI_ATTN_KERNEL says; the Python policy (op_kernel, what block_attention passes) follows
+    the variable, and its default is sm80 until SM90_IS_DEFAULT flips."""
     from jacobi_ext import _native
 
-    hopper = torch.cuda.get_device_capability(q.device)[0] == 9 and "90a" in _native.CUDA_ARCHS
-    assert ops.attention_kernel(q) == ("sm90" if hopper else "sm80")
+    q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability(q.device)[0] == 9
+    assert ops.attention_kernel(q) == ops.attention_kernel(q, "auto") == "sm80"
+    assert ops.attention_kernel(q, "sm80") == "sm80"
+    assert A.op_kernel(q) == ("sm90" if A.SM90_IS_DEFAULT and hopper else "sm80")
+    monkeypatch.setenv("JACOBI_ATTN_KERNEL", "sm90")
+    assert ops.attention_kernel(q) == "sm80"  # the op never reads the variable
+    assert A.op_kernel(q) == "sm90"
+    # sm90 runs where it exists (compute capability 9.x, a build with 90a, bf16/fp16 at head dim
+    # 64/128); elsewhere it falls back to sm80 (with a warning, once per process, so not
+    # asserted here).
+    with_90a = hopper and "90a" in _native.CUDA_ARCHS
+    assert ops.attention_kernel(q, A.op_kernel(q)) == ("sm90" if with_90a else "sm80")
     monkeypatch.setenv("JACOBI_ATTN_KERNEL", "bogus")
     with pytest.raises(ValueError, match=r"JACOBI_ATTN_KERNEL='bogus'"):
-        ops.attention_kernel(q)
+        A.op_kernel(q)
+    assert ops.attention_kernel(q) == "sm80"
 
 
 @pytest.mark.gpu

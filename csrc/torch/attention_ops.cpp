@@ -140,13 +140,14 @@ cpu::Strides4 strides(const at::Tensor& t, const char* name) {
   return {t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// The CPU has one kernel: a CUDA kernel asked for by argument is a mistake worth a clear error
-// (from JACOBI_ATTN_KERNEL, set for a GPU run, it is not: CPU calls run the CPU kernel).
+// The CPU has one kernel: None / 'auto' (the device's portable kernel) and 'cpu' run it; a CUDA
+// kernel named for CPU tensors is a mistake worth a clear error. The environment plays no part:
+// jacobi_ext/attention.py decides which kernel a call is passed (attention_kernel.h).
 void check_cpu_kernel(const std::optional<std::string_view>& kernel, const char* op) {
   const AttnKernel k = parse_kernel(kernel, op);
-  TORCH_CHECK_VALUE(!kernel.has_value() || k == AttnKernel::automatic || k == AttnKernel::cpu, op,
-                    ": kernel='", kernel_name(k), "' is a CUDA kernel but q is on the CPU; pass "
-                    "kernel=None, 'auto' or 'cpu'");
+  TORCH_CHECK_VALUE(k == AttnKernel::automatic || k == AttnKernel::cpu, op, ": kernel='",
+                    kernel_name(k), "' is a CUDA kernel but q is on the CPU; pass kernel=None, "
+                    "'auto' or 'cpu'");
 }
 
 // Tile sizes: 64 queries x 128 keys by default. JACOBI_EXT_ATTN_TILES="bq,bk" overrides them

@@ -119,14 +119,15 @@ int cc_major(const char* op, const at::Tensor& t) {
 }
 
 // The kernel family of this call (attention_kernel.h names, attention_cuda.h choose_kernel): the
-// device's compute capability decides where sm90 can run; asking for it elsewhere warns once.
+// one named (None / 'auto': sm80, the portable one); the device's compute capability decides
+// where sm90 can run; asking for it elsewhere warns once.
 ca::Kernel pick_kernel(const char* op, const std::optional<std::string_view>& kernel,
                        const at::Tensor& q, ca::DType dtype, int64_t head_dim) {
   const AttnKernel k = parse_kernel(kernel, op);
   TORCH_CHECK_VALUE(k != AttnKernel::cpu, op, ": kernel='cpu' is the CPU kernel but q is on ",
                     q.device(), "; pass kernel=None, 'auto', 'sm80' or 'sm90'");
-  const ca::KernelChoice c = ca::choose_kernel(k == AttnKernel::sm90, k == AttnKernel::automatic,
-                                               cc_major(op, q), dtype, head_dim);
+  const ca::KernelChoice c =
+      ca::choose_kernel(k == AttnKernel::sm90, cc_major(op, q), dtype, head_dim);
   if (c.fallback_reason != nullptr) {
     TORCH_WARN_ONCE("jacobi_ext attention: kernel 'sm90' was asked for, running 'sm80': ",
                     c.fallback_reason);

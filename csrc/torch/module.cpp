@@ -15,9 +15,11 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // Training attention over a block-causal layout (visibility: csrc/include/jacobi/block_table.h).
   // q [B, Hq, S, D]; k, v [B, Hkv, S, D] (Hq % Hkv == 0); block table tensors int32 on q's device.
   // Returns out [B, Hq, S, D] (q's dtype) and the log-sum-exp lse [B, Hq, S] (float32).
-  // kernel: the kernel family (auto, cpu, sm80, sm90); None reads JACOBI_ATTN_KERNEL at call
-  // time (csrc/torch/attention_kernel.h). tile_lists: where the sm_90a kernel runs, the 8 outputs
-  // of attention_tile_lists(block_start, kv_ptr, kv_idx, S, 128, 128) on q's device, built once per
+  // kernel: the kernel family to run (cpu, sm80, sm90; csrc/torch/attention_kernel.h), which
+  // jacobi_ext/attention.py picks (default, JACOBI_ATTN_KERNEL) and passes by name; None or
+  // 'auto' run the portable kernel of q's device (cpu on CPU, sm80 on CUDA): the op never reads
+  // the environment. tile_lists: where the sm_90a kernel runs, the 8 outputs of
+  // attention_tile_lists(block_start, kv_ptr, kv_idx, S, 128, 128) on q's device, built once per
   // table (None or empty: the op builds them, copying the table to the host; other kernels
   // ignore them). The backward takes the same lists (autograd passes the forward's), read where
   // the sm_90a backward runs.
@@ -34,8 +36,8 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // "sm80" or "sm90" (the family that actually runs, after the fallbacks; for benchmarks).
   m.def("attention_kernel(Tensor q, str? kernel=None) -> str");
   // The family block_attention_bwd runs for q with this `kernel` and `deterministic`: "cpu",
-  // "sm80" or "sm90" (the sm_90a backward: kernel sm90 in use, deterministic=False, and an
-  // sm_90a backward for q's dtype and head dim; otherwise the sm_80 backward runs).
+  // "sm80" or "sm90" (the sm_90a backward: kernel sm90 in use and an sm_90a backward for q's
+  // dtype and head dim, deterministic or not; otherwise the sm_80 backward runs).
   m.def("attention_bwd_kernel(Tensor q, bool deterministic, str? kernel=None) -> str");
   // The same with the table in a processing order that differs from the memory order: block b
   // (of the table) lives at memory rows [block_row[b], block_row[b] + its length). The tokens

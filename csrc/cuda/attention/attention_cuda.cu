@@ -85,9 +85,7 @@ __global__ void bwd_dq_convert_kernel(const BwdParams p) {
 
 }  // namespace
 
-KernelChoice choose_kernel(bool want_sm90, bool is_auto, int cc_major, DType dtype,
-                           int64_t head_dim) {
-  if (is_auto) want_sm90 = kSm90IsDefault && cc_major == 9;
+KernelChoice choose_kernel(bool want_sm90, int cc_major, DType dtype, int64_t head_dim) {
   if (!want_sm90) return {Kernel::sm80, nullptr};
   if (cc_major != 9) return {Kernel::sm80, "the device is not compute capability 9.x"};
 #ifdef JACOBI_WITH_SM90

@@ -120,10 +120,8 @@ cudaError_t block_attention_fwd(const FwdParams& params, DType dtype, cudaStream
 cudaError_t block_attention_bwd(const BwdParams& params, DType dtype, cudaStream_t stream);
 
 // ---- choosing the kernel family ------------------------------------------------------------------
-// Until a GPU run has passed every attention test with the sm_90a kernel, `auto` runs the sm_80
-// kernel on sm_90 too (issue 21 part 5). Flip this in the commit that records those figures.
-constexpr bool kSm90IsDefault = false;
-
+// The caller names the family (jacobi_ext/attention.py decides which, default included); this only
+// says whether the named one can run here.
 struct KernelChoice {
   Kernel kernel;
   // Non-null when sm90 was asked for and the sm_80 kernel runs instead: why (for a warning).
@@ -132,9 +130,8 @@ struct KernelChoice {
 
 // The family that runs on a device of compute capability major `cc_major`: sm90 only on 9.x,
 // in a build with the sm_90a objects, where one exists for (dtype, head dim); sm80 otherwise.
-// want_sm90: the caller asked for sm90; is_auto: the caller left it to the default.
-KernelChoice choose_kernel(bool want_sm90, bool is_auto, int cc_major, DType dtype,
-                           int64_t head_dim);
+// want_sm90: the caller asked for sm90 (otherwise, `auto` included, sm80 runs).
+KernelChoice choose_kernel(bool want_sm90, int cc_major, DType dtype, int64_t head_dim);
 
 // Head dims with compiled kernels (one fwd_/bwd_<dtype>_hdim<D>.cu file each; static_switch.h
 // dispatches them; jacobi_ext/ops.py CUDA_HEAD_DIMS lists the same). The `gate` kernel set
