@@ -163,11 +163,30 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def _adapter_notes(readme: str, with_state: bool) -> str:
+    """The adapter's own README as the card's "How it was distilled". The card is read by whoever
+    holds the exported folder, without the repository: a first line says which paths are the
+    repository's (and, `with_state`, that the adapter's train_state.json was copied into the
+    folder), the README's title goes, and so does its paragraph on loading the adapter's own
+    folder (it names `<this folder>`), which this folder, the adapter merged, is not."""
+    body = readme.strip().splitlines()
+    if body and body[0].startswith("# "):
+        body = body[1:]
+    paragraphs = [p for p in "\n".join(body).strip().split("\n\n") if "<this folder>" not in p]
+    state = " `train_state.json` (copied here) holds its training settings;" if with_state else ""
+    where = (
+        f"*The notes of the LoRA adapter merged into these weights.{state} paths under `docs/` "
+        "and `python_training/` are files of the jacobi_ext source repository, not of this "
+        "folder.*"
+    )
+    return "\n\n".join([where, *paragraphs])
+
+
 def _card(
     source: str | None,
     gc,
     model,
-    adapter_readme: str | None,
+    adapter_notes: str | None,
     measured: Measurement | None,
 ) -> str:
     from ._version import __version__
@@ -218,12 +237,38 @@ print(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
 - Without `trust_remote_code=True` (or with an explicit `generation_config=` argument to
   `from_pretrained`) the model decodes with transformers' own `generate`: same tokens, one
   forward per token.
-- Serve it with an OpenAI-compatible endpoint: `pip install 'transformers[serving]'` (or
-  jacobi_ext's `serve` extra), then
-  `transformers serve THIS_FOLDER --trust-remote-code` (not `--continuous-batching`, whose
-  loop does not call `generate`).
+- It takes what transformers' `generate` takes: a batch of left-padded prompts with its
+  `attention_mask`, `streamer=` (each forward's committed tokens arrive together),
+  `do_sample=True` with `temperature` / `top_k` / `top_p` / `min_p`,
+  `return_dict_in_generate=True`.
 - Refused with a `ValueError` (not lossless with these methods): `num_beams > 1`,
   repetition / n-gram penalties, `logits_processor`, `stopping_criteria`, stop strings.
+- `JACOBI_EXT_GENERATE_LOG=/some/file` in the environment appends one JSON line a call: the
+  method that ran, new tokens, forwards, tokens per forward, seconds.
+
+## Serve
+
+`pip install 'transformers[serving]'` (or jacobi_ext's `serve` extra), then
+`transformers serve THIS_FOLDER --trust-remote-code` answers OpenAI's `/v1/chat/completions`
+on port 8000, streaming or not, with this decoding:
+
+```python
+from openai import OpenAI
+
+client = OpenAI(base_url="http://localhost:8000/v1", api_key="unused")
+messages = [{{"role": "user", "content": "Write quicksort in Python."}}]
+reply = client.chat.completions.create(model="THIS_FOLDER", messages=messages, max_tokens=256)
+print(reply.choices[0].message.content)
+```
+
+- Not `--continuous-batching`: that loop does not call `generate` (one token per forward).
+- Greedy by default: a request's `temperature` / `top_p` alone do not sample. To sample, send
+  a generation config: `extra_body={{"generation_config": json.dumps({{"do_sample": True,
+  "temperature": 0.7, "max_new_tokens": 256}})}}` (and `seed=` for a reproducible sample).
+- Refused options (`frequency_penalty`, `stop`, `logit_bias`) come back as HTTP 500, the
+  `ValueError` in the server's log. Without `max_tokens` the server asks for 1024 new tokens.
+- The first request loads the model and, with `jacobi_block_size: "auto"`, measures this
+  machine's forward-time curve; later requests reuse both.
 
 ## Settings (`generation_config.json`)
 
@@ -237,11 +282,8 @@ curve measured once on the machine that runs it and the acceptance the model sho
 back to plain autoregressive decoding (with context-lookup drafts) when parallel steps do not
 pay there.
 """
-    if adapter_readme:
-        body = adapter_readme.strip().splitlines()
-        if body and body[0].startswith("# "):
-            body = body[1:]
-        text += "\n## How it was distilled\n\n" + "\n".join(body).strip() + "\n"
+    if adapter_notes:
+        text += "\n## How it was distilled\n\n" + adapter_notes + "\n"
     if measured is not None and measured.rows:
         rows = "\n".join(
             f"| {r['method']} | {r['ran_as']} | {r['tokens_per_forward']:.2f} | "
@@ -305,19 +347,24 @@ def export_model(
     cg.mkdir()
     for name in CUSTOM_GENERATE_FILES:
         shutil.copyfile(custom_generate_source() / name, cg / name)
-    adapter_readme = None
+    adapter_notes = None
     from .models import ADAPTERS
 
     adapter = ADAPTERS.get(str(source)) if source is not None else None
     if adapter is None and source is not None and (Path(source) / "adapter_config.json").is_file():
         adapter = Path(source)
     if adapter is not None and (adapter / "README.md").is_file():
-        adapter_readme = (adapter / "README.md").read_text(encoding="utf-8")
+        # The adapter's notes (in the card) point at its training state: the folder carries it.
+        with_state = (adapter / "train_state.json").is_file()
+        if with_state:
+            shutil.copyfile(adapter / "train_state.json", out / "train_state.json")
+        readme = (adapter / "README.md").read_text(encoding="utf-8")
+        adapter_notes = _adapter_notes(readme, with_state)
     measured = None
     if measure_prompts > 0:
         keys = {k: getattr(gc, k) for k in JACOBI_KEYS if getattr(gc, k, None) is not None}
         measured = measure(plain.to(device), tokenizer, keys, measure_prompts, measure_new_tokens)
-    card = _card(source, gc, plain, adapter_readme, measured)
+    card = _card(source, gc, plain, adapter_notes, measured)
     (out / "README.md").write_text(card, encoding="utf-8")
     return out
 

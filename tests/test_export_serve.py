@@ -94,6 +94,47 @@ def test_explicit_generation_config_falls_back_to_transformers(exported, tmp_pat
     assert not log.exists()  # transformers' own generate ran, not ours
 
 
+def test_card_resolves_in_the_folder(exported, tmp_path):
+    """The model card is read by whoever holds the exported folder, without the repository:
+    its links and the files it names are in the folder. An adapter's notes come in with the
+    adapter's train_state.json (which they cite), a line saying which paths are the source
+    repository's, and without their paragraph on loading the adapter folder itself."""
+    import re
+    import shutil
+
+    from test_docs_links import relative_links
+
+    from jacobi_ext.models import ADAPTERS, DISTILLED_MODEL
+
+    shipped = ADAPTERS[DISTILLED_MODEL]
+    adapter = tmp_path / "adapter"  # the shipped notes, beside a config that marks an adapter
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    for name in ("README.md", "train_state.json"):
+        shutil.copyfile(shipped / name, adapter / name)
+    model, tok = tiny_chat_model(dtype=torch.float32)
+    distilled = export_model(model, tok, tmp_path / "out", source=str(adapter), settings=SETTINGS)
+    assert not (exported / "train_state.json").exists()  # no adapter: no notes, no state
+    assert "How it was distilled" not in (exported / "README.md").read_text()
+    assert (distilled / "train_state.json").read_bytes() == (
+        adapter / "train_state.json"
+    ).read_bytes()
+    for folder in (exported, distilled):
+        card = (folder / "README.md").read_text()
+        assert all((folder / link).exists() for link in relative_links(card)), folder
+        own, _, notes = card.partition("## How it was distilled")
+        named = re.findall(r"`([\w./-]+\.(?:json|py|txt|md|safetensors))`", own)
+        assert {"custom_generate/generate.py", "generation_config.json"} <= set(named)
+        assert all((folder / name).exists() for name in named), named
+        assert "docs/huggingface.md" not in card
+    assert "`train_state.json` (copied here)" in notes and "source repository" in notes
+    body = (adapter / "README.md").read_text().strip().split("\n\n")[1:]  # below the title
+    assert all(para in notes for para in body if "<this folder>" not in para)
+    assert "<this folder>" not in notes
+    assert "transformers serve THIS_FOLDER --trust-remote-code" in own
+    assert "OpenAI(base_url=" in own  # how to call the server, in the card itself
+
+
 def test_cli_export(tmp_path, capsys):
     model, tok = tiny_chat_model(dtype=torch.float32, family="qwen2")
     src = tmp_path / "src"
