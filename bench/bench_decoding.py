@@ -1,4 +1,4 @@
-"""Decoding speed, side by side in one run (issue: decoding engine).
+"""Decoding speed, side by side in one run.
 
 SmolLM2-135M-Instruct, fp32, CPU, 20 HumanEval prompts, 256 new tokens, greedy, batch 1:
 transformers greedy, transformers prompt-lookup decoding, and ours: ar, jacobi, multiblock.
@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from jacobi_ext import generate
+from jacobi_ext import generate, left_pad
 from jacobi_ext.decoding.baselines import hf_greedy
 
 _greedy: dict[str, object] = {}
@@ -231,16 +231,6 @@ def test_sweep(benchmark, bench_model, sweep_prompts, method, n, pool, lookup):
 BATCHES = [int(b) for b in os.environ.get("JACOBI_BENCH_BATCH", "").split(",") if b.strip()]
 
 
-def _left_pad(prompts: list[torch.Tensor]):
-    P = max(p.shape[1] for p in prompts)
-    ids = torch.zeros(len(prompts), P, dtype=torch.long, device=prompts[0].device)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, P - p.shape[1] :] = p[0]
-        mask[b, P - p.shape[1] :] = 1
-    return ids, mask
-
-
 @pytest.mark.skipif(not BATCHES, reason="no --batch sweep asked for (JACOBI_BENCH_BATCH)")
 @pytest.mark.parametrize("method", ["ar", "multiblock"])
 @pytest.mark.parametrize("batch", BATCHES or [1])
@@ -248,7 +238,7 @@ def test_batch(benchmark, bench_model, method, batch):
     """Aggregate tokens/s of `batch` prompts decoded together (one forward per step)."""
     model, _, prompts, max_new = bench_model
     chosen = [prompts[i % len(prompts)] for i in range(batch)]
-    ids, mask = _left_pad(chosen)
+    ids, mask = left_pad([p[0] for p in chosen], pad=0)  # prompts are [1, L]
     kw = dict(method=method, attention_mask=mask, max_new_tokens=max_new)
     generate(model, ids, **kw)  # warm-up: graphs for this batch size
     box = {}

@@ -5,6 +5,7 @@ Public API (filled in by the layers below; see README):
     BlockTable, block_attention             the same for any block-causal layout
     jacobi_ext.hf.jacobi_layout             attn_implementation="jacobi" for transformers models
     generate                                Jacobi / multi-block decoding, same output as greedy
+    left_pad                                a batch of prompts of different lengths for generate
     jacobi_ext.models.load_model            the default model (SmolLM2-135M-Instruct), offline
     CUSTOM_GENERATE                         model.generate(..., custom_generate=CUSTOM_GENERATE,
                                             trust_remote_code=True): Jacobi decoding in HF
@@ -37,13 +38,14 @@ __all__ = [
     "build_info",
     "generate",
     "jacobi_attention",
+    "left_pad",
 ]
 
 
 def __getattr__(name: str):
     # The decoding engine needs transformers (its KV cache); load it on first use so that
     # `import jacobi_ext` stays light and works where only the kernels are wanted.
-    if name in ("generate", "GenerateResult"):
+    if name in ("generate", "GenerateResult", "left_pad"):
         from . import decoding
 
         return getattr(decoding, name)

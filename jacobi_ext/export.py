@@ -173,9 +173,9 @@ def _adapter_notes(readme: str, with_state: bool) -> str:
     if body and body[0].startswith("# "):
         body = body[1:]
     paragraphs = [p for p in "\n".join(body).strip().split("\n\n") if "<this folder>" not in p]
-    state = " `train_state.json` (copied here) holds its training settings;" if with_state else ""
+    state = "\n`train_state.json` (copied here) holds its training settings;" if with_state else ""
     where = (
-        f"*The notes of the LoRA adapter merged into these weights.{state} paths under `docs/` "
+        f"*The notes of the LoRA adapter merged into these weights.{state}\npaths under `docs/` "
         "and `python_training/` are files of the jacobi_ext source repository, not of this "
         "folder.*"
     )
@@ -205,11 +205,11 @@ def _card(
     keys = "\n".join(
         f"| `{k}` | `{json.dumps(getattr(gc, k))}` |" for k in JACOBI_KEYS if hasattr(gc, k)
     )
+    base_note = f"\n(base model: [{base}](https://huggingface.co/{base}))" if base else ""
     text = f"""# {name}, decoding with Jacobi Forcing
 
 A {model.config.model_type} causal LM ({n_params / 1e6:.1f} M parameters, {dtype}) exported by
-`jacobi-forcing export` (jacobi_ext {__version__}) from `{name}`
-{f"(base model: [{base}](https://huggingface.co/{base}))" if base else ""}. Its `generate` is
+`jacobi-forcing export` (jacobi_ext {__version__}) from `{name}`{base_note}. Its `generate` is
 **lossless parallel decoding**: the model drafts blocks of tokens and refines them by Jacobi
 (fixed-point) iteration, several blocks in flight, and commits a token only when it equals the
 model's own greedy choice. The output is token for token what greedy decoding gives

@@ -49,10 +49,6 @@ def jacobi_layout(layout: JacobiLayout) -> Iterator[JacobiLayout]:
         _active.reset(token)
 
 
-def active_layout() -> JacobiLayout | None:
-    return _active.get()
-
-
 def jacobi_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

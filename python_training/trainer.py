@@ -16,6 +16,7 @@ by ``accelerator.save_state``/``load_state``) sees exactly the batches it would 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import random
@@ -316,7 +317,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
         for a in range(cfg.grad_accum):
             ex = example_at(records, cfg, s * G + a * world + rank)
             sync = a == cfg.grad_accum - 1
-            ctx = acc.no_sync(model) if not sync else _nullcontext()
+            ctx = acc.no_sync(model) if not sync else contextlib.nullcontext()
             with ctx:
                 with acc.autocast():
                     parts = example_loss(
@@ -567,14 +568,6 @@ def load_adapter_state(model, path: str | Path) -> dict:
         raise ValueError(f"{path}: adapter keys this model does not have: {unexpected[:4]}")
     st = path / TRAIN_STATE
     return json.loads(st.read_text()) if st.is_file() else {"step": 0, "tokens": 0}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _checkpointing_on(model) -> None:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from jacobi_ext.decoding import generate
+from jacobi_ext.decoding import generate, left_pad
 from jacobi_ext.decoding.engine import TrajectoryRecorder, eos_ids
 
 from .packing import pad_after_eos
@@ -85,10 +85,6 @@ def read_trajectories(directory: str | Path) -> list[dict]:
     return out
 
 
-def iter_records(directory: str | Path) -> Iterator[dict]:
-    yield from read_trajectories(directory)
-
-
 def _check_meta(d: Path, meta: dict) -> None:
     path = d / META
     if path.exists():
@@ -126,17 +122,6 @@ def make_record(
         "blocks": [[pad_after_eos(s, n, eos_ids, pad_id) for s in states] for states in blocks],
         **extra,
     }
-
-
-def _left_pad(seqs: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, P] left-padded ids and their attention mask (1 = token), as generate takes a batch."""
-    P = max(int(x.shape[0]) for x in seqs)
-    ids = torch.full((len(seqs), P), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), P), dtype=torch.long)
-    for j, x in enumerate(seqs):
-        ids[j, P - x.shape[0] :] = x
-        mask[j, P - x.shape[0] :] = 1
-    return ids, mask
 
 
 def collect(
@@ -204,7 +189,7 @@ def collect(
     def decode(batch: list[tuple[Prompt, torch.Tensor]]) -> list[tuple[list, int, list, float]]:
         """(blocks, forwards, answer tokens, seconds) per prompt of the batch: one forward per
         step for the whole batch, each prompt's record its own (batch-1) greedy answer."""
-        x, mask = _left_pad([ids[0] for _, ids in batch], int(pad))
+        x, mask = left_pad([ids[0] for _, ids in batch], int(pad))
         kw = dict(attention_mask=mask.to(device), max_new_tokens=max_new_tokens, lookup=False,
                   pad_token_id=int(pad))  # fmt: skip
         if fixed_points_only:

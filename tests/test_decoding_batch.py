@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jacobi_ext import generate
-from jacobi_ext.decoding import runtime
+from jacobi_ext.decoding import left_pad, runtime
 from jacobi_ext.models import tiny_llama
 
 VOCAB = 64
@@ -28,13 +28,7 @@ def _hf_greedy(model, ids: list[int], max_new: int, eos: int | None) -> list[int
 
 
 def _left_pad(prompts: list[list[int]], pad_value: int = 7):
-    P = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), P), pad_value, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, P - len(p) :] = torch.tensor(p)
-        mask[b, P - len(p) :] = 1
-    return ids, mask
+    return left_pad(prompts, pad=pad_value)
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +178,18 @@ def test_bucket_padding_is_lossless_on_cpu(models, monkeypatch) -> None:
         res = generate(model, ids, 40, attention_mask=mask, **kw)
         for b in range(2):
             assert res.tokens[b, : res.lengths[b]].tolist() == want[b], kw
+
+
+def test_left_pad_right_aligns_prompts_and_says_what_it_takes() -> None:
+    """The library's batch builder: lists or 1-D tensors, each right-aligned behind `pad`, the mask
+    1 on tokens only; a [1, L] tensor or an empty prompt is refused with what to pass instead."""
+    ids, mask = left_pad([[1, 2, 3], torch.tensor([4, 5]), [6]], pad=9)
+    assert ids.tolist() == [[1, 2, 3], [9, 4, 5], [9, 9, 6]]
+    assert mask.tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 1]]
+    assert ids.dtype == mask.dtype == torch.long
+    with pytest.raises(ValueError, match=r"ids\[0\]"):
+        left_pad([torch.tensor([[1, 2]])])
+    with pytest.raises(ValueError, match="non-empty"):
+        left_pad([[1], []])
+    with pytest.raises(ValueError, match="at least one"):
+        left_pad([])

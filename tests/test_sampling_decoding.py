@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from jacobi_ext import generate
+from jacobi_ext.decoding import left_pad
 from jacobi_ext.models import tiny_llama
 
 VOCAB = 64
@@ -81,13 +82,7 @@ def test_sampled_methods_equal_ar_sample(models, case: int) -> None:
 
 
 def _left_pad(prompts: list[list[int]], pad_value: int = 7):
-    P = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), P), pad_value, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, P - len(p) :] = torch.tensor(p)
-        mask[b, P - len(p) :] = 1
-    return ids, mask
+    return left_pad(prompts, pad=pad_value)
 
 
 @pytest.mark.parametrize("case", range(16))
