@@ -1,6 +1,7 @@
-"""cpu_kv_commit, the CPU decoding step's commit (jacobi_ext/decoding/runtime.py): for every cache
-[B, H, capacity, D] and each sequence b, slots [src[b], src[b] + count[b]) move to [dst[b], ...),
-exactly as the indexed copy the runtime runs on other devices (gather, then scatter)."""
+"""The CPU decoding step's cache ops. cpu_kv_commit, the step's commit (runtime.py): for every
+cache [B, H, capacity, D] and each sequence b, slots [src[b], src[b] + count[b]) move to [dst[b],
+...), exactly as the indexed copy the runtime runs on other devices (gather, then scatter); and
+cpu_rope_attention's kept transposed keys (kt_cache), bitwise the same as transposing the cache."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_commit_matches_the_indexed_copy(seed, dtype):
     caches = [torch.randn(B, H, cap, D, generator=g).to(dtype) for _ in range(4)]
     want = [c.clone() for c in caches]
     _indexed_commit(want, src, dst, count)
-    torch.ops.jacobi_ext.cpu_kv_commit(caches, src, dst, count)
+    torch.ops.jacobi_ext.cpu_kv_commit(caches, src, dst, count, [])
     for got, ref in zip(caches, want, strict=True):
         assert torch.equal(got, ref)
 
@@ -47,7 +48,7 @@ def test_overlapping_ranges_move_as_a_gather_then_scatter():
     want = cache.clone()
     want[:, :, 2:6] = cache[:, :, 0:4].clone()
     one = torch.tensor([0]), torch.tensor([2]), torch.tensor([4])
-    torch.ops.jacobi_ext.cpu_kv_commit([cache], *one)
+    torch.ops.jacobi_ext.cpu_kv_commit([cache], *one, [])
     assert torch.equal(cache, want)
 
 
@@ -55,8 +56,54 @@ def test_bad_arguments_say_what_is_wrong():
     cache = torch.zeros(1, 2, 8, 4)
     op = torch.ops.jacobi_ext.cpu_kv_commit
     with pytest.raises(ValueError, match="outside the cache"):
-        op([cache], torch.tensor([6]), torch.tensor([0]), torch.tensor([3]))
+        op([cache], torch.tensor([6]), torch.tensor([0]), torch.tensor([3]), [])
     with pytest.raises(ValueError, match="src must have dtype Long"):
-        op([cache], torch.tensor([0], dtype=torch.int32), torch.tensor([0]), torch.tensor([1]))
+        op([cache], torch.tensor([0], dtype=torch.int32), torch.tensor([0]), torch.tensor([1]), [])
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
-        op([cache.transpose(2, 3)], torch.tensor([0]), torch.tensor([1]), torch.tensor([1]))
+        op([cache.transpose(2, 3)], torch.tensor([0]), torch.tensor([1]), torch.tensor([1]), [])
+
+
+def test_transposed_copies_move_with_their_slots():
+    g = torch.Generator().manual_seed(3)
+    B, H, cap, D = 2, 3, 24, 8
+    keys = torch.randn(B, H, cap, D, generator=g)
+    kt = keys.transpose(2, 3).contiguous()  # [B, H, D, cap]
+    src, dst, count = torch.tensor([1, 0]), torch.tensor([9, 5]), torch.tensor([4, 2])
+    torch.ops.jacobi_ext.cpu_kv_commit([keys], src, dst, count, [kt])
+    assert torch.equal(kt, keys.transpose(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Q", [1, 5])
+def test_rope_attention_from_kept_transposed_keys_is_bitwise(dtype, Q):
+    """cpu_rope_attention with kt_cache (the lean forward's default) writes the step's keys there
+    too and gives bitwise the output of transposing the cache itself, step after step."""
+    from jacobi_ext.decoding.lean import keys_transposed
+
+    g = torch.Generator().manual_seed(Q)
+    B, heads, kv_heads, D, cap = 2, 6, 2, 16, 40
+    caches = [torch.zeros(B, kv_heads, cap, D, dtype=dtype) for _ in range(4)]
+    kt = keys_transposed(caches[0])
+    assert kt.shape == (B, kv_heads, D, 48)
+    op = torch.ops.jacobi_ext.cpu_rope_attention
+    for step in range(4):
+        qkv = torch.randn(B, Q, (heads + 2 * kv_heads) * D, generator=g).to(dtype)
+        cos, sin = (torch.randn(B, Q, D, generator=g).to(dtype) for _ in range(2))
+        slots = torch.arange(Q) + step * Q
+        attend = int(slots[-1]) + 1 + step  # a few written-but-masked or unwritten slots too
+        mask = torch.rand(B, 1, Q, attend, generator=g) < 0.8
+        mask[..., 0] = True
+        want = op(qkv, heads, kv_heads, cos, sin, caches[0], caches[1], slots, attend, mask, 0.3)
+        got = op(qkv, heads, kv_heads, cos, sin, caches[2], caches[3], slots, attend, mask, 0.3, kt)
+        assert torch.equal(got, want)
+        assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+        assert torch.equal(kt[..., :cap], caches[2].transpose(2, 3).float())
+
+
+def test_kt_cache_shape_is_checked():
+    op = torch.ops.jacobi_ext.cpu_rope_attention
+    k, v = torch.zeros(1, 1, 10, 4), torch.zeros(1, 1, 10, 4)
+    qkv, cs = torch.zeros(1, 1, 12), torch.zeros(1, 1, 4)
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="kt_cache must be"):
+        op(qkv, 1, 1, cs, cs, k, v, torch.tensor([0]), 1, mask, 1.0, torch.zeros(1, 1, 4, 10))

@@ -98,13 +98,14 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
     }
   };
   const int64_t grain1 = std::max<int64_t>(1, 16384 / std::max<int64_t>(W * D, 1));
-  at::parallel_for(0, groups, grain1, [&](int64_t g0, int64_t g1) {
+  const bool kept = a.kt != nullptr;  // the caller keeps Kt: nothing to transpose
+  if (!(kept && kF32)) at::parallel_for(0, groups, grain1, [&](int64_t g0, int64_t g1) {
     alignas(64) float blk[16 * 16];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g / a.Hkv, h = g % a.Hkv;
       float* kt = kt_all + g * D * ldk;
       const T* kb = kp + b * a.sk_b + h * a.sk_h;
-      for (int64_t j0 = 0; j0 < W; j0 += 16) {
+      for (int64_t j0 = 0; j0 < (kept ? 0 : W); j0 += 16) {
         const int jn = static_cast<int>(std::min<int64_t>(16, W - j0));
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
           const int dn = static_cast<int>(std::min<int64_t>(16, D - d0));
@@ -117,7 +118,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
           }
         }
       }
-      for (int64_t d = 0; d < D; ++d)
+      for (int64_t d = 0; d < (kept ? 0 : D); ++d)
         for (int64_t j = W; j < ldk; ++j) kt[d * ldk + j] = 0.f;
       if constexpr (!kF32) {
         float* vf = v_all + g * W * D;
@@ -145,17 +146,18 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
         load_q(b, h, i, qf + r * D);
         for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
       }
-      const float* kt = kt_all + g * D * ldk;
+      const float* kt = kept ? a.kt + g * D * a.ldkt : kt_all + g * D * ldk;
+      const int64_t ldt = kept ? a.ldkt : ldk;  // Kt's row stride
       for (int64_t j0 = 0; j0 < ldk; j0 += kVL) {
         switch (rows) {
-          case 8: score_tile<8>(qf, D, kt, ldk, j0, s, ldk); break;
-          case 7: score_tile<7>(qf, D, kt, ldk, j0, s, ldk); break;
-          case 6: score_tile<6>(qf, D, kt, ldk, j0, s, ldk); break;
-          case 5: score_tile<5>(qf, D, kt, ldk, j0, s, ldk); break;
-          case 4: score_tile<4>(qf, D, kt, ldk, j0, s, ldk); break;
-          case 3: score_tile<3>(qf, D, kt, ldk, j0, s, ldk); break;
-          case 2: score_tile<2>(qf, D, kt, ldk, j0, s, ldk); break;
-          default: score_tile<1>(qf, D, kt, ldk, j0, s, ldk); break;
+          case 8: score_tile<8>(qf, D, kt, ldt, j0, s, ldk); break;
+          case 7: score_tile<7>(qf, D, kt, ldt, j0, s, ldk); break;
+          case 6: score_tile<6>(qf, D, kt, ldt, j0, s, ldk); break;
+          case 5: score_tile<5>(qf, D, kt, ldt, j0, s, ldk); break;
+          case 4: score_tile<4>(qf, D, kt, ldt, j0, s, ldk); break;
+          case 3: score_tile<3>(qf, D, kt, ldt, j0, s, ldk); break;
+          case 2: score_tile<2>(qf, D, kt, ldt, j0, s, ldk); break;
+          default: score_tile<1>(qf, D, kt, ldt, j0, s, ldk); break;
         }
       }
       // softmax per row over its visible slots (masked: probability exactly 0)
@@ -240,6 +242,10 @@ void rope_attn(const RopeAttnArgs& a) {
         const int64_t at = ((b * a.Hkv + h) * a.capacity + a.slots[i]) * D;
         rotate_row(src + (a.Hq + h) * D, c, sv, D, kc + at);
         std::copy(src + (a.Hq + a.Hkv + h) * D, src + (a.Hq + a.Hkv + h + 1) * D, vc + at);
+        if (a.kt_cache != nullptr) {  // the same key, a column of the transposed copy
+          float* col = a.kt_cache + (b * a.Hkv + h) * D * a.kt_ld + a.slots[i];
+          for (int64_t d = 0; d < D; ++d) col[d * a.kt_ld] = to_f(kc[at + d]);
+        }
       }
     }
   const int64_t cache_h = a.capacity * D, cache_b = a.Hkv * cache_h;
@@ -247,7 +253,7 @@ void rope_attn(const RopeAttnArgs& a) {
                    nullptr, 0, 0, 0,
                    kc, cache_b, cache_h, D,
                    vc, cache_b, cache_h, D,
-                   a.mask, a.scale, a.out, a.scratch};
+                   a.mask, a.scale, a.out, a.scratch, a.kt_cache, a.kt_ld};
   attention<T>(d, [&](int64_t b, int64_t h, int64_t i, float* dst) {
     T rot[512];  // head dims up to 512 (the op checks)
     rotate_row(qkv + (b * Q + i) * row + h * D, cs + (b * Q + i) * D, sn + (b * Q + i) * D, D,

@@ -30,6 +30,11 @@ struct DecodeAttnArgs {
   float scale;
   void* out;               // [B, Q, Hq, D] contiguous (the layout the output projection reads)
   float* scratch;          // threads * W floats
+  // The keys kept transposed by the caller, fp32 [B, Hkv, D, ldkt] (ldkt >= W rounded up to
+  // kKeyPad; columns past W are read and masked), or nullptr: the call transposes k into scratch.
+  // Same values either way, so the same scores, bitwise.
+  const float* kt = nullptr;
+  int64_t ldkt = 0;
 };
 
 // Keys per row of the transposed key block: W rounded up to this (every ISA's vector width
@@ -66,6 +71,12 @@ struct RopeAttnArgs {
   float scale;
   void* out;             // [B, Q, Hq, D] contiguous
   float* scratch;        // decode_attention_scratch_floats(B, Hkv, W, D, threads) + B*Hq*Q*D
+  // Optional: the caller's transposed copy of k_cache, fp32 [B, Hkv, D, kt_ld] (kt_ld >= capacity,
+  // a multiple of kKeyPad). The call writes its k there too and attends from it, so a step does not
+  // transpose the whole cache again (at a few hundred keys that was about half the attention's
+  // memory traffic).
+  float* kt_cache = nullptr;
+  int64_t kt_ld = 0;
 };
 
 struct RmsNormArgs {

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -133,7 +134,8 @@ at::Tensor cpu_silu_mul(const at::Tensor& gu) {
 at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                               at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
-                              const at::Tensor& mask, double scale) {
+                              const at::Tensor& mask, double scale,
+                              const std::optional<at::Tensor>& kt_cache) {
   const LinearDType d = small_op_dtype(qkv, "qkv");
   ck::rank(qkv, "qkv", 3, "[B, Q, (heads + 2 kv_heads) * D]");
   ck::rank(k_cache, "k_cache", 4, "[B, kv_heads, capacity, D]");
@@ -170,6 +172,20 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   for (int64_t i = 0; i < Q; ++i)
     TORCH_CHECK_VALUE(sp[i] >= 0 && sp[i] < cap, "slots[", i, "] = ", sp[i],
                       " is outside the cache [0, ", cap, ")");
+  float* kt = nullptr;
+  int64_t kt_ld = 0;
+  if (kt_cache.has_value()) {
+    const at::Tensor& t = *kt_cache;
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() &&
+                          t.dim() == 4 && t.size(0) == B && t.size(1) == kv_heads &&
+                          t.size(2) == D && t.size(3) >= cap && t.size(3) % cpu::kKeyPad == 0,
+                      "kt_cache must be a contiguous float32 CPU tensor [B, kv_heads, D, L] = [", B,
+                      ", ", kv_heads, ", ", D, ", L] with L >= capacity (", cap,
+                      ") and a multiple of ", cpu::kKeyPad, ", got ", t.scalar_type(), " ",
+                      t.sizes());
+    kt = t.data_ptr<float>();
+    kt_ld = t.size(3);
+  }
   const at::Tensor qc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   const at::Tensor mc = mask.contiguous();
   at::Tensor out = at::empty({B, Q, heads, D}, qkv.options());
@@ -180,13 +196,13 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   cpu::RopeAttnArgs a{d, B, heads, kv_heads, Q, D, qc.data_ptr(), cc.data_ptr(), sc.data_ptr(),
                       k_cache.data_ptr(), v_cache.data_ptr(), cap, sp, attend,
                       mc.data_ptr<bool>(), static_cast<float>(scale), out.data_ptr(),
-                      scratch};
+                      scratch, kt, kt_ld};
   JACOBI_CPU_DISPATCH(rope_attention, a);
   return out;
 }
 
 void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst,
-                   const at::Tensor& count) {
+                   const at::Tensor& count, at::TensorList transposed) {
   for (auto [t, name] : {std::pair{&src, "src"}, {&dst, "dst"}, {&count, "count"}}) {
     ck::dtype(*t, name, at::kLong);
     TORCH_CHECK_VALUE(t->dim() == 1, name, " must be [B] int64, got ", t->sizes());
@@ -211,6 +227,24 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
       for (int64_t h = 0; h < H; ++h) {
         char* head = base + (b * H + h) * cap * row;
         std::memmove(head + d[b] * row, head + s[b] * row, static_cast<size_t>(c[b] * row));
+      }
+    }
+  }
+  // Transposed copies [B, H, D, L]: the same slots are columns, each row of L slots contiguous.
+  for (const at::Tensor& t : transposed) {
+    TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == B && t.is_contiguous() && t.device().is_cpu(),
+                      "each transposed cache must be a contiguous CPU tensor [B = ", B,
+                      ", H, D, slots], got ", t.sizes());
+    const int64_t rows = t.size(1) * t.size(2), L = t.size(3), el = t.element_size();
+    auto* base = static_cast<char*>(t.data_ptr());
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK_VALUE(s[b] + c[b] <= L && d[b] + c[b] <= L, "sequence ", b, ": slots [", s[b],
+                        ", ", s[b] + c[b], ") -> [", d[b], ", ", d[b] + c[b],
+                        ") are outside the transposed cache [0, ", L, ")");
+      if (c[b] == 0 || s[b] == d[b]) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        char* line = base + (b * rows + r) * L * el;
+        std::memmove(line + d[b] * el, line + s[b] * el, static_cast<size_t>(c[b] * el));
       }
     }
   }

@@ -318,9 +318,12 @@ class LeanDecoder:
             if not layer.is_initialized:  # the cache's buffers, made on first use
                 kv = qkv.new_empty(B, kv_heads, 1, head_dim)
                 layer.lazy_initialization(kv, kv)
+            kt = getattr(layer, "keys_t", None)
+            if kt is None:
+                kt = layer.keys_t = keys_transposed(layer.keys)
             out = rope_attention(
                 qkv, heads, kv_heads, cos, sin, layer.keys, layer.values, slots, attend, mask,
-                scaling,
+                scaling, kt,
             )  # fmt: skip
             h, x = add_rms_norm(o_fn(out.view(B, Q, -1), *o_args), h, ln2_w, ln2_eps)
             gu = gu_fn(x, *gu_args)
@@ -332,6 +335,16 @@ class LeanDecoder:
     def _act_mul(L, gu: torch.Tensor) -> torch.Tensor:
         g, u = gu.split((L.mlp_split, L.mlp_split), dim=-1)
         return L.act(g) * u
+
+
+def keys_transposed(keys: torch.Tensor) -> torch.Tensor:
+    """A cache layer's keys [B, H, capacity, D] kept transposed, float32 [B, H, D, L] (L the
+    capacity rounded up to 16): cpu_rope_attention writes each step's keys into it and attends
+    from it, instead of transposing every attended key again at every step and layer (at a few
+    hundred keys about half the attention's memory traffic). cpu_kv_commit moves its columns
+    with the cache's slots. Zeros at first: a slot is read only after this call wrote it."""
+    B, H, cap, D = keys.shape
+    return torch.zeros(B, H, D, -(-cap // 16) * 16, dtype=torch.float32)
 
 
 def lean_decoder(model) -> LeanDecoder | None:

@@ -355,7 +355,12 @@ class StaticRuntime:
         host values: it runs inside the step's graph. On a CPU, one native call for all layers
         (the indexed copy below costs ~25 us a layer there, ~1.5 ms a step)."""
         if self._kv_commit is not None:
-            self._kv_commit(self._kv_bufs(), src, self.hi, count)
+            kts = [
+                kt
+                for layer in self.cache.layers
+                if (kt := getattr(layer, "keys_t", None)) is not None
+            ]
+            self._kv_commit(self._kv_bufs(), src, self.hi, count, kts)
             self.hi.add_(count)
             return
         width = self.scratch
