@@ -43,4 +43,4 @@ run "$python" -m pip install --no-build-isolation "$target"
 
 # Run from elsewhere: in this folder, the source package would shadow the installed one.
 echo "== installed; jacobi-forcing info:"
-(cd / && "$python" -m jacobi_ext.cli info)
+(cd / && "$python" -m jacobi_ext info)

@@ -62,7 +62,7 @@ def sm90_lists(q, table, kernel):
     when another kernel runs), for the forward and, as autograd passes them on, the backward:
     without them the op builds them on the host at every call (~29 ms at 16k on one CPU core),
     which the first H200 run (2026-11-26) timed instead of the kernel."""
-    from jacobi_ext.attention import _sm90_tile_lists
+    from jacobi_ext.kernels.attention import _sm90_tile_lists
 
     return _sm90_tile_lists(q, jacobi_ext.BlockTable(*table), kernel)
 
@@ -185,13 +185,14 @@ def test_jacobi_attention_variants(benchmark, S, variant, backend):
     """jacobi_attention as training calls it (stream order, cached tables and tile lists),
     forward + backward, 7B shape, per variant: issue 21 asks clean_context (the variant training
     uses) for >= 3x FlexAttention and >= 0.9x the same kernel's noisy_context time, and the
-    measured table (jacobi_ext.attention.MEASURED_FASTEST) needs it to name a backend for it."""
+    measured table (jacobi_ext.kernels.attention.MEASURED_FASTEST) needs it to name a backend for
+    it."""
     Hq, Hkv, D = SHAPES["7b"]
     layout = jacobi_ext.JacobiLayout(P, N, (S - P) // (2 * N), variant)
     q, k, v = inputs(layout.seq_len, Hq, Hkv, D)
     benchmark.extra_info.update(variant=variant, backend=backend, seq_len=layout.seq_len)
-    if backend in ("sm80", "sm90"):  # the backward autograd asks for (jacobi_ext.ops)
-        det = jacobi_ext.ops._deterministic_backward(q, backend)
+    if backend in ("sm80", "sm90"):  # the backward autograd asks for (jacobi_ext.kernels.ops)
+        det = jacobi_ext.kernels.ops._deterministic_backward(q, backend)
         bwd = torch.ops.jacobi_ext.attention_bwd_kernel(q, det, backend)
         benchmark.extra_info["bwd_kernel"] = bwd
 

@@ -55,7 +55,7 @@ def peaks():
     """The machine's read bandwidth (GB/s) and, per dtype, compute peak (GFLOP/s) this run: the
     library GEMM (`torch.mm` 2048^2) and our kernel at 256 rows of a 1536 x 576 weight in cache;
     the floor takes the faster (as jacobi_ext.decoding.roofline does: a floor must be a floor)."""
-    from jacobi_ext._native import ops
+    from jacobi_ext.kernels._native import ops
 
     n = (1 << 20) if QUICK else (212 << 20) // 4
     x = torch.randn(n)
@@ -83,7 +83,7 @@ def peaks():
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_linear(benchmark, peaks, dtype, rows):
     """One call per weight over all of them: the weights stream from memory on every call."""
-    from jacobi_ext._native import ops
+    from jacobi_ext.kernels._native import ops
 
     dt = DTYPES[dtype]
     out_f, in_f = (96, 64) if QUICK else (1536, 576)
@@ -145,7 +145,7 @@ def test_gguf_linear(benchmark, qtype, rows):
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    from jacobi_ext._native import ops
+    from jacobi_ext.kernels._native import ops
 
     t_id = GGUF_TYPES[qtype]
     out_f, in_f = (64, 256) if QUICK else (1536, 768)  # K: whole k-quant super-blocks

@@ -192,7 +192,7 @@ def _load_models(dequantize: bool, log) -> tuple[dict, dict, object]:
     """{label: model}, {label: what its linears read}, and the base model's tokenizer."""
     from jacobi_ext.decoding.tuning import step_curve
     from jacobi_ext.models import load_model
-    from jacobi_ext.quantized import is_quantized
+    from jacobi_ext.models.quantized import is_quantized
 
     models, weights, tokenizer = {}, {}, None
     for label, name in MODELS.items():

@@ -57,7 +57,7 @@ export PYTHONPATH="$ROOT:$ROOT/runs/gpu-env/site" PYTHONUNBUFFERED=1
 export JACOBI_GPU_ISOLATION=0
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv \
   >>"$LOG" 2>&1
-"$PY" -c 'import torch, jacobi_ext._native as n; print("torch", torch.__version__, "| CUDA kernels:",
+"$PY" -c 'import torch, jacobi_ext.kernels._native as n; print("torch", torch.__version__, "| CUDA kernels:",
   n.WITH_CUDA, n.CUDA_ARCHS)' >>"$LOG" 2>&1
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q -rfE -m gpu)
 BENCH=("$PY" -m pytest -p no:cacheprovider -q -o "python_files=bench_*.py"

@@ -13,17 +13,17 @@ Public API (filled in by the layers below; see README):
 
 import os as _os
 
-from . import _hf_hook
-from ._native import BUILT_WITH_TORCH, CPU_ISA, CUDA_ARCHS, WITH_CUDA, cuda_note
 from ._version import __version__
-from .attention import block_attention, jacobi_attention
-from .layout import BlockTable, JacobiLayout
+from .hf import _hook
+from .kernels._native import BUILT_WITH_TORCH, CPU_ISA, CUDA_ARCHS, WITH_CUDA, cuda_note
+from .kernels.attention import block_attention, jacobi_attention
+from .kernels.layout import BlockTable, JacobiLayout
 
 # attn_implementation="jacobi" for transformers models, registered without importing transformers.
-_hf_hook.install()
+_hook.install()
 
 # The folder holding `custom_generate/generate.py` (transformers' custom generation method).
-CUSTOM_GENERATE: str = _os.path.dirname(_os.path.abspath(__file__))
+CUSTOM_GENERATE: str = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "hf")
 
 __all__ = [
     "__version__",
@@ -65,13 +65,13 @@ def build_info() -> dict[str, object]:
         "no cuda kernels because": cuda_note(),  # what the build found; None: no record
         "cuda available": torch.cuda.is_available(),
         "cpu kernel isa": CPU_ISA,
-        # GGUF tensor types the CPU linear reads as stored (jacobi_ext.quantized)
+        # GGUF tensor types the CPU linear reads as stored (jacobi_ext.models.quantized)
         "gguf types read": ", ".join(_gguf_types()) or "none",
         "cpu threads": torch.get_num_threads(),
     }
 
 
 def _gguf_types() -> list[str]:
-    from .ops import gguf_kernel_type_names  # not .quantized: that one needs numpy
+    from .kernels.ops import gguf_kernel_type_names  # not .quantized: that one needs numpy
 
     return gguf_kernel_type_names()

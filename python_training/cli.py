@@ -1,6 +1,6 @@
 """The distillation subcommands of ``jacobi-forcing``: collect, train, distill, eval, gpu-run.
 
-``REGISTRARS`` reaches ``jacobi_ext.cli`` through the entry point ``training`` of the group
+``REGISTRARS`` reaches ``jacobi_ext.apps.cli`` through the entry point ``training`` of the group
 ``jacobi_forcing.commands`` (pyproject.toml): jacobi_ext imports nothing from here. Heavy imports
 (torch models, transformers, accelerate) happen inside the handlers so ``--help`` stays instant.
 """
@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jacobi_ext.cli_args import add_sampling_args, sampling_kwargs
+from jacobi_ext.apps.cli_args import add_sampling_args, sampling_kwargs
 
 _DTYPES = ["float32", "bfloat16", "float16"]
 

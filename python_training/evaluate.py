@@ -17,9 +17,9 @@ answer checker per row or per file, ``checkers.py``; docs/eval_your_prompts.md).
 Every row keeps its token ids, so the summary can say whether each method's output equals
 greedy's token for token (it must: the methods are lossless).
 
-With ``sampling`` (do_sample, temperature, top_k, top_p, min_p, seed: jacobi_ext.sampling) every
-row samples: ``greedy`` / ``prompt-lookup`` then run transformers' sampling with the same filters
-(the speed baseline; another draw of the same law), our methods sample with the seed, and
+With ``sampling`` (do_sample, temperature, top_k, top_p, min_p, seed: jacobi_ext.decoding.sampling)
+every row samples: ``greedy`` / ``prompt-lookup`` then run transformers' sampling with the same
+filters (the speed baseline; another draw of the same law), our methods sample with the seed, and
 ``identical`` compares each method with our ``ar`` sample (the same noise), which must be equal.
 """
 
@@ -42,7 +42,8 @@ METHODS = ("greedy", "prompt-lookup", "ar", "ar-lookup", "jacobi", "multiblock",
 PROMPT_SETS = ("humaneval", "code-heldout")
 
 
-def _done(path: Path) -> set[tuple[str, str]]:
+def done_rows(path: Path) -> set[tuple[str, str]]:
+    """The (task id, method) rows a results JSONL already holds: what a resumed run skips."""
     if not path.exists():
         return set()
     out = set()
@@ -85,7 +86,7 @@ def evaluate(
         raise ValueError(f"unknown eval method(s) {bad}: choose from {list(METHODS)}")
     path = Path(results)
     path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done(path)
+    done = done_rows(path)
     probs = _problems(prompts, tokenizer, checker)[offset:]
     probs = probs[:limit] if limit is not None else probs
     device = next(model.parameters()).device

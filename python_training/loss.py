@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from jacobi_ext.hf import jacobi_layout
-from jacobi_ext.layout import JacobiLayout
+from jacobi_ext.kernels.layout import JacobiLayout
 
 from .packing import IGNORE, PackedExample
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jacobi_ext.layout import JacobiLayout
+from jacobi_ext.kernels.layout import JacobiLayout
 
 SCHEDULES = ("linear", "random", "reverse")
 IGNORE = -100  # cross_entropy's ignore_index

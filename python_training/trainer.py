@@ -213,7 +213,8 @@ def cosine_with_warmup(optimizer, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, f)
 
 
-def _latest_checkpoint(out: Path) -> Path | None:
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint (its DONE written) under out/checkpoints, or None."""
     cks = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     cks = [c for c in cks if (c / "DONE").exists()]
     return cks[-1] if cks else None
@@ -268,7 +269,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None, progress: bool = True) -
     model, opt = acc.prepare(model, opt)
     data_state = _DataState()
     acc.register_for_checkpointing(sched, data_state)
-    resume = _latest_checkpoint(out)
+    resume = latest_checkpoint(out)
     own = resume is None and _own_progress(cfg)
     if resume is not None:
         acc.load_state(str(resume))

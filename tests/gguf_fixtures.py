@@ -121,7 +121,7 @@ def dequantized_model(config, path: Path):
     from gguf import GGUFReader, quants
     from transformers import AutoModelForCausalLM
 
-    from jacobi_ext.quantized import _processor_and_map
+    from jacobi_ext.models.quantized import _processor_and_map
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32).eval()

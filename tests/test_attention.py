@@ -337,7 +337,7 @@ def test_torch_compile_runs_the_op():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [64, 96, 128, 256])
 def test_cuda_matches_cpu(variant, w, dtype, D):
-    from jacobi_ext.ops import has_kernel
+    from jacobi_ext.kernels.ops import has_kernel
 
     if not jacobi_ext.WITH_CUDA or not has_kernel("block_attention_fwd", torch.device("cuda")):
         pytest.skip("jacobi_ext has no CUDA kernel for block_attention_fwd in this build")
@@ -391,7 +391,7 @@ def test_block_attention_with_an_order_on_a_custom_table():
 
 def test_gather_fallback_for_devices_without_the_ordered_kernel(monkeypatch):
     # What runs on a device whose kernel implements only block_attention_fwd/bwd (e.g. CUDA).
-    from jacobi_ext import ops as jops
+    from jacobi_ext.kernels import ops as jops
 
     layout = JacobiLayout(11, 4, 5, "noisy_context")
     q, k, v = make_qkv(1, 3, 1, layout.seq_len, 16, torch.float32)
@@ -460,7 +460,7 @@ def qkv_cuda(B=1, Hq=4, Hkv=2, S=64, D=64, dtype=torch.bfloat16):
     ],
 )
 def test_validator_rejects_bad_cuda_inputs_without_a_gpu(kwargs, match):
-    from jacobi_ext.ops import check_attention_inputs
+    from jacobi_ext.kernels.ops import check_attention_inputs
 
     q, k, v = qkv_cuda(**kwargs)
     with pytest.raises(ValueError, match=match):
@@ -469,7 +469,7 @@ def test_validator_rejects_bad_cuda_inputs_without_a_gpu(kwargs, match):
 
 @pytest.mark.parametrize("D", [64, 96, 128, 256])
 def test_validator_accepts_every_compiled_cuda_head_dim(D):
-    from jacobi_ext.ops import check_attention_inputs
+    from jacobi_ext.kernels.ops import check_attention_inputs
 
     assert check_attention_inputs(*qkv_cuda(D=D)) is True
     assert check_attention_inputs(*qkv_cuda(D=D), allow_fallback=True) is True
@@ -479,7 +479,7 @@ def test_validator_accepts_every_compiled_cuda_head_dim(D):
     "D,fallback", [(32, True), (48, True), (80, True), (200, True), (16, False)]
 )
 def test_validator_routes_other_cuda_head_dims_to_flex(D, fallback):
-    from jacobi_ext.ops import check_attention_inputs
+    from jacobi_ext.kernels.ops import check_attention_inputs
 
     if fallback:
         assert check_attention_inputs(*qkv_cuda(D=D), allow_fallback=True) is False
@@ -489,7 +489,7 @@ def test_validator_routes_other_cuda_head_dims_to_flex(D, fallback):
 
 
 def test_validator_rejects_mismatched_devices_dtypes_shapes_and_strides():
-    from jacobi_ext.ops import check_attention_inputs, check_block_table_tensors
+    from jacobi_ext.kernels.ops import check_attention_inputs, check_block_table_tensors
 
     q, k, v = qkv_cuda()
     kc = torch.empty(k.shape, dtype=k.dtype, device="meta")
@@ -553,7 +553,7 @@ def test_fake_kernels_apply_the_cuda_rules():
 @pytest.mark.parametrize("D,route", [(64, "kernel"), (96, "kernel"), (256, "kernel"), (80, "flex")])
 def test_cuda_front_ends_route_by_head_dim(monkeypatch, front_end, D, route):
     """Both front ends validate first, then pick the kernel or FlexAttention; nothing else runs."""
-    from jacobi_ext import attention as A
+    from jacobi_ext.kernels import attention as A
 
     layout = JacobiLayout(0, 16, 2)
     table = layout.block_table()
@@ -583,7 +583,7 @@ def test_cuda_front_ends_route_by_head_dim(monkeypatch, front_end, D, route):
 
 
 def test_flex_fallback_warns_once_per_head_dim(monkeypatch):
-    from jacobi_ext import attention as A
+    from jacobi_ext.kernels import attention as A
 
     monkeypatch.setattr(A, "_flex_warned", set())
     with pytest.warns(RuntimeWarning, match=r"head dim 80 has no compiled CUDA attention kernel"):
@@ -606,7 +606,7 @@ def test_flex_fallback_math_on_cpu(variant, w):
     attention: same mask (from the block table), GQA without repeating k/v, scale."""
     import warnings
 
-    from jacobi_ext import attention as A
+    from jacobi_ext.kernels import attention as A
 
     layout = JacobiLayout(13, 4, 5, variant, w)
     q, k, v = make_qkv(2, 6, 2, layout.seq_len, 40, torch.float32, requires_grad=False)

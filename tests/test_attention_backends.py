@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from jacobi_ext import JacobiLayout, jacobi_attention
-from jacobi_ext import attention as A
-from jacobi_ext._attn_streams import is_two_stream, stream_indices
+from jacobi_ext.kernels import attention as A
+from jacobi_ext.kernels._attn_streams import is_two_stream, stream_indices
 
 ops = torch.ops.jacobi_ext
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
@@ -104,7 +104,7 @@ def test_streams_matches_the_cpu_kernel():
 def test_streams_hand_sdpa_contiguous_output_gradients(monkeypatch):
     """SDPA's CUDA backwards have misread strided output gradients (on an H200 this backend's dQ
     was wrong while its forward matched): each stream's gradient must reach SDPA contiguous."""
-    import jacobi_ext._attn_streams as streams
+    import jacobi_ext.kernels._attn_streams as streams
 
     seen = []
 
@@ -377,7 +377,7 @@ def test_front_end_and_autograd_pass_the_ops_a_kernel_name(monkeypatch):
     the forward's, also where a raw forward was called with kernel=None (the device's portable
     kernel, which the forward ran)."""
     from jacobi_ext import block_attention
-    from jacobi_ext import ops as jops
+    from jacobi_ext.kernels import ops as jops
 
     monkeypatch.setenv("JACOBI_ATTN_KERNEL", "sm90")  # a GPU run's setting: CPU tensors keep cpu
     rec = _RecordKernels()
@@ -428,7 +428,7 @@ def test_attention_kernel_op_names_the_family_that_runs():
 
 
 def test_autograd_asks_for_a_deterministic_backward_on_the_cpu():
-    from jacobi_ext.ops import _deterministic_backward
+    from jacobi_ext.kernels.ops import _deterministic_backward
 
     q = torch.zeros(1, 1, 4, 16)
     assert _deterministic_backward(q, None) is True
@@ -460,7 +460,7 @@ def test_cuda_raw_op_runs_sm80_and_the_policy_names_sm90(monkeypatch):
     """A raw op call with kernel=None runs the sm_80 kernel on every GPU, whatever
     JACOBI_ATTN_KERNEL says; the Python policy (op_kernel, what block_attention passes) follows
     the variable, and its default is sm80 until SM90_IS_DEFAULT flips."""
-    from jacobi_ext import _native
+    from jacobi_ext.kernels import _native
 
     q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
     hopper = torch.cuda.get_device_capability(q.device)[0] == 9

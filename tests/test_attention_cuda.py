@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import jacobi_ext._native  # registers torch.ops.jacobi_ext; CUDA_KERNEL_SET
+import jacobi_ext.kernels._native  # registers torch.ops.jacobi_ext; CUDA_KERNEL_SET
 
 VARIANTS = ("noisy_context", "clean_context", "windowed")
 TILE = 64
@@ -200,7 +200,7 @@ def skip_unless_compiled(dtype: torch.dtype, head_dim: int) -> None:
     128), which a GPU job with a short time limit builds to save compile time, leaves these
     kernels out by design: the op then raises its "compiled ... for bfloat16 only" error, tested
     on its own."""
-    kernel_set = jacobi_ext._native.CUDA_KERNEL_SET
+    kernel_set = jacobi_ext.kernels._native.CUDA_KERNEL_SET
     if kernel_set in ("ci", "gate") and dtype != torch.bfloat16:
         pytest.skip(f"this build's CUDA kernel set is {kernel_set!r}: bfloat16 only")
     if kernel_set == "gate" and head_dim != 128:
@@ -224,7 +224,7 @@ def policy_kernel(q: torch.Tensor) -> str:
     """The kernel name jacobi_ext's policy passes the ops for q (JACOBI_ATTN_KERNEL where it names
     one, else the default): the ops themselves never read the variable, so the kernel tests pass
     it on, and a run with JACOBI_ATTN_KERNEL=sm90 tests the sm_90a kernel here."""
-    from jacobi_ext.attention import op_kernel
+    from jacobi_ext.kernels.attention import op_kernel
 
     return op_kernel(q)
 
@@ -501,7 +501,7 @@ def test_cpp_cuda_checks_without_a_gpu(name):
 @pytest.mark.parametrize("front_end", ["jacobi_attention", "block_attention"])
 def test_flex_fallback_matches_reference(D, front_end):
     from jacobi_ext import JacobiLayout, block_attention, jacobi_attention
-    from jacobi_ext import attention as A
+    from jacobi_ext.kernels import attention as A
 
     P, n, T, variant, w = 37, 16, 4, "windowed", 2
     layout = JacobiLayout(P, n, T, variant, w)

@@ -4,9 +4,10 @@ float64 dense reference, and the backward against the sm_80 backward.
 GPU only (marked `gpu`: each test runs in a child process under a timeout, tests/gpu_isolation.py,
 so a hung mbarrier fails one test); every test also skips on a device that is not compute
 capability 9.x, or in a build without the sm_90a forward for the dtype and head dim. The kernel is
-asked for explicitly (kernel='sm90'), whatever `auto` picks (jacobi_ext.attention.SM90_IS_DEFAULT
-stays False until these pass on a GPU). The CPU-side pieces (stream order, tile lists, online
-softmax, register views) are tested without a GPU in tests/test_sm90_layouts.py.
+asked for explicitly (kernel='sm90'), whatever `auto` picks
+(jacobi_ext.kernels.attention.SM90_IS_DEFAULT stays False until these pass on a GPU). The CPU-side
+pieces (stream order, tile lists, online softmax, register views) are tested without a GPU in
+tests/test_sm90_layouts.py.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def test_autograd_runs_the_sm90_backward_where_sm90_was_chosen():
     sm_80 one behind every other kernel; its gradients through jacobi_attention(backend="sm90")
     match the sm80 backend's."""
     from jacobi_ext import JacobiLayout, jacobi_attention
-    from jacobi_ext.ops import _deterministic_backward
+    from jacobi_ext.kernels.ops import _deterministic_backward
 
     require_sm90(torch.bfloat16, 128, backward=True)
     q = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)

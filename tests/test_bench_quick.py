@@ -59,7 +59,7 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert data["machine_info"]["torch_threads"] == int(fresh.stdout)
-    from jacobi_ext import report
+    from jacobi_ext.apps import report
 
     text = report.markdown(report.load([out]), {}, {})
     assert "| model | tiny random Llama (quick mode) |" in text

@@ -6,8 +6,8 @@ its rounding error of float64 (bf16: rounded once, to the output); every output 
 chain over k in order, so a row's bits never depend on the other rows, their number, the thread
 count or the layout of x (what lets every decoding method equal AR token for token); the same
 holds for every ISA variant (baseline / AVX2 / AVX-512, chosen at process start); bad arguments
-fail with a ValueError that says what is wrong; and the fake kernels (jacobi_ext/ops.py) give
-the real kernels' shapes, so the ops trace under torch.compile."""
+fail with a ValueError that says what is wrong; and the fake kernels (jacobi_ext/kernels/ops.py)
+give the real kernels' shapes, so the ops trace under torch.compile."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import jacobi_ext
-from jacobi_ext._native import ops
-from jacobi_ext.ops import cpu_linear_packed_shape
+from jacobi_ext.kernels._native import ops
+from jacobi_ext.kernels.ops import cpu_linear_packed_shape
 
 DTYPES = (torch.float32, torch.bfloat16)
 # M: 1 (one token), around the register tile heights (4 rows on AVX2 / baseline, 8 on AVX-512)

@@ -62,7 +62,7 @@ def test_demo_table_fits_80_columns(monkeypatch, sampled, shown):
     from rich.console import Console
     from rich.text import Text
 
-    from jacobi_ext.demo import results_table
+    from jacobi_ext.apps.demo import results_table
 
     monkeypatch.setenv("COLUMNS", "80")
     buf = io.StringIO()
@@ -91,7 +91,7 @@ def test_demo_table_fits_80_columns(monkeypatch, sampled, shown):
 
 
 def test_demo_table_settings_name_the_method_the_tuner_chose():
-    from jacobi_ext.demo import _short_settings
+    from jacobi_ext.apps.demo import _short_settings
 
     assert _short_settings("multiblock n=16 K=2 p=4", "multiblock") == "n=16 K=2 p=4"
     assert _short_settings("ar+lookup n=1 K=1 p=0", "multiblock") == "ar +lookup"
@@ -103,7 +103,7 @@ def test_demo_table_settings_name_the_method_the_tuner_chose():
 
 @pytest.mark.slow
 def test_demo_runs_and_is_lossless(tmp_path, monkeypatch):
-    from jacobi_ext.cli import main
+    from jacobi_ext.apps.cli import main
 
     monkeypatch.setenv("JACOBI_EXT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "demo"
@@ -133,7 +133,7 @@ def test_shipped_adapter_loads_without_warnings():
     import warnings
 
     from jacobi_ext.models import ADAPTERS, DISTILLED_MODEL, load_model
-    from jacobi_ext.quantized import GGUFLinear, describe
+    from jacobi_ext.models.quantized import GGUFLinear, describe
 
     if not (ADAPTERS[DISTILLED_MODEL] / "adapter_model.safetensors").is_file():
         pytest.fail("the distilled adapter is not in the checkout")

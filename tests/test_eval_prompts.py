@@ -295,7 +295,7 @@ def test_chat_and_plain_prompts_are_formatted_like_collect(tiny, tmp_path):
 
 def test_cli_eval_and_fidelity_on_a_prompt_file(tiny, tmp_path, monkeypatch, capsys):
     from jacobi_ext import models
-    from jacobi_ext.cli import main
+    from jacobi_ext.apps.cli import main
 
     model, tok = tiny
     prompts = write_jsonl(tmp_path / "mine.jsonl", ROWS)

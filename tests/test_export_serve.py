@@ -21,8 +21,8 @@ from hf_fixtures import tiny_chat_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import jacobi_ext
-from jacobi_ext.cli import main as cli_main
-from jacobi_ext.export import export_model
+from jacobi_ext.apps.cli import main as cli_main
+from jacobi_ext.hf.export import export_model
 
 SETTINGS = {"jacobi_method": "multiblock", "jacobi_block_size": 4}
 CHAT = [{"role": "user", "content": "Write a haiku about parallel decoding."}]

@@ -1,5 +1,5 @@
 """GGUF weights read as they are stored: torch.ops.jacobi_ext.cpu_linear_gguf
-(csrc/cpu/linear_gguf_cpu.h) and the models built on it (jacobi_ext.quantized).
+(csrc/cpu/linear_gguf_cpu.h) and the models built on it (jacobi_ext.models.quantized).
 
 What makes the GGUF path lossless, checked here on tiny GGUF files the tests write with the
 `gguf` package (tests/gguf_fixtures.py), for every type the kernels read:
@@ -28,8 +28,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, quants
 
-from jacobi_ext._native import ops
-from jacobi_ext.ops import cpu_linear_gguf_packed_shape
+from jacobi_ext.kernels._native import ops
+from jacobi_ext.kernels.ops import cpu_linear_gguf_packed_shape
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gguf_fixtures import (  # noqa: E402
@@ -178,7 +178,7 @@ def test_errors_say_what_is_wrong(call, match):
 
 
 def _build(tmp_path, tied=False, family="llama"):
-    from jacobi_ext.quantized import build_on_codes
+    from jacobi_ext.models.quantized import build_on_codes
 
     cfg = tiny_config(tied=tied, family=family)
     path = write_tiny_model(tmp_path / "tiny.gguf", cfg)
@@ -191,7 +191,7 @@ def _build(tmp_path, tied=False, family="llama"):
 @pytest.mark.parametrize("tied, family", [(False, "llama"), (True, "llama"), (False, "qwen2")])
 def test_model_on_codes_is_the_dequantized_model(tmp_path, tied, family):
     from jacobi_ext.decoding import prepack
-    from jacobi_ext.quantized import GGUFEmbedding, GGUFLinear, describe
+    from jacobi_ext.models.quantized import GGUFEmbedding, GGUFLinear, describe
 
     cfg, path, model, caught = _build(tmp_path, tied, family)
     ref = dequantized_model(cfg, path)
@@ -250,7 +250,7 @@ def _write_adapter(folder: Path, model, r=4, alpha=8, seed=0) -> Path:
 def test_lora_stays_unmerged_and_every_method_equals_ar(tmp_path):
     from jacobi_ext import generate
     from jacobi_ext.decoding import prepack
-    from jacobi_ext.quantized import GGUFLinear, attach_lora
+    from jacobi_ext.models.quantized import GGUFLinear, attach_lora
 
     cfg, path, model, _ = _build(tmp_path)
     ref = dequantized_model(cfg, path)
@@ -314,7 +314,7 @@ def test_default_model_on_codes_equals_dequantized():
     from jacobi_ext import generate
     from jacobi_ext.decoding import prepack
     from jacobi_ext.models import load_model
-    from jacobi_ext.quantized import describe, is_quantized
+    from jacobi_ext.models.quantized import describe, is_quantized
 
     model, tok = load_model()
     ref, _ = load_model(dequantize=True)

@@ -14,7 +14,7 @@ from transformers import GenerationConfig, TextStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import jacobi_ext
-from jacobi_ext.custom_generate import JACOBI_KEYS
+from jacobi_ext.hf.custom_generate import JACOBI_KEYS
 from jacobi_ext.models import tiny_llama
 
 CG = {"custom_generate": jacobi_ext.CUSTOM_GENERATE, "trust_remote_code": True}
@@ -180,7 +180,7 @@ def test_unknown_keyword_and_conflicts():
 
 def test_direct_call_binds_like_transformers():
     """The function itself: model first (positionally or model=), then transformers' order."""
-    from jacobi_ext.custom_generate import generate
+    from jacobi_ext.hf.custom_generate import generate
 
     model = tiny_llama(dtype=torch.float64)
     ids = torch.randint(0, 96, (1, 5))

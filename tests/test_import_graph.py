@@ -96,10 +96,11 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_drawn():
     g = import_graph()
-    assert "jacobi_ext.cli_args" in g["jacobi_ext.cli"]  # a top-level import
-    assert "jacobi_ext.demo" in g["jacobi_ext.cli"]  # an import inside a function
-    assert "jacobi_ext.cli_args" in g["python_training.cli"]
-    assert "jacobi_ext._attn_streams" in g["jacobi_ext.attention"]  # a relative import
+    assert "jacobi_ext.apps.cli_args" in g["jacobi_ext.apps.cli"]  # a top-level import
+    assert "jacobi_ext.apps.demo" in g["jacobi_ext.apps.cli"]  # an import inside a function
+    assert "jacobi_ext.apps.cli_args" in g["python_training.cli"]
+    # a relative import
+    assert "jacobi_ext.kernels._attn_streams" in g["jacobi_ext.kernels.attention"]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

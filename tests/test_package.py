@@ -34,14 +34,14 @@ def test_build_info_without_numpy() -> None:
 
 def test_cli_help_and_info() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "jacobi_ext.cli", "--help"],
+        [sys.executable, "-m", "jacobi_ext.apps.cli", "--help"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     assert "jacobi-forcing" in out and "info" in out
     out = subprocess.run(
-        [sys.executable, "-m", "jacobi_ext.cli", "info", "--json"],
+        [sys.executable, "-m", "jacobi_ext", "info", "--json"],  # the package runs as the command
         capture_output=True,
         text=True,
         check=True,

@@ -14,7 +14,7 @@ import matplotlib.figure  # noqa: E402
 import matplotlib.image as mpimg  # noqa: E402
 import pytest  # noqa: E402
 
-from jacobi_ext import report  # noqa: E402
+from jacobi_ext.apps import report  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 
@@ -126,7 +126,7 @@ def test_machine_block_uses_what_the_run_recorded(sample, tmp_path) -> None:
 
 def test_bench_says_where_the_suites_are_missing(tmp_path, capsys) -> None:
     """From an installed wheel (no bench/ beside the package) the command says what to do."""
-    from jacobi_ext.cli import main
+    from jacobi_ext.apps.cli import main
 
     rc = main(["bench", "--out", str(tmp_path / "out"), "--bench-dir", str(tmp_path / "nope")])
     assert rc == 2
@@ -134,7 +134,7 @@ def test_bench_says_where_the_suites_are_missing(tmp_path, capsys) -> None:
     assert "no benchmark suites in" in err and "--bench-dir" in err
     checkout = Path(__file__).resolve().parent.parent / "bench"
     assert report.bench_dir(checkout) == checkout  # a clone's suites, named, are found
-    beside = Path(report.__file__).resolve().parent.parent / "bench"
+    beside = Path(report.__file__).resolve().parents[2] / "bench"
     if (beside / "conftest.py").is_file():  # the editable install: found without naming them
         assert report.bench_dir() == beside
     else:  # an installed wheel (as CI runs): the default says so

@@ -150,7 +150,7 @@ def test_machine_measures_this_cpu() -> None:
 def test_plot_draws_the_floor(tmp_path, monkeypatch) -> None:
     import matplotlib.figure
 
-    from jacobi_ext.plots import plot_step_curve
+    from jacobi_ext.apps.plots import plot_step_curve
 
     captured = []
     real = matplotlib.figure.Figure.savefig
@@ -171,7 +171,7 @@ def test_plot_draws_the_floor(tmp_path, monkeypatch) -> None:
 
 
 def test_tune_prints_the_roofline(fake_measure, capsys, monkeypatch) -> None:
-    from jacobi_ext import cli
+    from jacobi_ext.apps import cli
 
     model = tiny_llama(vocab_size=96, hidden_size=64, seed=0)
     curve = tuning.StepCurve([1, 2, 4], [0.010, 0.011, 0.012], 256, "cpu", "torch.float32", 2,
@@ -196,7 +196,7 @@ def test_tune_prints_the_roofline(fake_measure, capsys, monkeypatch) -> None:
 
 
 def test_report_table_and_plot_carry_the_floor(tmp_path) -> None:
-    from jacobi_ext import report
+    from jacobi_ext.apps import report
 
     benches = []
     for q, s in ((1, 0.010), (2, 0.011), (4, 0.012)):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from jacobi_ext.cli import build_parser, sampling_kwargs
+from jacobi_ext.apps.cli import build_parser, sampling_kwargs
 
 
 def test_generate_and_demo_parse_sampling_options() -> None:
@@ -51,7 +51,7 @@ def test_eval_summary_under_sampling(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_sampled_demo_is_lossless_to_its_ar_sample(tmp_path, monkeypatch) -> None:
-    from jacobi_ext.cli import main
+    from jacobi_ext.apps.cli import main
 
     monkeypatch.setenv("JACOBI_EXT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "demo"

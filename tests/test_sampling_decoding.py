@@ -213,7 +213,7 @@ def test_neutral_and_unknown_options(models) -> None:
 
 def test_defaults_come_from_the_generation_config(models) -> None:
     """As in transformers: unset filters take the model's generation_config values."""
-    from jacobi_ext.sampling import SamplingConfig, sampling_config
+    from jacobi_ext.decoding.sampling import SamplingConfig, sampling_config
 
     model = tiny_llama(vocab_size=VOCAB, seed=3, dtype=torch.float64)
     assert sampling_config(model) == SamplingConfig(1.0, 50, 1.0, 0.0)

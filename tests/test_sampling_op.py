@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from jacobi_ext.sampling import (
+from jacobi_ext.decoding.sampling import (
     SamplingConfig,
     gumbel_argmax_reference,
     gumbel_noise,

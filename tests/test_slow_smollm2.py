@@ -60,7 +60,7 @@ def test_all_methods_lossless_on_humaneval(smollm2) -> None:
 
 
 def test_generate_cli_runs_and_reports_lookup(capsys) -> None:
-    from jacobi_ext.cli import main
+    from jacobi_ext.apps.cli import main
 
     argv = ["generate", "--prompt", "def add(a, b):", "--raw", "--max-new-tokens", "12"]
     assert main(argv + ["--method", "multiblock", "--block-size", "4", "--lookup"]) == 0

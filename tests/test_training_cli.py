@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jacobi_ext.cli import main
+from jacobi_ext.apps.cli import main
 from python_training.distill import load_recipe
 from python_training.trainer import TrainConfig
 

@@ -122,7 +122,7 @@ def test_short_recipe_collects_nothing_and_starts_from_the_shipped_adapter():
 
 
 def test_gpu_run_command_exists(capsys):
-    from jacobi_ext.cli import main
+    from jacobi_ext.apps.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["gpu-run", "--help"])

@@ -3,8 +3,8 @@
 Every method produces exactly the tokens greedy autoregressive decoding produces
 (docs/method.md §5): a token is committed only when it equals the model's own argmax given the
 committed prefix. Under sampling (do_sample=True) the argmax is the filtered perturbed argmax of
-jacobi_ext.sampling, a deterministic function of the prefix too: every method produces exactly the
-tokens of autoregressive sampling with the same seed.
+jacobi_ext.decoding.sampling, a deterministic function of the prefix too: every method produces
+exactly the tokens of autoregressive sampling with the same seed.
 
 The pieces, one job each: loop.py (prefill and the batched step loop), sequence.py (one
 sequence's state and step work: AR and parallel modes, the verify op), runtime.py (the static
@@ -196,8 +196,8 @@ def generate(
     "compile" (or JACOBI_EXT_CUDA_GRAPHS=compile) runs the same step through
     torch.compile(mode="reduce-overhead") instead of direct capture; True = "capture".
 
-    Sampling (`do_sample=True`; jacobi_ext.sampling): `temperature`, `top_k`, `top_p`, `min_p`
-    with the names, defaults and checks of transformers' GenerationConfig (a value left None
+    Sampling (`do_sample=True`; jacobi_ext.decoding.sampling): `temperature`, `top_k`, `top_p`,
+    `min_p` with the names, defaults and checks of transformers' GenerationConfig (a value left None
     comes from the model's generation_config, else temperature 1.0, top_k 50, top_p 1.0, min_p
     off), applied in transformers' order. Each position's token is the argmax of the filtered
     logits / temperature plus Gumbel noise keyed by (seed, the sequence's prompt and its
@@ -216,7 +216,7 @@ def generate(
     sample). None: 0 for greedy; for sampling, drawn from torch's default generator, so
     `torch.manual_seed` makes it reproducible as in transformers. `res.seed` is the one used.
     """
-    from ..sampling import stream_keys
+    from .sampling import stream_keys
 
     sampling, seed = _sampling_rule(
         model, do_sample, seed, temperature, top_k, top_p, min_p, cuda_graphs, generation_kwargs
@@ -289,8 +289,8 @@ def _plan(tuner, method, block_size, num_blocks, pool_size, lookup) -> _Plan:
 
 def _sampling_rule(model, do_sample, seed, temperature, top_k, top_p, min_p, cuda_graphs, kwargs):
     """(SamplingConfig or None for greedy, the call's seed), the arguments checked."""
-    from ..sampling import check_unsupported, sampling_config
     from .runtime import _graphs_wanted
+    from .sampling import check_unsupported, sampling_config
 
     check_unsupported(kwargs)
     _graphs_wanted(torch.device("cpu"), cuda_graphs)  # a bad value fails here, on any device

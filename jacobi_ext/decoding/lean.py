@@ -36,7 +36,7 @@ import sys
 import torch
 from torch import nn
 
-from ..quantized import GGUFEmbedding, GGUFLinear
+from ..models.quantized import GGUFEmbedding, GGUFLinear
 from . import prepack
 from .prepack import env_off, same_stamp, weight_stamp
 
@@ -45,7 +45,7 @@ SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 def _linear(m) -> bool:
-    """An nn.Linear, or a linear reading GGUF codes (jacobi_ext.quantized)."""
+    """An nn.Linear, or a linear reading GGUF codes (jacobi_ext.models.quantized)."""
     return type(m) in (nn.Linear, GGUFLinear)
 
 
@@ -87,7 +87,8 @@ def _unsupported(model) -> str | None:
 class _Packed:
     """One linear of the lean forward (possibly several side by side along the outputs): fp32 /
     bf16 weights packed for our kernel (remade when any of them changes), or GGUF codes
-    (jacobi_ext.quantized: packed once at load, side by side where the loader grouped them)."""
+    (jacobi_ext.models.quantized: packed once at load, side by side where the loader grouped
+    them)."""
 
     __slots__ = ("mods", "stamp", "packed", "bias", "n", "splits", "calls")
 
@@ -104,7 +105,7 @@ class _Packed:
         stamp = tuple(weight_stamp(m.weight) for m in self.mods)  # prepack.weight_stamp
         if self.stamp is not None and all(map(same_stamp, stamp, self.stamp)):
             return
-        from .._native import ops
+        from ..kernels._native import ops
 
         with torch.no_grad():
             self.packed = ops.cpu_linear_pack_cat([m.weight.detach() for m in self.mods])
@@ -171,7 +172,7 @@ class _LinearCall:
     __slots__ = ("packed", "n", "bias")
 
     def __init__(self, m: nn.Linear) -> None:
-        from .._native import ops
+        from ..kernels._native import ops
 
         self.packed = ops.cpu_linear_pack(m.weight.detach())
         self.n, self.bias = m.out_features, _cat_bias([m])

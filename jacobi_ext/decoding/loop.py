@@ -75,7 +75,8 @@ def decode(
     keys: torch.Tensor | None = None,
 ) -> tuple[list[SeqResult], DecodeStats]:
     """Decode every prompt, greedily or (cfg.sampling) with the sampled argmax under the noise
-    keys [B, 2] (jacobi_ext.sampling.stream_keys); one forward per step for the whole batch."""
+    keys [B, 2] (jacobi_ext.decoding.sampling.stream_keys); one forward per step for the whole
+    batch."""
     dev = next(model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
     n, K, p = cfg.block_size, cfg.num_blocks, cfg.pool_size

@@ -65,7 +65,7 @@ def available() -> bool:
 @functools.cache
 def kernel_available() -> bool:
     """Our CPU linear op is built into this jacobi_ext."""
-    from .._native import ops
+    from ..kernels._native import ops
 
     return hasattr(ops, "cpu_linear") and hasattr(ops, "cpu_linear_pack")
 
@@ -194,7 +194,7 @@ class _PackedLinear:
             if self.backend == "kernel":
                 if w.dtype not in (torch.float32, torch.bfloat16):
                     return False
-                from .._native import ops
+                from ..kernels._native import ops
 
                 self.packed = ops.cpu_linear_pack(w.detach())
             else:

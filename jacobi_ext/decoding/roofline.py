@@ -148,7 +148,7 @@ def measure_machine(device: torch.device | str = "cpu", dtype=torch.float32) -> 
         from .prepack import kernel_available
 
         if kernel_available():  # our decode-shaped kernel can beat torch's GEMM on a CPU
-            from .._native import ops
+            from ..kernels._native import ops
 
             N, K, M = 1536, 576, 256
             packed = ops.cpu_linear_pack(torch.randn(N, K).to(dtype))
@@ -218,7 +218,7 @@ def model_cost(model) -> ModelCost:
     """Read a ModelCost off a transformers causal LM. Tied weights count once (deduplicated by
     data_ptr). The input embedding table counts only where it is the output embeddings too: an
     untied one is gathered a row per token, never streamed."""
-    from ..quantized import GGUFLinear
+    from ..models.quantized import GGUFLinear
 
     emb_in = model.get_input_embeddings()
     emb_out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -236,7 +236,7 @@ def model_cost(model) -> ModelCost:
             continue
         seen.add(ptr)
         weight_bytes += p.numel() * p.element_size()
-    # Linears on GGUF codes (jacobi_ext.quantized): the packed codes they read (and a LoRA's
+    # Linears on GGUF codes (jacobi_ext.models.quantized): the packed codes they read (and a LoRA's
     # factors); a GGUF token embedding is gathered a row per token, like an untied table.
     ggufs = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     weight_bytes += sum(m.nbytes for m in ggufs)

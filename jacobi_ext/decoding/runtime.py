@@ -47,7 +47,7 @@ from .prepack import packed
 def targets(logits: torch.Tensor) -> torch.Tensor:
     """The tokens the model predicts after each position: the greedy argmax. The one place the
     decoding turns logits into tokens (prefill and every step); under sampling the step's rule
-    (jacobi_ext.sampling.Sampler: the filtered perturbed argmax) replaces exactly this.
+    (jacobi_ext.decoding.sampling.Sampler: the filtered perturbed argmax) replaces exactly this.
     On CPU through `max`: the same index (the first of tied maxima, as argmax and transformers'
     greedy take it; tests), ~3x faster than CPU argmax over a 49k vocabulary (3 of a bf16
     step's ~50 ms)."""
@@ -206,7 +206,7 @@ class StaticRuntime:
         """Forward the left-padded prompts ids [B, P] (pad[b] padding tokens first) and, for the
         parallel methods, draft tokens [B, n] after them (their K/V go to scratch, i.e. are not
         kept). Returns the targets [B, P + n]: the argmax, or rule(logits, positions) (sampling:
-        jacobi_ext.sampling.Sampler)."""
+        jacobi_ext.decoding.sampling.Sampler)."""
         B, P = ids.shape
         n = 0 if drafts is None else drafts.shape[1]
         if P > self.committed or n > self.scratch:
@@ -355,10 +355,11 @@ class StaticRuntime:
         host values: it runs inside the step's graph. On a CPU, one native call for all layers
         (the indexed copy below costs ~25 us a layer there, ~1.5 ms a step)."""
         if self._kv_commit is not None:
+            # (no walrus here: the step traces under torch.compile, which cannot read its cell)
             kts = [
-                kt
+                layer.keys_t
                 for layer in self.cache.layers
-                if (kt := getattr(layer, "keys_t", None)) is not None
+                if getattr(layer, "keys_t", None) is not None
             ]
             self._kv_commit(self._kv_bufs(), src, self.hi, count, kts)
             self.hi.add_(count)

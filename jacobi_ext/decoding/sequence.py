@@ -33,7 +33,7 @@ class DecodeConfig:
     lookup_cost: object = None  # q -> t(q)/t(1) for lookup drafts, or None (lookup off)
     cuda_graphs: bool | str | None = None  # True / "capture", "compile", False (runtime.py)
     fallback_window: int = 8  # parallel steps the controller judges at a time
-    sampling: object = None  # jacobi_ext.sampling.SamplingConfig, or None (greedy)
+    sampling: object = None  # jacobi_ext.decoding.sampling.SamplingConfig, or None (greedy)
 
 
 @dataclass

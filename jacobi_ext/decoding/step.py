@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
-from ..sampling import Sampler
+from ..kernels import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
 from .lookup import LookupPolicy
+from .sampling import Sampler
 
 SUMMARY = 8  # the verify op's summary (csrc/include/jacobi/verify.h, VerifySummary)
 MAX_AR_DRAFT = max(LookupPolicy.SIZES)

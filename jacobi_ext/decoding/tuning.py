@@ -86,7 +86,7 @@ def model_key(model) -> str:
             [w.detach().flatten()[:: max(1, w.numel() // 8)][:8].double().sum() for w in params]
         ).sum()
     )
-    from .._native import build_id
+    from ..kernels._native import build_id
 
     raw = f"{name}|{nparams}|{probe:.6e}|{p.dtype}|{dev}|{hw}|{torch.get_num_threads()}"
     raw += f"|{build_id()}"  # the kernels measured: a rebuild measures again

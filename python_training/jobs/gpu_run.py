@@ -183,7 +183,7 @@ class Run:
     def train(self) -> dict:
         import torch
 
-        from ..trainer import TrainConfig, _latest_checkpoint, train
+        from ..trainer import TrainConfig, latest_checkpoint, train
 
         if (self.sdir / "TRAINED").exists():
             if not (self.rdir / "final" / "model.safetensors").exists():
@@ -200,7 +200,7 @@ class Run:
         tcfg["stop_after_minutes"] = chunk if math.isfinite(chunk) else None
         last = train(TrainConfig.from_dict(tcfg), progress=self.progress)
         if last.get("stopped_early"):  # (``last`` is empty when this chunk made no step)
-            ck = _latest_checkpoint(self.rdir)
+            ck = latest_checkpoint(self.rdir)
             step = int(ck.name.split("-")[1]) if ck else 0
             return {"stopped": f"chunk ended at step {step}", "last": last}
         mark_done(self.sdir / "TRAINED", last)
@@ -287,7 +287,7 @@ class Run:
         """HumanEval[:limit] in slices, the budget checked before each; False: budget spent."""
         from jacobi_ext.data import load_humaneval
 
-        from ..evaluate import _done, evaluate
+        from ..evaluate import done_rows, evaluate
 
         ev = self.ev
         path = self.edir / f"humaneval_{which}.jsonl"
@@ -295,7 +295,7 @@ class Run:
         limit, step = int(ev["humaneval_limit"]), int(self.cfg["humaneval_slice"])
         tasks = [p["task_id"] for p in load_humaneval(limit)]
         for off in range(0, len(tasks), step):
-            done = _done(path)
+            done = done_rows(path)
             if all((t, m) in done for t in tasks[off : off + step] for m in methods):
                 continue
             if not self.time_for(took.get("slice", 0.0)):

@@ -79,7 +79,7 @@ if [ "$missing" -ne 0 ] || ! [ -f "$ENV/built-$src_hash" ]; then
   exit 3
 fi
 cd "$ROOT"
-"$PY" -c 'import torch, jacobi_ext._native as n, jacobi_ext.models as m
+"$PY" -c 'import torch, jacobi_ext.kernels._native as n, jacobi_ext.models as m
 print("== torch", torch.__version__, "| GPU:", torch.cuda.get_device_name() if
       torch.cuda.is_available() else "none", "| jacobi_ext CUDA kernels:", n.WITH_CUDA,
       n.CUDA_ARCHS, "| model:", m.default_model_file())'

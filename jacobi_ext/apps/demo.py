@@ -62,7 +62,7 @@ def _pick_distilled(args, console) -> str | None:
 
 def _weights_label(model) -> str:
     """What a model's linears read, for the table: 'GGUF Q4_1' (+ 'LoRA') or its dtype."""
-    from jacobi_ext.quantized import GGUFLinear
+    from jacobi_ext.models.quantized import GGUFLinear
 
     types = sorted({m.type_name for m in model.modules() if isinstance(m, GGUFLinear)})
     if not types:
@@ -159,7 +159,7 @@ def _load_models(args, console) -> tuple[dict, str, str | None]:
     default on a CPU in float32), and their reference greedy is transformers' on those same
     weights."""
     from jacobi_ext.models import DTYPE_NAMES, load_model
-    from jacobi_ext.quantized import is_quantized
+    from jacobi_ext.models.quantized import is_quantized
 
     distilled = _pick_distilled(args, console)
     dtype = DTYPE_NAMES[args.dtype]
@@ -180,8 +180,8 @@ def _load_models(args, console) -> tuple[dict, str, str | None]:
 def _forward_curve(model, out_dir: Path):
     """This machine's forward latency against parallel tokens, its roofline floor, and the
     figure of both: (curve, floor, png path)."""
+    from jacobi_ext.apps.plots import plot_step_curve
     from jacobi_ext.decoding import roofline, tuning
-    from jacobi_ext.plots import plot_step_curve
 
     curve = tuning.step_curve(model, progress=True, full=True)
     param = next(model.parameters())
@@ -196,7 +196,7 @@ def _sampling(args) -> tuple[dict, bool, str]:
     """(generate's sampling kwargs, whether the demo samples, the baseline rows' name). Under
     --do-sample the baseline is transformers' sampling with the same filters, and each model's
     reference is our own AR sample (the same noise: the parallel rows must equal it)."""
-    from jacobi_ext.cli_args import sampling_kwargs
+    from jacobi_ext.apps.cli_args import sampling_kwargs
 
     samp = sampling_kwargs(args)
     sampled = bool(samp.get("do_sample"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-_PKG = Path(__file__).resolve().parent
+_PKG = Path(__file__).resolve().parents[1]  # jacobi_ext/, where _C and _build_info are installed
 
 
 def _has_extension(pkg: Path) -> bool:
@@ -54,7 +54,7 @@ def _built_with() -> str | None:
     """The torch version this package's _C was built against, from the file CMake wrote next to
     it (readable even when _C itself cannot be loaded); None when there is no such file."""
     try:
-        from . import _build_info
+        from .. import _build_info
     except ImportError:
         return None
     return _build_info.TORCH_VERSION
@@ -107,7 +107,7 @@ def _explain_load_failure(exc: ImportError) -> str:
 
 
 try:
-    from . import _C  # noqa: F401  (importing registers torch.ops.jacobi_ext.*)
+    from .. import _C  # noqa: F401  (importing registers torch.ops.jacobi_ext.*)
 except ImportError as exc:
     raise ImportError(_explain_load_failure(exc)) from exc
 
@@ -135,7 +135,7 @@ def cuda_note() -> str | None:
     """Why this build has no CUDA kernels, as its CMake configure found ("" when it has them;
     None when the build left no record)."""
     try:
-        from . import _build_info
+        from .. import _build_info
     except ImportError:
         return None
     return _build_info.CUDA_NOTE

@@ -1,8 +1,8 @@
 """The command line's shared options: the model (--model, --dtype, --device) and sampling
 (--do-sample and its filters), with the keywords they give ``generate``.
 
-Used by ``jacobi_ext.cli`` and ``jacobi_ext.demo``, and by the commands other packages add to
-``jacobi-forcing`` (python_training's ``eval``); it imports nothing from any of them.
+Used by ``jacobi_ext.apps.cli`` and ``jacobi_ext.apps.demo``, and by the commands other packages
+add to ``jacobi-forcing`` (python_training's ``eval``); it imports nothing from any of them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """--do-sample and its filters, with transformers' names (jacobi_ext.sampling)."""
+    """--do-sample and its filters, with transformers' names (jacobi_ext.decoding.sampling)."""
     g = p.add_argument_group("sampling (exact: every method gives the AR sample of the same seed)")
     g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, default=None, help="> 0 (default: model's, 1.0)")

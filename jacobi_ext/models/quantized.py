@@ -39,16 +39,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from .ops import GGUF_TYPE_NAMES as KERNEL_TYPE_NAMES
-from .ops import gguf_kernel_type_names as kernel_type_names
-from .ops import gguf_kernel_types as kernel_types
+from ..kernels.ops import GGUF_TYPE_NAMES as KERNEL_TYPE_NAMES
+from ..kernels.ops import gguf_kernel_type_names as kernel_type_names
+from ..kernels.ops import gguf_kernel_types as kernel_types
 
 # Llama-shaped layers: linears fused into one kernel call where they share a type.
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _panel_width() -> int:
-    from .ops import cpu_linear_layout
+    from ..kernels.ops import cpu_linear_layout
 
     return cpu_linear_layout(torch.float32)[1]
 
@@ -68,7 +68,7 @@ class _Lora:
     @staticmethod
     def pack(a: torch.Tensor, b: torch.Tensor) -> _Lora:
         """From fp32 A [rank, K] and B [N, rank]."""
-        from ._native import ops
+        from ..kernels._native import ops
 
         pa, pb = ops.cpu_linear_pack(a.contiguous()), ops.cpu_linear_pack(b.contiguous())
         return _Lora(pa, pb, a.shape[0], b.shape[0], (pa.numel() + pb.numel()) * 4)
@@ -267,7 +267,7 @@ def attach_gguf(model, path: str | Path, verbose: bool = False, scan=None):
     from (or built for, on the meta device), in place; every other tensor is loaded dequantized.
     Returns the model. See the module docstring for what reads what. `scan`: scan_gguf(path),
     if already made."""
-    from ._native import ops
+    from ..kernels._native import ops
 
     path = Path(path)
     if not path.is_file():

@@ -15,9 +15,9 @@ _TARGET = "transformers.modeling_utils"
 
 
 def _register() -> None:
-    from . import hf
+    from . import register
 
-    hf.register()
+    register()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -398,7 +398,7 @@ def _cpu_linear_gguf_fake(x, packed, type, out_features, bias=None, lora_a=None,
 
 
 #: The portable kernel of each device type: what block_attention_fwd/bwd run for kernel=None or
-#: "auto" (the ops never read the environment: jacobi_ext/attention.py decides the rest).
+#: "auto" (the ops never read the environment: jacobi_ext/kernels/attention.py decides the rest).
 PORTABLE_KERNELS = {"cpu": "cpu", "cuda": "sm80"}
 
 
@@ -423,8 +423,8 @@ def _deterministic_backward(q, kernel) -> bool:
     """Whether autograd asks the op for a deterministic backward. The CPU backward always is, and
     on CUDA the sm_80 backward runs its deterministic form. The sm_90a kernel, where it runs
     (the forward was passed "sm90": backend "sm90", JACOBI_ATTN_KERNEL=sm90, or a default that
-    picks it, jacobi_ext/attention.py) and has a backward for the dtype and head dim, runs that
-    backward with its dQ sums added in any order (faster; docs/sm90_attention.md), unless torch
+    picks it, jacobi_ext/kernels/attention.py) and has a backward for the dtype and head dim, runs
+    that backward with its dQ sums added in any order (faster; docs/sm90_attention.md), unless torch
     was told to use deterministic algorithms (``torch.use_deterministic_algorithms(True)``): then
     the same backward adds each query tile's sums in key-tile order. Under torch.compile the
     choice is not traced (the op names a kernel with a string): the deterministic one."""

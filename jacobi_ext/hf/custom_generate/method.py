@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-logger = logging.getLogger("jacobi_ext.custom_generate")
+logger = logging.getLogger("jacobi_ext.hf.custom_generate")
 
 # JACOBI_EXT_GENERATE_LOG=path: each call appends one JSON line (method, new tokens, forwards,
 # seconds): which decoding ran behind `model.generate`, e.g. inside `transformers serve`.
@@ -162,10 +162,7 @@ def generate(*args, model=None, **kwargs):
     `jacobi_cuda_graphs`. What cannot be done losslessly (beams, repetition penalties, logits
     processors, stop strings, ...) raises ValueError.
     """
-    from transformers import GenerationConfig
-
-    from jacobi_ext import generate as jacobi_generate
-    from jacobi_ext.sampling import UNSUPPORTED, check_unsupported
+    from jacobi_ext.decoding import generate as jacobi_generate
 
     model, kwargs = _bind(args, kwargs, model)
     ids = _prompt(kwargs)
@@ -177,7 +174,44 @@ def generate(*args, model=None, **kwargs):
     for name in _IGNORED_ARGS:
         kwargs.pop(name, None)
 
-    # Our settings: keywords (prefixed or not) first, then the generation_config's keys.
+    ours = _our_keywords(kwargs)
+    gc, explicit = _generation_config(model, kwargs, ours)
+    _check_exact(gc)
+    max_new = _max_new_tokens(gc, model, ids, attention_mask)
+    eos = gc.eos_token_id
+    pad = gc.pad_token_id
+    if pad is None:
+        pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+    res = jacobi_generate(
+        model,
+        ids,
+        max_new_tokens=max_new,
+        attention_mask=attention_mask,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        streamer=streamer,
+        **ours,
+        **_sampling_args(gc, explicit),
+    )
+    _log_call(res, ids.shape[0])
+    new = res.tokens.to(device=device, dtype=torch.long)
+    if new.dim() == 1:
+        new = new.unsqueeze(0)
+    sequences = torch.cat([ids, new], dim=1)
+    if gc.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def _our_keywords(kwargs: dict) -> dict:
+    """Our settings given as keywords (prefixed `jacobi_*` or not), taken out of kwargs."""
     ours: dict = {}
     for key, arg in JACOBI_KEYS.items():
         if key in kwargs and arg in kwargs and kwargs[key] != kwargs[arg]:
@@ -185,6 +219,14 @@ def generate(*args, model=None, **kwargs):
         if key in kwargs or arg in kwargs:
             ours[arg] = kwargs.pop(key) if key in kwargs else kwargs.pop(arg)
             kwargs.pop(arg, None)
+    return ours
+
+
+def _generation_config(model, kwargs: dict, ours: dict):
+    """(the call's GenerationConfig, the fields given as keywords). The one passed in (else the
+    model's) with the keywords set on a copy; what it leaves unset (our keys, EOS, pad) falls back
+    to the model's, as transformers' use_model_defaults does. Fills `ours` from its custom keys."""
+    from transformers import GenerationConfig
 
     model_gc = getattr(model, "generation_config", None)
     base = kwargs.pop("generation_config", None)
@@ -200,8 +242,6 @@ def generate(*args, model=None, **kwargs):
         )
     for k, v in explicit.items():
         setattr(gc, k, v)
-    # A generation_config passed in (transformers serve passes the request's) falls back to the
-    # model's for what it leaves unset: our keys, EOS and pad (transformers' use_model_defaults).
     for key, arg in JACOBI_KEYS.items():
         for source in (gc, model_gc):
             if arg not in ours and getattr(source, key, None) is not None:
@@ -211,8 +251,13 @@ def generate(*args, model=None, **kwargs):
             setattr(gc, name, getattr(model_gc, name))
     if ours.get("block_size") == "auto":
         ours["block_size"] = None
+    return gc, explicit
 
-    # What cannot be done exactly: the engine's own check, with transformers' field values.
+
+def _check_exact(gc) -> None:
+    """Refuse what cannot be done exactly: the engine's own check, with transformers' values."""
+    from jacobi_ext.decoding.sampling import UNSUPPORTED, check_unsupported
+
     check_unsupported({n: getattr(gc, n, None) for n in UNSUPPORTED if n != "logits_processor"})
     if getattr(gc, "stop_strings", None):
         _refuse("stop_strings", "stopping at strings (use eos_token_id)")
@@ -223,7 +268,10 @@ def generate(*args, model=None, **kwargs):
     if getattr(gc, "cache_implementation", None) == "paged":
         _refuse("cache_implementation='paged'", "continuous batching (transformers' own loop)")
 
-    # Length: max_new_tokens, else max_length - prompt, as transformers; within the context.
+
+def _max_new_tokens(gc, model, ids: torch.Tensor, attention_mask) -> int:
+    """max_new_tokens, else max_length - prompt, as transformers; cut (with a warning) to the
+    model's context after the longest prompt of the batch."""
     prompt_len = int(ids.shape[1])
     max_new = gc.max_new_tokens
     if max_new is None:
@@ -246,53 +294,25 @@ def generate(*args, model=None, **kwargs):
             f"max_new_tokens={max_new} runs past the model's context of {context} positions "
             f"after a {longest}-token prompt: generating at most {context - longest}",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         max_new = context - longest
+    return max_new
 
-    eos = gc.eos_token_id
-    pad = gc.pad_token_id
-    if pad is None:
-        pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
 
-    sampling: dict = {}
+def _sampling_args(gc, explicit: dict) -> dict:
+    """The engine's sampling keywords: the config's filters when it samples; under greedy, only
+    filters passed by hand (the engine warns that they are ignored)."""
     if gc.do_sample:
-        sampling = {
+        return {
             "do_sample": True,
             "temperature": gc.temperature,
             "top_k": gc.top_k,
             "top_p": gc.top_p,
             "min_p": gc.min_p,
         }
-    else:  # a filter passed by hand with greedy decoding: the engine warns that it is ignored
-        sampling = {
-            k: explicit[k]
-            for k in ("temperature", "top_k", "top_p", "min_p")
-            if explicit.get(k) is not None
-        }
-
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    if attention_mask is not None:
-        attention_mask = attention_mask.to(device)
-    res = jacobi_generate(
-        model,
-        ids,
-        max_new_tokens=max_new,
-        attention_mask=attention_mask,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        streamer=streamer,
-        **ours,
-        **sampling,
-    )
-    _log_call(res, ids.shape[0])
-    new = res.tokens.to(device=device, dtype=torch.long)
-    if new.dim() == 1:
-        new = new.unsqueeze(0)
-    sequences = torch.cat([ids, new], dim=1)
-    if gc.return_dict_in_generate:
-        from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-        return GenerateDecoderOnlyOutput(sequences=sequences)
-    return sequences
+    return {
+        k: explicit[k]
+        for k in ("temperature", "top_k", "top_p", "min_p")
+        if explicit.get(k) is not None
+    }

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
+from ..kernels import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
 
 # transformers' GenerationConfig defaults for the sampling filters.
 DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None}

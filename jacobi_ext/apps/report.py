@@ -53,7 +53,7 @@ def bench_dir(given: str | Path | None = None) -> Path:
     """The folder of the bench_<suite>.py suites: `given`, else the bench/ of the source checkout
     this package runs from. The suites are not part of the wheel (they are pytest files beside
     the library, not the library), so an installed package needs a checkout's bench/ named."""
-    root = Path(given) if given is not None else Path(__file__).resolve().parent.parent / "bench"
+    root = Path(given) if given is not None else Path(__file__).resolve().parents[2] / "bench"
     if not (root / "conftest.py").is_file():
         where = "the folder given" if given is not None else "beside this installed package"
         raise BenchNotFound(
@@ -139,8 +139,8 @@ def figure_forward_latency(benches, path: Path) -> Path | None:
     )
     if not pts:
         return None
+    from jacobi_ext.apps.plots import plot_step_curve
     from jacobi_ext.decoding.tuning import StepCurve
-    from jacobi_ext.plots import plot_step_curve
 
     curve = StepCurve([q for q, _, _ in pts], [s for _, s, _ in pts], 256, "", "", 0, "")
     # The roofline floor the benchmark recorded beside each width (older runs have none).

@@ -5,6 +5,6 @@ models exported by `jacobi-forcing export` run `generate` below. It lives in the
 jacobi_ext (requirements.txt), so every copy of this folder decodes with the installed engine.
 """
 
-from jacobi_ext.custom_generate.hf import generate
+from jacobi_ext.hf.custom_generate.method import generate
 
 __all__ = ["generate"]

@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from jacobi_ext.cli_args import add_model_args, add_sampling_args, sampling_kwargs
+from jacobi_ext.apps.cli_args import add_model_args, add_sampling_args, sampling_kwargs
 from jacobi_ext.models import DTYPE_NAMES
 
 Handler = Callable[[argparse.Namespace], int]
@@ -54,9 +54,9 @@ def _load(args: argparse.Namespace):
 def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from jacobi_ext.apps.demo import ForwardColourStreamer
     from jacobi_ext.data import chat_input_ids
     from jacobi_ext.decoding import generate
-    from jacobi_ext.demo import ForwardColourStreamer
 
     console = Console()
     with console.status("loading model"):
@@ -192,7 +192,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             f"({prof.get('tuned_calls', 0)} calls so far)"
         )
     if args.plot:
-        from jacobi_ext.plots import plot_step_curve
+        from jacobi_ext.apps.plots import plot_step_curve
 
         floor = roofline.floor_curve(machine, cost, curve)
         path = plot_step_curve(curve, args.plot, floor=floor)
@@ -220,7 +220,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from jacobi_ext.demo import run_demo
+    from jacobi_ext.apps.demo import run_demo
 
     return run_demo(args)
 
@@ -247,7 +247,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from jacobi_ext.export import export
+    from jacobi_ext.hf.export import export
 
     settings = {
         "jacobi_method": args.method,
@@ -308,7 +308,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from jacobi_ext.report import cmd_bench
+    from jacobi_ext.apps.report import cmd_bench
 
     return cmd_bench(args)
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .attention import jacobi_attention
-from .layout import JacobiLayout
+from ..kernels.attention import jacobi_attention
+from ..kernels.layout import JacobiLayout
 
 NAME = "jacobi"
 

@@ -1,6 +1,6 @@
 """Block-causal attention: the general op and its Jacobi Forcing front end.
 
-``block_attention(q, k, v, table)`` runs any :class:`~jacobi_ext.layout.BlockTable`;
+``block_attention(q, k, v, table)`` runs any :class:`~jacobi_ext.kernels.layout.BlockTable`;
 ``jacobi_attention(q, k, v, layout)`` runs a packed JF sequence. The latter has the kernel process
 the tokens in the layout's stream order (prompt, clean blocks, noisy blocks): in that order almost
 every tile the kernel visits is fully visible, so it does the useful work and little else (see
@@ -22,7 +22,7 @@ changes; an explicit ``backend`` argument wins over the variable):
   kernel exists for the dtype and head dim yet, the op runs the sm_80 one and warns once;
 - ``flex``: torch's FlexAttention with the layout's block mask;
 - ``streams``: two causal SDPA calls in stream order (``noisy_context`` only: see
-  ``jacobi_ext/_attn_streams.py``).
+  ``jacobi_ext/kernels/_attn_streams.py``).
 
 As an argument, a backend that does not fit the inputs is a ValueError that names the ones that
 do. From the environment, a backend is a preference for the whole run: it applies where it fits
@@ -378,7 +378,7 @@ _FLEX_LAYOUT_CACHE = 32
 _flex_masks_by_table: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# The FlexAttention mask of a block table (one definition, in layout.py).
+# The FlexAttention mask of a block table (one definition, in layout.py beside this file).
 flex_mask_mod = table_mask_mod
 
 
