@@ -344,9 +344,16 @@ inline void codes_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_
     const float* xg = x + gi * Traits<T>::kG;
     const uint8_t* g[P];
     for (int p = 0; p < P; ++p) g[p] = panel + p * panel_bytes + gi * gbytes;
-    for (int p = 0; p < P; ++p) {  // the codes are read once: ask for them ahead of the walk
+    // The codes are read once: ask for them ahead of the walk. Past the end of its panel, each
+    // stream asks for the same stream of the next unit's panel (the units' panels are contiguous,
+    // the next unit's panel p starts P panels on), so a unit starts on codes already on their way
+    // instead of on a cold miss per panel (which cost most at short K: 18 groups a panel at 576).
+    const int64_t ahead = gi * gbytes + kPrefetchAhead;
+    const int64_t skip = ahead < panel_bytes ? 0 : (P - 1) * panel_bytes;
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* next = panel + p * panel_bytes + skip + ahead;
       for (int64_t b = 0; b < gbytes; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(g[p] + kPrefetchAhead + b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + b), _MM_HINT_T0);
       }
     }
     for_each_weight_row<T, P>(g, [&](int k, int p, int h, VF w) {
