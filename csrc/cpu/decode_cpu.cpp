@@ -98,14 +98,16 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
     }
   };
   const int64_t grain1 = std::max<int64_t>(1, 16384 / std::max<int64_t>(W * D, 1));
-  const bool kept = a.kt != nullptr;  // the caller keeps Kt: nothing to transpose
+  // The caller keeps Kt: nothing to transpose, and with fp32 V (read in place) no pass at all;
+  // with bf16 / fp16 V the pass only widens V.
+  const bool kept = a.kt != nullptr;
   if (!(kept && kF32)) at::parallel_for(0, groups, grain1, [&](int64_t g0, int64_t g1) {
     alignas(64) float blk[16 * 16];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g / a.Hkv, h = g % a.Hkv;
       float* kt = kt_all + g * D * ldk;
       const T* kb = kp + b * a.sk_b + h * a.sk_h;
-      for (int64_t j0 = 0; j0 < (kept ? 0 : W); j0 += 16) {
+      for (int64_t j0 = 0; !kept && j0 < W; j0 += 16) {
         const int jn = static_cast<int>(std::min<int64_t>(16, W - j0));
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
           const int dn = static_cast<int>(std::min<int64_t>(16, D - d0));
@@ -118,7 +120,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
           }
         }
       }
-      for (int64_t d = 0; d < (kept ? 0 : D); ++d)
+      for (int64_t d = 0; !kept && d < D; ++d)
         for (int64_t j = W; j < ldk; ++j) kt[d * ldk + j] = 0.f;
       if constexpr (!kF32) {
         float* vf = v_all + g * W * D;
