@@ -63,14 +63,26 @@ def test_bad_arguments_say_what_is_wrong():
         op([cache.transpose(2, 3)], torch.tensor([0]), torch.tensor([1]), torch.tensor([1]), [])
 
 
-def test_transposed_copies_move_with_their_slots():
+def _blocks(keys: torch.Tensor) -> torch.Tensor:
+    """keys [B, H, cap, D] (cap a multiple of 16) as transposed blocks [B, H, cap / 16, D, 16]."""
+    B, H, cap, D = keys.shape
+    return keys.float().view(B, H, cap // 16, 16, D).transpose(3, 4).contiguous()
+
+
+@pytest.mark.parametrize(
+    "src,dst,count",
+    [([1, 0], [9, 5], [4, 2]), ([14, 3], [30, 13], [5, 7]), ([20, 2], [17, 5], [6, 9])],
+)
+def test_transposed_copies_move_with_their_slots(src, dst, count):
+    """Across block boundaries and with overlapping ranges (moved down and up), as a gather then
+    scatter of the cache itself."""
     g = torch.Generator().manual_seed(3)
-    B, H, cap, D = 2, 3, 24, 8
+    B, H, cap, D = 2, 3, 48, 8
     keys = torch.randn(B, H, cap, D, generator=g)
-    kt = keys.transpose(2, 3).contiguous()  # [B, H, D, cap]
-    src, dst, count = torch.tensor([1, 0]), torch.tensor([9, 5]), torch.tensor([4, 2])
+    kt = _blocks(keys)
+    src, dst, count = torch.tensor(src), torch.tensor(dst), torch.tensor(count)
     torch.ops.jacobi_ext.cpu_kv_commit([keys], src, dst, count, [kt])
-    assert torch.equal(kt, keys.transpose(2, 3))
+    assert torch.equal(kt, _blocks(keys))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -84,7 +96,7 @@ def test_rope_attention_from_kept_transposed_keys_is_bitwise(dtype, Q):
     B, heads, kv_heads, D, cap = 2, 6, 2, 16, 40
     caches = [torch.zeros(B, kv_heads, cap, D, dtype=dtype) for _ in range(4)]
     kt = keys_transposed(caches[0])
-    assert kt.shape == (B, kv_heads, D, 48)
+    assert kt.shape == (B, kv_heads, 3, D, 16)
     op = torch.ops.jacobi_ext.cpu_rope_attention
     for step in range(4):
         qkv = torch.randn(B, Q, (heads + 2 * kv_heads) * D, generator=g).to(dtype)
@@ -97,7 +109,11 @@ def test_rope_attention_from_kept_transposed_keys_is_bitwise(dtype, Q):
         got = op(qkv, heads, kv_heads, cos, sin, caches[2], caches[3], slots, attend, mask, 0.3, kt)
         assert torch.equal(got, want)
         assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
-        assert torch.equal(kt[..., :cap], caches[2].transpose(2, 3).float())
+        full = torch.cat([caches[2], caches[2].new_zeros(B, kv_heads, 48 - cap, D)], dim=2)
+        written = torch.zeros(48, dtype=torch.bool)
+        written[: int(slots[-1]) + 1] = True  # slots written so far; the rest still zeros
+        want_kt = _blocks(full * written[:, None])
+        assert torch.equal(kt, want_kt)
 
 
 def test_kt_cache_shape_is_checked():
@@ -106,4 +122,8 @@ def test_kt_cache_shape_is_checked():
     qkv, cs = torch.zeros(1, 1, 12), torch.zeros(1, 1, 4)
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
     with pytest.raises(ValueError, match="kt_cache must be"):
-        op(qkv, 1, 1, cs, cs, k, v, torch.tensor([0]), 1, mask, 1.0, torch.zeros(1, 1, 4, 10))
+        op(qkv, 1, 1, cs, cs, k, v, torch.tensor([0]), 1, mask, 1.0, torch.zeros(1, 1, 4, 16))
+    with pytest.raises(ValueError, match="kt_cache must be"):  # too few blocks for 10 slots
+        op(qkv, 1, 1, cs, cs, k, v, torch.tensor([0]), 1, mask, 1.0, torch.zeros(1, 1, 0, 4, 16))
+    ok = torch.zeros(1, 1, 1, 4, 16)
+    op(qkv, 1, 1, cs, cs, k, v, torch.tensor([0]), 1, mask, 1.0, ok)

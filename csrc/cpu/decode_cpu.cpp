@@ -1,8 +1,10 @@
 // The small ops of a CPU decoding step (decode_cpu.h). Compiled once per vector ISA (isa.h).
 //
-// Attention: per (batch, kv head), the keys are transposed once into Kt [D, W] (fp32, W padded
-// to the vector width), so a row's scores over 16 keys are one chain of D fused multiply-adds
-// with q[d] broadcast: no horizontal sums, and rows in groups of kRows share each Kt load. The
+// Attention: per (batch, kv head), the keys transposed in blocks of kKeyPad keys, Kt
+// [W / kKeyPad][D][kKeyPad] (fp32; kept by the caller across steps, or made here), so a row's
+// scores over a vector of keys are one chain of D fused multiply-adds with q[d] broadcast: no
+// horizontal sums, rows in groups of kRows share each Kt load, and a block's 4 KB (D = 64) are
+// read in order (one stream, not D rows a page apart). The
 // softmax runs over the whole row of scores at once (W is the cache length: thousands at most),
 // then out = p V, one chain over the keys in slot order per output feature. Every row is
 // computed alone in the same order whatever the others are, as decode_cpu.h promises.
@@ -27,6 +29,8 @@ constexpr int kVL = Vec::size();
 constexpr int kRows = kDecodeRows;  // query rows sharing each load of Kt / V (independent chains)
 static_assert(kKeyPad % kVL == 0, "the key padding must hold whole vectors");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// The tiles' row and vector loops unrolled in full, so that their accumulators stay in registers.
+#define JACOBI_UNROLL _Pragma("GCC unroll 16")
 
 template <typename T>
 inline float to_f(T v) {
@@ -39,39 +43,179 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
 }
 
-// Scores of `rows` query rows (q: rows x D fp32, pre-scaled) against keys [j0, j0 + kVL) of Kt
-// (D x ldk): s[r][j] = sum_d q[r][d] * Kt[d][j0 + j], d in order.
-template <int R>
-inline void score_tile(const float* q, int64_t D, const float* kt, int64_t ldk, int64_t j0,
-                       float* s, int64_t lds) {
-  Vec acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
-  for (int64_t d = 0; d < D; ++d) {
-    const Vec kv = Vec::loadu(kt + d * ldk + j0);
-    for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec(q[r * D + d]), kv, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) acc[r].store(s + r * lds + j0);
+// Where key vector v (keys [v kVL, v kVL + kVL)) of a group's keys starts in their transposed
+// blocks, [W / kKeyPad][D][kKeyPad] (decode_cpu.h): feature d is kKeyPad floats further on.
+inline const float* key_vector(const float* kt, int64_t D, int64_t v) {
+  const int64_t j = v * kVL;
+  return kt + (j / kKeyPad) * D * kKeyPad + j % kKeyPad;
 }
 
-// out[r][:] = sum_j p[r][j] * V[j][:] (rows of V ldv apart), j in slot order (only where p > 0: masked slots are 0).
-template <int R>
-inline void pv_tile(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t W,
-                    int64_t D, int64_t d0, float* out) {
-  const int64_t n = std::min<int64_t>(kVL, D - d0);
-  Vec acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
-  for (int64_t j = 0; j < W; ++j) {
-    const Vec vv = Vec::loadu(v + j * ldv + d0, n);
+// Scores of R query rows (q: R x D fp32, pre-scaled) against key vectors [v, v + T) of a
+// group's transposed keys kt: s[r][j] = sum_d q[r][d] * k[j][d], d in order. T key vectors side
+// by side give R T independent chains (at one query row of a GQA group of 3, R = 3: one vector
+// at a time left three chains waiting on the multiply-add's latency); each chain is the same
+// whatever T is.
+template <int R, int T>
+inline void score_tile(const float* q, int64_t D, const float* kt, int64_t v, float* s,
+                       int64_t lds) {
+  const float* kv_at[T];
+  Vec acc[R][T];
+  JACOBI_UNROLL
+  for (int t = 0; t < T; ++t) kv_at[t] = key_vector(kt, D, v + t);
+  JACOBI_UNROLL
+  for (int r = 0; r < R; ++r)
+    JACOBI_UNROLL
+    for (int t = 0; t < T; ++t) acc[r][t] = Vec(0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    Vec kv[T];
+    JACOBI_UNROLL
+    for (int t = 0; t < T; ++t) kv[t] = Vec::loadu(kv_at[t] + d * kKeyPad);
+    JACOBI_UNROLL
     for (int r = 0; r < R; ++r) {
-      const float pr = p[r * lds + j];
-      if (pr != 0.f) acc[r] = at::vec::fmadd(Vec(pr), vv, acc[r]);
+      const Vec qv(q[r * D + d]);
+      JACOBI_UNROLL
+      for (int t = 0; t < T; ++t) acc[r][t] = at::vec::fmadd(qv, kv[t], acc[r][t]);
     }
   }
-  for (int r = 0; r < R; ++r) acc[r].store(out + r * D + d0, n);
+  JACOBI_UNROLL
+  for (int r = 0; r < R; ++r)
+    JACOBI_UNROLL
+    for (int t = 0; t < T; ++t) acc[r][t].store(s + r * lds + (v + t) * kVL);
+}
+
+// Key vectors per score tile for R rows: R T chains within the vector registers (16 on AVX2).
+template <int R>
+constexpr int kScoreT = R == 1 ? 6 : R == 2 ? 4 : R == 3 ? 3 : R <= 5 ? 2 : 1;
+
+// score_tile over key vectors [v0, v1) (of kVL keys each), T at a time, the rest one by one.
+template <int R>
+inline void score_range(const float* q, int64_t D, const float* kt, int64_t v0, int64_t v1,
+                        float* s, int64_t lds) {
+  constexpr int T = kScoreT<R>;
+  int64_t v = v0;
+  for (; v + T <= v1; v += T) score_tile<R, T>(q, D, kt, v, s, lds);
+  for (; v < v1; ++v) score_tile<R, 1>(q, D, kt, v, s, lds);
+}
+
+inline void scores(int rows, const float* q, int64_t D, const float* kt, int64_t v0, int64_t v1,
+                   float* s, int64_t lds) {
+  switch (rows) {
+    case 8: return score_range<8>(q, D, kt, v0, v1, s, lds);
+    case 7: return score_range<7>(q, D, kt, v0, v1, s, lds);
+    case 6: return score_range<6>(q, D, kt, v0, v1, s, lds);
+    case 5: return score_range<5>(q, D, kt, v0, v1, s, lds);
+    case 4: return score_range<4>(q, D, kt, v0, v1, s, lds);
+    case 3: return score_range<3>(q, D, kt, v0, v1, s, lds);
+    case 2: return score_range<2>(q, D, kt, v0, v1, s, lds);
+    default: return score_range<1>(q, D, kt, v0, v1, s, lds);
+  }
+}
+
+// out[r][d0, d0 + T kVL) = sum_j p[r][j] * V[j][same] (rows of V ldv apart), j in slot order,
+// only where p > 0 (masked slots are 0, and their V may hold anything). The probabilities come
+// transposed, pt[j][r] (kRows apart): one compare tells whether every row sees slot j (the
+// common case: the multiply-adds run unconditionally), else each row is asked on its own. T
+// feature vectors side by side for more independent chains, as score_tile; n < kVL: one partial
+// vector (T = 1).
+template <int R, int T>
+inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t D,
+                    int64_t d0, int64_t n, float* out) {
+  constexpr int kAll = (1 << R) - 1;
+  Vec acc[R][T];
+  JACOBI_UNROLL
+  for (int r = 0; r < R; ++r)
+    JACOBI_UNROLL
+    for (int t = 0; t < T; ++t) acc[r][t] = Vec(0.f);
+  for (int64_t j = 0; j < W; ++j) {
+    Vec vv[T];
+    JACOBI_UNROLL
+    for (int t = 0; t < T; ++t) vv[t] = Vec::loadu(v + j * ldv + d0 + t * kVL, T == 1 ? n : kVL);
+    const float* pj = pt + j * kRows;
+    const bool every = (Vec::loadu(pj, kRows).zero_mask() & kAll) == 0;
+    JACOBI_UNROLL
+    for (int r = 0; r < R; ++r) {
+      if (every || pj[r] != 0.f) {
+        const Vec pv(pj[r]);
+        JACOBI_UNROLL
+        for (int t = 0; t < T; ++t) acc[r][t] = at::vec::fmadd(pv, vv[t], acc[r][t]);
+      }
+    }
+  }
+  JACOBI_UNROLL
+  for (int r = 0; r < R; ++r)
+    JACOBI_UNROLL
+    for (int t = 0; t < T; ++t) acc[r][t].store(out + r * D + d0 + t * kVL, T == 1 ? n : kVL);
+}
+
+template <int R>
+inline void pv_range(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t D,
+                     int64_t d0, int64_t d1, float* out) {
+  constexpr int T = kScoreT<R>;
+  int64_t d = d0;
+  for (; d + T * kVL <= d1; d += T * kVL) pv_tile<R, T>(pt, v, ldv, W, D, d, kVL, out);
+  for (; d < d1; d += kVL) {
+    const int64_t n = std::min<int64_t>(kVL, d1 - d);
+    if (n == kVL) {
+      pv_tile<R, 1>(pt, v, ldv, W, D, d, kVL, out);
+    } else {
+      pv_tile<R, 1>(pt, v, ldv, W, D, d, n, out);
+    }
+  }
+}
+
+// out rows = p V over features [d0, d1), from the probabilities transposed (pt[j][r]).
+inline void pv(int rows, const float* pt, const float* v, int64_t ldv, int64_t W, int64_t D,
+               int64_t d0, int64_t d1, float* out) {
+  switch (rows) {
+    case 8: return pv_range<8>(pt, v, ldv, W, D, d0, d1, out);
+    case 7: return pv_range<7>(pt, v, ldv, W, D, d0, d1, out);
+    case 6: return pv_range<6>(pt, v, ldv, W, D, d0, d1, out);
+    case 5: return pv_range<5>(pt, v, ldv, W, D, d0, d1, out);
+    case 4: return pv_range<4>(pt, v, ldv, W, D, d0, d1, out);
+    case 3: return pv_range<3>(pt, v, ldv, W, D, d0, d1, out);
+    case 2: return pv_range<2>(pt, v, ldv, W, D, d0, d1, out);
+    default: return pv_range<1>(pt, v, ldv, W, D, d0, d1, out);
+  }
+}
+
+// A row of scores (sr[0, ldk), masks m[0, W)) -> its softmax in place: masked slots and the
+// padding [W, ldk) exactly 0. Returns false (and zeros) where the row sees no slot.
+inline bool softmax_row(float* sr, const bool* m, int64_t W, int64_t ldk) {
+  float mx = kNegInf;
+  for (int64_t j = 0; j < W; ++j) {
+    if (!m[j]) sr[j] = kNegInf;
+    mx = std::max(mx, sr[j]);
+  }
+  for (int64_t j = W; j < ldk; ++j) sr[j] = kNegInf;
+  if (mx == kNegInf) {
+    std::fill(sr, sr + ldk, 0.f);
+    return false;
+  }
+  Vec sum(0.f);
+  const Vec vmx(mx);
+  for (int64_t j = 0; j < ldk; j += kVL) {
+    const Vec e = (Vec::loadu(sr + j) - vmx).exp_u20();
+    e.store(sr + j);
+    sum = sum + e;
+  }
+  const float inv =
+      1.f / at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+  const Vec vinv(inv);
+  for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) * vinv).store(sr + j);
+  return true;
 }
 
 // The attention of DecodeAttnArgs, with each query row given by load_q(b, h, i, dst): dst[0, D)
 // = the row in fp32 (before the scale).
+//
+// Two schedules, the same arithmetic on every row (each score one chain over d, the softmax of
+// softmax_row, each output one chain over the slots in order), so a row's result does not depend
+// on which one ran or on the other rows:
+//  - many query rows (a wide step, a batch): one unit of work per (batch, kv head, kRows rows),
+//    scores, softmax and p V together;
+//  - few (a one- or few-token step: at one token 3 units of a GQA model for 2 threads, each
+//    waiting on its own chains): scores per (batch, kv head, range of keys) into shared rows,
+//    then softmax and p V per (batch, kv head, range of output features).
 template <typename T, typename LoadQ>
 void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   const int64_t G = a.Hq / a.Hkv, D = a.D, W = a.W, Q = a.Q;
@@ -81,14 +225,18 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   const T* kp = static_cast<const T*>(a.k);
   const T* vp = static_cast<const T*>(a.v);
   T* outp = static_cast<T*>(a.out);
-  // Pass 1: Kt [D, ldk] in fp32 per (b, kv head), by 16 x 16 register transposes; V read in
-  // place when fp32 (rows sv_w apart), else widened to fp32 [W, D].
+  // Pass 1: the keys transposed in blocks, [ldk / kKeyPad][D][kKeyPad] fp32 per (b, kv head),
+  // by 16 x 16 register transposes (unless the caller keeps them); V read in place when fp32
+  // (rows sv_w apart), else widened to fp32 [W, D].
   const int64_t groups = a.B * a.Hkv;
   constexpr bool kF32 = std::is_same_v<T, float>;
+  static_assert(kKeyPad == 16, "a key block is one 16 x 16 transpose wide");
   float* kt_all = a.scratch;
   float* v_all = kt_all + groups * D * ldk;
-  float* tmp_all = v_all + groups * W * D;  // per thread: scores kRows x ldk, q kRows x D, out
-  const int64_t tmp_per_thread = kRows * ldk + 2 * kRows * D;
+  // per thread: scores kRows x ldk, q kRows x D, out kRows x D, probabilities ldk x kRows
+  float* tmp_all = v_all + groups * W * D;
+  const int64_t tmp_per_thread = 2 * kRows * ldk + 2 * kRows * D;
+  float* shared_s = tmp_all + at::get_num_threads() * tmp_per_thread;  // few rows: all scores
   const int64_t ldv = kF32 ? a.sv_w : D;
   auto v_rows = [&](int64_t g) -> const float* {
     if constexpr (kF32) {
@@ -107,21 +255,22 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
       const int64_t b = g / a.Hkv, h = g % a.Hkv;
       float* kt = kt_all + g * D * ldk;
       const T* kb = kp + b * a.sk_b + h * a.sk_h;
-      for (int64_t j0 = 0; !kept && j0 < W; j0 += 16) {
-        const int jn = static_cast<int>(std::min<int64_t>(16, W - j0));
+      for (int64_t j0 = 0; !kept && j0 < W; j0 += kKeyPad) {
+        const int jn = static_cast<int>(std::min<int64_t>(kKeyPad, W - j0));
+        float* block = kt + j0 * D;  // block j0 / kKeyPad: [D][kKeyPad]
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
           const int dn = static_cast<int>(std::min<int64_t>(16, D - d0));
           if constexpr (kF32) {
-            at::vec::transpose_mxn<float>(kb + j0 * a.sk_w + d0, a.sk_w, kt + d0 * ldk + j0, ldk,
-                                          jn, dn);
+            at::vec::transpose_mxn<float>(kb + j0 * a.sk_w + d0, a.sk_w, block + d0 * kKeyPad,
+                                          kKeyPad, jn, dn);
           } else {
             for (int j = 0; j < jn; ++j) load_row(kb + (j0 + j) * a.sk_w + d0, blk + j * 16, dn);
-            at::vec::transpose_mxn<float>(blk, 16, kt + d0 * ldk + j0, ldk, jn, dn);
+            at::vec::transpose_mxn<float>(blk, 16, block + d0 * kKeyPad, kKeyPad, jn, dn);
           }
         }
+        for (int64_t d = 0; d < D; ++d)  // the last block's padding keys: 0
+          for (int j = jn; j < kKeyPad; ++j) block[d * kKeyPad + j] = 0.f;
       }
-      for (int64_t d = 0; !kept && d < D; ++d)
-        for (int64_t j = W; j < ldk; ++j) kt[d * ldk + j] = 0.f;
       if constexpr (!kF32) {
         float* vf = v_all + g * W * D;
         for (int64_t j = 0; j < W; ++j)
@@ -129,6 +278,81 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
       }
     }
   });
+  const float* kt_of_group = kept ? a.kt : kt_all;
+  const int64_t kt_slots = kept ? a.ldkt : ldk;  // key slots per group in Kt
+  auto group_kt = [&](int64_t g) { return kt_of_group + g * D * kt_slots; };
+  // Query rows r0 .. r0 + rows of group g (row r: head hk G + r / Q, position r % Q), scaled.
+  auto load_rows = [&](int64_t g, int64_t r0, int rows, float* qf) {
+    const int64_t b = g / a.Hkv, hk = g % a.Hkv;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t h = hk * G + (r0 + r) / Q, i = (r0 + r) % Q;
+      load_q(b, h, i, qf + r * D);
+      for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
+    }
+  };
+  // Softmax of rows r0 .. r0 + rows of group g in s (rows ldk apart), in place, and the
+  // probabilities transposed into pt (pt[j][r], kRows apart) for pv.
+  auto softmax_rows = [&](int64_t g, int64_t r0, int rows, float* s, bool* any, float* pt) {
+    const int64_t b = g / a.Hkv;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t i = (r0 + r) % Q;
+      any[r] = softmax_row(s + r * ldk, a.mask + (b * Q + i) * W, W, ldk);
+    }
+    for (int64_t j = 0; j < W; ++j)
+      for (int r = 0; r < rows; ++r) pt[j * kRows + r] = s[r * ldk + j];
+  };
+  // Output features [d0, d1) of rows r0 .. r0 + rows of group g from of (rows D apart).
+  auto store_rows = [&](int64_t g, int64_t r0, int rows, const float* of, const bool* any,
+                        int64_t d0, int64_t d1) {
+    const int64_t b = g / a.Hkv, hk = g % a.Hkv;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t h = hk * G + (r0 + r) / Q, i = (r0 + r) % Q;
+      T* o = outp + ((b * Q + i) * a.Hq + h) * D;
+      for (int64_t d = d0; d < d1; ++d) o[d] = static_cast<T>(any[r] ? of[r * D + d] : 0.f);
+    }
+  };
+  const int64_t threads = at::get_num_threads();
+  const int64_t key_vectors = ldk / kVL;
+  if (decode_attention_few_rows(a.B, a.Hkv, a.Hq, Q, threads)) {
+    // Scores: per (group, range of key vectors), every row of the group.
+    const int64_t kv_per_unit = std::max<int64_t>(1, 64 / kVL);
+    const int64_t ranges = (key_vectors + kv_per_unit - 1) / kv_per_unit;
+    at::parallel_for(0, groups * ranges, 1, [&](int64_t u0, int64_t u1) {
+      float* qf = tmp_all + at::get_thread_num() * tmp_per_thread + kRows * ldk;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t g = u / ranges, v0 = (u % ranges) * kv_per_unit;
+        const int64_t v1 = std::min(key_vectors, v0 + kv_per_unit);
+        for (int64_t r0 = 0; r0 < rows_per_group; r0 += kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
+          load_rows(g, r0, rows, qf);
+          scores(rows, qf, D, group_kt(g), v0, v1, shared_s + (g * rows_per_group + r0) * ldk,
+                 ldk);
+        }
+      }
+    });
+    // Softmax (each unit its own copy of the group's rows) and p V: per (group, features).
+    const int64_t dchunk = 4 * kVL;
+    const int64_t dranges = (D + dchunk - 1) / dchunk;
+    at::parallel_for(0, groups * dranges, 1, [&](int64_t u0, int64_t u1) {
+      float* s = tmp_all + at::get_thread_num() * tmp_per_thread;
+      float* of = s + kRows * ldk + kRows * D;
+      float* pt = of + kRows * D;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t g = u / dranges, d0 = (u % dranges) * dchunk;
+        const int64_t d1 = std::min(D, d0 + dchunk);
+        for (int64_t r0 = 0; r0 < rows_per_group; r0 += kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
+          std::copy(shared_s + (g * rows_per_group + r0) * ldk,
+                    shared_s + (g * rows_per_group + r0 + rows) * ldk, s);
+          bool any[kRows];
+          softmax_rows(g, r0, rows, s, any, pt);
+          pv(rows, pt, v_rows(g), ldv, W, D, d0, d1, of);
+          store_rows(g, r0, rows, of, any, d0, d1);
+        }
+      }
+    });
+    return;
+  }
   // Pass 2: per (b, kv head, chunk of kRows query rows).
   const int64_t work = groups * chunks;
   const int64_t grain2 = std::max<int64_t>(1, 32768 / std::max<int64_t>(kRows * W * D, 1));
@@ -137,78 +361,16 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
     float* s = tmp;                      // kRows x ldk
     float* qf = s + kRows * ldk;         // kRows x D
     float* of = qf + kRows * D;          // kRows x D
+    float* pt = of + kRows * D;          // ldk x kRows
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t g = w / chunks, c = w % chunks;
-      const int64_t b = g / a.Hkv, hk = g % a.Hkv;
-      const int64_t r0 = c * kRows;
+      const int64_t g = w / chunks, r0 = (w % chunks) * kRows;
       const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
-      // row r of the group: query head hk * G + r / Q, position r % Q
-      for (int r = 0; r < rows; ++r) {
-        const int64_t h = hk * G + (r0 + r) / Q, i = (r0 + r) % Q;
-        load_q(b, h, i, qf + r * D);
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
-      }
-      const float* kt = kept ? a.kt + g * D * a.ldkt : kt_all + g * D * ldk;
-      const int64_t ldt = kept ? a.ldkt : ldk;  // Kt's row stride
-      for (int64_t j0 = 0; j0 < ldk; j0 += kVL) {
-        switch (rows) {
-          case 8: score_tile<8>(qf, D, kt, ldt, j0, s, ldk); break;
-          case 7: score_tile<7>(qf, D, kt, ldt, j0, s, ldk); break;
-          case 6: score_tile<6>(qf, D, kt, ldt, j0, s, ldk); break;
-          case 5: score_tile<5>(qf, D, kt, ldt, j0, s, ldk); break;
-          case 4: score_tile<4>(qf, D, kt, ldt, j0, s, ldk); break;
-          case 3: score_tile<3>(qf, D, kt, ldt, j0, s, ldk); break;
-          case 2: score_tile<2>(qf, D, kt, ldt, j0, s, ldk); break;
-          default: score_tile<1>(qf, D, kt, ldt, j0, s, ldk); break;
-        }
-      }
-      // softmax per row over its visible slots (masked: probability exactly 0)
+      load_rows(g, r0, rows, qf);
+      scores(rows, qf, D, group_kt(g), 0, key_vectors, s, ldk);
       bool any[kRows];
-      for (int r = 0; r < rows; ++r) {
-        const int64_t i = (r0 + r) % Q;
-        const bool* m = a.mask + (b * Q + i) * W;
-        float* sr = s + r * ldk;
-        float mx = kNegInf;
-        for (int64_t j = 0; j < W; ++j) {
-          if (!m[j]) sr[j] = kNegInf;
-          mx = std::max(mx, sr[j]);
-        }
-        for (int64_t j = W; j < ldk; ++j) sr[j] = kNegInf;
-        any[r] = mx != kNegInf;
-        if (!any[r]) {
-          std::fill(sr, sr + ldk, 0.f);
-          continue;
-        }
-        Vec sum(0.f);
-        const Vec vmx(mx);
-        for (int64_t j = 0; j < ldk; j += kVL) {
-          const Vec e = (Vec::loadu(sr + j) - vmx).exp_u20();
-          e.store(sr + j);
-          sum = sum + e;
-        }
-        const float inv = 1.f / at::vec::vec_reduce_all<float>(
-                                    [](Vec& x, Vec& y) { return x + y; }, sum);
-        const Vec vinv(inv);
-        for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) * vinv).store(sr + j);
-      }
-      const float* vf = v_rows(g);
-      for (int64_t d0 = 0; d0 < D; d0 += kVL) {
-        switch (rows) {
-          case 8: pv_tile<8>(s, ldk, vf, ldv, W, D, d0, of); break;
-          case 7: pv_tile<7>(s, ldk, vf, ldv, W, D, d0, of); break;
-          case 6: pv_tile<6>(s, ldk, vf, ldv, W, D, d0, of); break;
-          case 5: pv_tile<5>(s, ldk, vf, ldv, W, D, d0, of); break;
-          case 4: pv_tile<4>(s, ldk, vf, ldv, W, D, d0, of); break;
-          case 3: pv_tile<3>(s, ldk, vf, ldv, W, D, d0, of); break;
-          case 2: pv_tile<2>(s, ldk, vf, ldv, W, D, d0, of); break;
-          default: pv_tile<1>(s, ldk, vf, ldv, W, D, d0, of); break;
-        }
-      }
-      for (int r = 0; r < rows; ++r) {
-        const int64_t h = hk * G + (r0 + r) / Q, i = (r0 + r) % Q;
-        T* o = outp + ((b * Q + i) * a.Hq + h) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(any[r] ? of[r * D + d] : 0.f);
-      }
+      softmax_rows(g, r0, rows, s, any, pt);
+      pv(rows, pt, v_rows(g), ldv, W, D, 0, D, of);
+      store_rows(g, r0, rows, of, any, 0, D);
     }
   });
 }
@@ -244,9 +406,11 @@ void rope_attn(const RopeAttnArgs& a) {
         const int64_t at = ((b * a.Hkv + h) * a.capacity + a.slots[i]) * D;
         rotate_row(src + (a.Hq + h) * D, c, sv, D, kc + at);
         std::copy(src + (a.Hq + a.Hkv + h) * D, src + (a.Hq + a.Hkv + h + 1) * D, vc + at);
-        if (a.kt_cache != nullptr) {  // the same key, a column of the transposed copy
-          float* col = a.kt_cache + (b * a.Hkv + h) * D * a.kt_ld + a.slots[i];
-          for (int64_t d = 0; d < D; ++d) col[d * a.kt_ld] = to_f(kc[at + d]);
+        if (a.kt_cache != nullptr) {  // the same key in the transposed blocks
+          const int64_t slot = a.slots[i];
+          float* col = a.kt_cache + (b * a.Hkv + h) * D * a.kt_ld + (slot / kKeyPad) * D * kKeyPad +
+                       slot % kKeyPad;
+          for (int64_t d = 0; d < D; ++d) col[d * kKeyPad] = to_f(kc[at + d]);
         }
       }
     }

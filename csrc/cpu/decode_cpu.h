@@ -30,25 +30,38 @@ struct DecodeAttnArgs {
   float scale;
   void* out;               // [B, Q, Hq, D] contiguous (the layout the output projection reads)
   float* scratch;          // threads * W floats
-  // The keys kept transposed by the caller, fp32 [B, Hkv, D, ldkt] (ldkt >= W rounded up to
-  // kKeyPad; columns past W are read and masked), or nullptr: the call transposes k into scratch.
-  // Same values either way, so the same scores, bitwise.
+  // The keys kept transposed by the caller, fp32 [B, Hkv, ldkt / kKeyPad, D, kKeyPad] (blocks of
+  // kKeyPad slots, each [D][kKeyPad]; ldkt >= W rounded up to kKeyPad; slots past W are read and
+  // masked), or nullptr: the call transposes k into scratch the same way. Same values either
+  // way, so the same scores, bitwise.
   const float* kt = nullptr;
   int64_t ldkt = 0;
 };
 
-// Keys per row of the transposed key block: W rounded up to this (every ISA's vector width
-// divides it), so the scratch size does not depend on the ISA.
+// Keys per block of the transposed keys ([D][kKeyPad] each, contiguous): W is rounded up to
+// this (every ISA's vector width divides it), so the scratch size does not depend on the ISA.
 constexpr int64_t kKeyPad = 16;
 // Query rows of one kv head computed together (their score and output chains interleave).
 constexpr int kDecodeRows = 8;
 
-// fp32 scratch (floats) decode_attention needs: Kt and V per (batch, kv head), and per thread
-// the scores of kDecodeRows rows, their queries and outputs.
-inline int64_t decode_attention_scratch_floats(int64_t B, int64_t Hkv, int64_t W, int64_t D,
-                                               int64_t threads) {
+// Whether decode_attention schedules by ranges of keys and features rather than by rows: when
+// the (batch, kv head, kDecodeRows rows) units are too few to keep the threads busy (a one-token
+// step of a GQA model: 3 units). The results are the same bits either way.
+inline bool decode_attention_few_rows(int64_t B, int64_t Hkv, int64_t Hq, int64_t Q,
+                                      int64_t threads) {
+  const int64_t rows = (Hq / Hkv) * Q;
+  return B * Hkv * ((rows + kDecodeRows - 1) / kDecodeRows) < 4 * threads;
+}
+
+// fp32 scratch (floats) decode_attention needs: Kt and V per (batch, kv head), per thread the
+// scores of kDecodeRows rows (and their probabilities transposed), their queries and outputs,
+// and with few rows every row's scores.
+inline int64_t decode_attention_scratch_floats(int64_t B, int64_t Hkv, int64_t Hq, int64_t Q,
+                                               int64_t W, int64_t D, int64_t threads) {
   const int64_t ldk = (W + kKeyPad - 1) / kKeyPad * kKeyPad;
-  return B * Hkv * (D * ldk + W * D) + threads * (kDecodeRows * ldk + 2 * kDecodeRows * D);
+  const int64_t shared = decode_attention_few_rows(B, Hkv, Hq, Q, threads) ? B * Hq * Q * ldk : 0;
+  return B * Hkv * (D * ldk + W * D) + threads * (2 * kDecodeRows * ldk + 2 * kDecodeRows * D) +
+         shared;
 }
 
 // Rotary embedding, K/V cache write and attention in one call (the lean forward's attention
@@ -70,11 +83,11 @@ struct RopeAttnArgs {
   const bool* mask;      // [B, Q, W]
   float scale;
   void* out;             // [B, Q, Hq, D] contiguous
-  float* scratch;        // decode_attention_scratch_floats(B, Hkv, W, D, threads) + B*Hq*Q*D
-  // Optional: the caller's transposed copy of k_cache, fp32 [B, Hkv, D, kt_ld] (kt_ld >= capacity,
-  // a multiple of kKeyPad). The call writes its k there too and attends from it, so a step does not
-  // transpose the whole cache again (at a few hundred keys that was about half the attention's
-  // memory traffic).
+  float* scratch;        // decode_attention_scratch_floats(B, Hkv, Hq, Q, W, D, threads)
+  // Optional: the caller's transposed copy of k_cache, fp32 [B, Hkv, kt_ld / kKeyPad, D, kKeyPad]
+  // (kt_ld >= capacity, a multiple of kKeyPad; DecodeAttnArgs::kt). The call writes its k there
+  // too and attends from it, so a step does not transpose the whole cache again (at a few
+  // hundred keys that was about half the attention's memory traffic).
   float* kt_cache = nullptr;
   int64_t kt_ld = 0;
 };

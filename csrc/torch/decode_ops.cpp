@@ -67,7 +67,8 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor out = at::empty({B, Q, Hq, D}, q.options());
   if (out.numel() == 0) return out;
   const int64_t threads = at::get_num_threads();
-  float* scratch = attention_scratch(cpu::decode_attention_scratch_floats(B, Hkv, W, D, threads));
+  float* scratch =
+      attention_scratch(cpu::decode_attention_scratch_floats(B, Hkv, Hq, Q, W, D, threads));
   cpu::DecodeAttnArgs a{d, B, Hq, Hkv, Q, W, D,
                         qc.data_ptr(), qc.stride(0), qc.stride(1), qc.stride(2),
                         k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
@@ -177,22 +178,24 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   if (kt_cache.has_value()) {
     const at::Tensor& t = *kt_cache;
     TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() &&
-                          t.dim() == 4 && t.size(0) == B && t.size(1) == kv_heads &&
-                          t.size(2) == D && t.size(3) >= cap && t.size(3) % cpu::kKeyPad == 0,
-                      "kt_cache must be a contiguous float32 CPU tensor [B, kv_heads, D, L] = [", B,
-                      ", ", kv_heads, ", ", D, ", L] with L >= capacity (", cap,
-                      ") and a multiple of ", cpu::kKeyPad, ", got ", t.scalar_type(), " ",
-                      t.sizes());
+                          t.dim() == 5 && t.size(0) == B && t.size(1) == kv_heads &&
+                          t.size(2) * cpu::kKeyPad >= cap && t.size(3) == D &&
+                          t.size(4) == cpu::kKeyPad,
+                      "kt_cache must be a contiguous float32 CPU tensor [B, kv_heads, L / ",
+                      cpu::kKeyPad, ", D, ", cpu::kKeyPad, "] = [", B, ", ", kv_heads, ", L / ",
+                      cpu::kKeyPad, ", ", D, ", ", cpu::kKeyPad, "] with L >= capacity (", cap,
+                      ") (jacobi_ext.decoding.lean.keys_transposed makes one), got ",
+                      t.scalar_type(), " ", t.sizes());
     kt = t.data_ptr<float>();
-    kt_ld = t.size(3);
+    kt_ld = t.size(2) * cpu::kKeyPad;
   }
   const at::Tensor qc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   const at::Tensor mc = mask.contiguous();
   at::Tensor out = at::empty({B, Q, heads, D}, qkv.options());
   if (out.numel() == 0) return out;
   const int64_t threads = at::get_num_threads();
-  float* scratch =
-      attention_scratch(cpu::decode_attention_scratch_floats(B, kv_heads, attend, D, threads));
+  float* scratch = attention_scratch(
+      cpu::decode_attention_scratch_floats(B, kv_heads, heads, Q, attend, D, threads));
   cpu::RopeAttnArgs a{d, B, heads, kv_heads, Q, D, qc.data_ptr(), cc.data_ptr(), sc.data_ptr(),
                       k_cache.data_ptr(), v_cache.data_ptr(), cap, sp, attend,
                       mc.data_ptr<bool>(), static_cast<float>(scale), out.data_ptr(),
@@ -230,21 +233,35 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
       }
     }
   }
-  // Transposed copies [B, H, D, L]: the same slots are columns, each row of L slots contiguous.
+  // Transposed copies [B, H, L / 16, D, 16] (cpu_rope_attention's kt_cache): slot x is element
+  // x % 16 of row d of block x / 16. The ranges may overlap: copy in the direction a memmove
+  // would (forward when moving down, backward when moving up), so each slot is read before it is
+  // overwritten.
   for (const at::Tensor& t : transposed) {
-    TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == B && t.is_contiguous() && t.device().is_cpu(),
-                      "each transposed cache must be a contiguous CPU tensor [B = ", B,
-                      ", H, D, slots], got ", t.sizes());
-    const int64_t rows = t.size(1) * t.size(2), L = t.size(3), el = t.element_size();
-    auto* base = static_cast<char*>(t.data_ptr());
+    TORCH_CHECK_VALUE(t.dim() == 5 && t.size(0) == B && t.size(4) == cpu::kKeyPad &&
+                          t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                          t.device().is_cpu(),
+                      "each transposed cache must be a contiguous float32 CPU tensor [B = ", B,
+                      ", H, slots / ", cpu::kKeyPad, ", D, ", cpu::kKeyPad, "], got ",
+                      t.scalar_type(), " ", t.sizes());
+    const int64_t H = t.size(1), L = t.size(2) * cpu::kKeyPad, D = t.size(3);
+    float* base = t.data_ptr<float>();
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK_VALUE(s[b] + c[b] <= L && d[b] + c[b] <= L, "sequence ", b, ": slots [", s[b],
                         ", ", s[b] + c[b], ") -> [", d[b], ", ", d[b] + c[b],
                         ") are outside the transposed cache [0, ", L, ")");
       if (c[b] == 0 || s[b] == d[b]) continue;
-      for (int64_t r = 0; r < rows; ++r) {
-        char* line = base + (b * rows + r) * L * el;
-        std::memmove(line + d[b] * el, line + s[b] * el, static_cast<size_t>(c[b] * el));
+      const bool forward = d[b] < s[b];
+      for (int64_t h = 0; h < H; ++h) {
+        float* head = base + (b * H + h) * L * D;
+        auto at = [&](int64_t slot, int64_t f) {
+          return head + (slot / cpu::kKeyPad) * D * cpu::kKeyPad + f * cpu::kKeyPad +
+                 slot % cpu::kKeyPad;
+        };
+        for (int64_t n = 0; n < c[b]; ++n) {
+          const int64_t x = forward ? n : c[b] - 1 - n;
+          for (int64_t f = 0; f < D; ++f) *at(d[b] + x, f) = *at(s[b] + x, f);
+        }
       }
     }
   }

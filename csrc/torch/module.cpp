@@ -115,8 +115,8 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // 2 kv_heads) D]: q and k rotated by cos, sin [B, Q, D] as transformers' apply_rotary_pos_emb
   // does, k and v written into the caches [B, kv_heads, capacity, D] at slots[i] (in place),
   // then attention over cache slots [0, attend) where mask [B, 1, Q, attend] allows.
-  // kt_cache: optional, the keys kept transposed in float32 [B, kv_heads, D, L] (L >= capacity, a
-  // multiple of 16), written with k_cache and attended from (bitwise the same result).
+  // kt_cache: optional, the keys kept transposed in float32 blocks [B, kv_heads, L / 16, D, 16]
+  // (L >= capacity), written with k_cache and attended from (bitwise the same result).
   // Returns [B, Q, heads, D].
   m.def("cpu_rope_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int attend, Tensor mask, "
@@ -124,7 +124,7 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // The decoding step's commit on a CPU: in every cache [B, H, capacity, D] of caches, for each
   // sequence b, the slots [src[b], src[b] + count[b]) move to [dst[b], dst[b] + count[b]) (as one
   // gather then scatter: the ranges may overlap). One call for all layers, in place. transposed:
-  // caches kept as [B, H, D, L] (cpu_rope_attention's kt_cache), whose slots are columns.
+  // keys kept as cpu_rope_attention's kt_cache [B, H, L / 16, D, 16], whose slots move alike.
   m.def("cpu_kv_commit(Tensor(a!)[] caches, Tensor src, Tensor dst, Tensor count, "
         "Tensor(b!)[] transposed) -> ()");
 }

@@ -339,13 +339,15 @@ class LeanDecoder:
 
 
 def keys_transposed(keys: torch.Tensor) -> torch.Tensor:
-    """A cache layer's keys [B, H, capacity, D] kept transposed, float32 [B, H, D, L] (L the
-    capacity rounded up to 16): cpu_rope_attention writes each step's keys into it and attends
-    from it, instead of transposing every attended key again at every step and layer (at a few
-    hundred keys about half the attention's memory traffic). cpu_kv_commit moves its columns
-    with the cache's slots. Zeros at first: a slot is read only after this call wrote it."""
+    """A cache layer's keys [B, H, capacity, D] kept transposed in blocks of 16 slots, float32
+    [B, H, L / 16, D, 16] (L the capacity rounded up to 16): cpu_rope_attention writes each
+    step's keys into it and attends from it, instead of transposing every attended key again at
+    every step and layer (at a few hundred keys about half the attention's memory traffic).
+    Blocks, not one [D, L] matrix: a block of 16 keys is 4 KB read in order (D = 64), where D rows
+    a page apart left the prefetcher nothing to follow. cpu_kv_commit moves its slots with the
+    cache's. Zeros at first: a slot is read only after this call wrote it."""
     B, H, cap, D = keys.shape
-    return torch.zeros(B, H, D, -(-cap // 16) * 16, dtype=torch.float32)
+    return torch.zeros(B, H, -(-cap // 16), D, 16, dtype=torch.float32)
 
 
 def lean_decoder(model) -> LeanDecoder | None:
