@@ -143,8 +143,12 @@ def test_shipped_adapter_loads_without_warnings():
         model, _ = load_model(DISTILLED_MODEL)
         merged, _ = load_model(DISTILLED_MODEL, dequantize=True)
     q = model.model.layers[0].self_attn.q_proj
-    # q/k/v share one fused LoRA: rank 3 x 16 (A stacked, B block-diagonal)
-    assert isinstance(q, GGUFLinear) and q.lora is not None and q.lora.rank == 3 * 16
+    # q/k/v share one fused LoRA: A stacked (3 x 16 rows), each panel of B reads its own 16
+    # columns of x A^T (q's from 0, k's from 16, v's from 32)
+    assert isinstance(q, GGUFLinear) and q.lora is not None and q.lora.rank == 16
+    assert q.lora.a.shape[0] * q.lora.a.shape[2] == 3 * 16
+    k = model.model.layers[0].self_attn.k_proj
+    assert set(q.lora.panel_r0.tolist()) == {0} and set(k.lora.panel_r0.tolist()) == {16}
     down = model.model.layers[0].mlp.down_proj
     assert down.group is None and down.lora.rank == 16
     assert describe(model) == "Q4_1 x 210, Q8_0 x 1 + LoRA (unmerged)"

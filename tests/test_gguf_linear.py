@@ -326,3 +326,37 @@ def test_default_model_on_codes_equals_dequantized():
     a = generate(ref, ids, max_new_tokens=32, method="ar").tokens
     for method in ("ar", "jacobi", "multiblock"):
         assert torch.equal(generate(model, ids, max_new_tokens=32, method=method).tokens, a)
+
+
+def test_grouped_lora_panels_read_their_own_columns_bitwise():
+    """lora_panel_r0: each panel of B reads rank columns of x A^T from its offset; bitwise the
+    block-diagonal B over all the columns (the zeros add nothing), and the offsets are checked."""
+    rng = np.random.default_rng(4)
+    g = torch.Generator().manual_seed(4)
+    from jacobi_ext.kernels.ops import cpu_linear_layout
+
+    nr = cpu_linear_layout(torch.float32)[1]
+    parts, r, K = (2 * nr, nr, 3 * nr), 5, 64
+    N = sum(parts)
+    packed = ops.cpu_linear_gguf_pack([torch.from_numpy(random_rows(Q.Q4_1, N, K, rng))], 3)
+    a = torch.randn(3 * r, K, generator=g)
+    b_parts = [torch.randn(n, r, generator=g) for n in parts]
+    dense = torch.zeros(N, 3 * r)
+    n0 = 0
+    for i, (n, b) in enumerate(zip(parts, b_parts, strict=True)):
+        dense[n0 : n0 + n, i * r : (i + 1) * r] = b
+        n0 += n
+    compact = torch.cat(b_parts)
+    r0 = torch.tensor([i * r for i, n in enumerate(parts) for _ in range(n // nr)])
+    pa = ops.cpu_linear_pack(a)
+    for M in (1, 4, 13):
+        x = torch.randn(M, K, generator=g)
+        want = ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(dense))
+        got = ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), r0)
+        assert torch.equal(got, want), M
+    with pytest.raises(ValueError, match="outside x A"):
+        bad = r0.clone()
+        bad[-1] = 3 * r
+        ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), bad)
+    with pytest.raises(ValueError, match="lora_panel_r0 must be"):
+        ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), r0[:-1])

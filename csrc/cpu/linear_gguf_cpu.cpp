@@ -401,7 +401,8 @@ inline void codes_tile(const float*, int64_t, const uint8_t*, int64_t, int64_t, 
 inline void add_lora(const GgufLora& lo, const LinearArgs& a, int64_t p, int rows, int64_t m0,
                      float* scratch) {
   const float* bp = lo.b_packed + p * lo.rank * kNR;
-  tile_f32_rows<false>(rows, lo.t + m0 * lo.ldt, lo.ldt, bp, lo.rank, scratch);
+  const int64_t r0 = lo.panel_r0 != nullptr ? lo.panel_r0[p] : 0;
+  tile_f32_rows<false>(rows, lo.t + m0 * lo.ldt + r0, lo.ldt, bp, lo.rank, scratch);
   const int64_t n0 = p * kNR;
   const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
   float* y = static_cast<float*>(a.y);

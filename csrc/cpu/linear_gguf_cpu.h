@@ -99,6 +99,10 @@ struct GgufLora {
   int64_t ldt = 0;
   int64_t rank = 0;
   const float* b_packed = nullptr;  // [ceil(N / NR), rank, NR]
+  // Per panel, the first of the rank columns of t its B reads; nullptr: column 0. Linears packed
+  // side by side (q/k/v) share one t (their A stacked), and each panel reads only its own
+  // linear's columns, where a block-diagonal B would multiply the others' by zeros.
+  const int64_t* panel_r0 = nullptr;
 };
 
 }  // namespace jacobi::cpu

@@ -80,7 +80,8 @@ at::Tensor cpu_linear_gguf_pack(at::TensorList weights, int64_t type) {
 at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t type,
                            int64_t out_features, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& lora_a,
-                           const std::optional<at::Tensor>& lora_b) {
+                           const std::optional<at::Tensor>& lora_b,
+                           const std::optional<at::Tensor>& lora_panel_r0) {
   const GgufFormat f = format_of(type);
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
   TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
@@ -130,17 +131,34 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
       TORCH_CHECK_VALUE(w->size(2) == nr, "lora factors are packed for NR=", w->size(2),
                         ", this CPU's kernels use ", nr);
     }
-    const int64_t r = lora_b->size(1);
-    TORCH_CHECK_VALUE(lora_b->size(0) == (N + nr - 1) / nr, "lora_b has ", lora_b->size(0),
-                      " panels; out_features ", N, " needs ", (N + nr - 1) / nr);
-    TORCH_CHECK_VALUE(lora_a->size(1) == K && lora_a->size(0) == (r + nr - 1) / nr,
+    const int64_t r = lora_b->size(1), panels = (N + nr - 1) / nr;
+    TORCH_CHECK_VALUE(lora_b->size(0) == panels, "lora_b has ", lora_b->size(0),
+                      " panels; out_features ", N, " needs ", panels);
+    // t = x A^T: rank columns, or with panel_r0 every column of the packed A (B reads rank of
+    // them from panel_r0[p] on).
+    const bool offsets = lora_panel_r0.has_value() && lora_panel_r0->defined();
+    const int64_t t_cols = offsets ? lora_a->size(0) * nr : r;
+    TORCH_CHECK_VALUE(lora_a->size(1) == K && lora_a->size(0) == (t_cols + nr - 1) / nr,
                       "lora_a must be cpu_linear_pack of an fp32 [rank=", r, ", ", K,
                       "] weight, got shape ", lora_a->sizes());
-    t = at::empty({M, r}, x.options());
-    cpu::LinearArgs ta{cpu::LinearDType::f32, M, r, K, rows.x.data_ptr(), rows.ldx,
-                       lora_a->data_ptr(), nullptr, true, t.data_ptr(), r};
+    const int64_t* r0 = nullptr;
+    if (offsets) {
+      const at::Tensor& o = *lora_panel_r0;
+      ck::dtype(o, "lora_panel_r0", at::kLong);
+      ck::contiguous(o, "lora_panel_r0");
+      TORCH_CHECK_VALUE(o.dim() == 1 && o.size(0) == panels, "lora_panel_r0 must be [", panels,
+                        "] (one per panel of ", nr, " outputs), got ", o.sizes());
+      r0 = o.data_ptr<int64_t>();
+      for (int64_t p = 0; p < panels; ++p)
+        TORCH_CHECK_VALUE(r0[p] >= 0 && r0[p] + r <= t_cols, "lora_panel_r0[", p, "] = ", r0[p],
+                          ": columns [", r0[p], ", ", r0[p] + r, ") are outside x A^T's ",
+                          t_cols);
+    }
+    t = at::empty({M, t_cols}, x.options());
+    cpu::LinearArgs ta{cpu::LinearDType::f32, M, t_cols, K, rows.x.data_ptr(), rows.ldx,
+                       lora_a->data_ptr(), nullptr, true, t.data_ptr(), t_cols};
     JACOBI_CPU_DISPATCH(linear_packed, ta);
-    lo = cpu::GgufLora{t.data_ptr<float>(), r, r, lora_b->data_ptr<float>()};
+    lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, lora_b->data_ptr<float>(), r0};
   }
   JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);
   return y;

@@ -97,9 +97,12 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // the fp32 kernel's chain on those values: bitwise cpu_linear on the dequantized weight.
   m.def("cpu_linear_gguf_pack(Tensor[] weights, int type) -> Tensor");
   // lora_a / lora_b: an unmerged LoRA, y += (x A^T) B^T, A [rank, K] and B [N, rank] (the scale
-  // folded in) each packed by cpu_linear_pack in fp32; added after the bias.
+  // folded in) each packed by cpu_linear_pack in fp32; added after the bias. lora_panel_r0
+  // (int64, one per panel of NR outputs): A has any number of rows, and panel p of B multiplies
+  // columns [r0[p], r0[p] + rank) of x A^T (linears side by side, each its own columns).
   m.def("cpu_linear_gguf(Tensor x, Tensor packed, int type, int out_features, "
-        "Tensor? bias=None, Tensor? lora_a=None, Tensor? lora_b=None) -> Tensor");
+        "Tensor? bias=None, Tensor? lora_a=None, Tensor? lora_b=None, "
+        "Tensor? lora_panel_r0=None) -> Tensor");
   m.def("cpu_linear_gguf_types() -> int[]");
   // The small ops of a CPU decoding step, fused (csrc/cpu/decode_cpu.h), float32 or bfloat16,
   // each row computed alone (no dependence on the other rows of the call):

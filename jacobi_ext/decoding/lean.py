@@ -158,9 +158,9 @@ class _GroupCall:
 
     def args(self) -> tuple:
         """cpu_linear_gguf's arguments after x."""
-        g, lo = self.group, self.group.lora
-        return (g.packed, g.ggml_type, g.n, self.bias,
-                None if lo is None else lo.a, None if lo is None else lo.b)  # fmt: skip
+        g = self.group
+        lora = (None, None, None) if g.lora is None else g.lora.args()
+        return (g.packed, g.ggml_type, g.n, self.bias, *lora)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.jacobi_ext.cpu_linear_gguf(x, *self.args())

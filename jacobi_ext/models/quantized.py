@@ -56,22 +56,54 @@ def _panel_width() -> int:
 class _Lora:
     """An unmerged LoRA on a linear: y += B (A x) * scale, both products on the fp32 kernel's
     chain (each row computed alone, as the quantized product), run inside the GGUF linear's call
-    (cpu_linear_gguf's lora_a / lora_b). `a`, `b`: A [rank, K] and B [N, rank] (the scale folded
-    in), each packed by cpu_linear_pack; for linears the loader fused, views of their group's."""
+    (cpu_linear_gguf's lora_a / lora_b / lora_panel_r0). `a`, `b`: A [rank, K] and B [N, rank]
+    (the scale folded in), each packed by cpu_linear_pack; for linears the loader fused, views of
+    their group's, whose A is the members' stacked and whose B panels each read their own
+    member's columns of x A^T (`panel_r0`, one per panel; None: all from column 0)."""
 
-    __slots__ = ("a", "b", "rank", "out_features", "nbytes")
+    __slots__ = ("a", "b", "rank", "out_features", "nbytes", "panel_r0")
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, rank: int, out_features: int,
-                 nbytes: int) -> None:  # fmt: skip
+                 nbytes: int, panel_r0: torch.Tensor | None = None) -> None:  # fmt: skip
         self.a, self.b, self.rank, self.out_features, self.nbytes = a, b, rank, out_features, nbytes
+        self.panel_r0 = panel_r0
 
     @staticmethod
-    def pack(a: torch.Tensor, b: torch.Tensor) -> _Lora:
-        """From fp32 A [rank, K] and B [N, rank]."""
+    def pack(a: torch.Tensor, b: torch.Tensor, panel_r0: torch.Tensor | None = None) -> _Lora:
+        """From fp32 A [rows, K] and B [N, rank]."""
         from ..kernels._native import ops
 
         pa, pb = ops.cpu_linear_pack(a.contiguous()), ops.cpu_linear_pack(b.contiguous())
-        return _Lora(pa, pb, a.shape[0], b.shape[0], (pa.numel() + pb.numel()) * 4)
+        return _Lora(pa, pb, b.shape[1], b.shape[0], (pa.numel() + pb.numel()) * 4, panel_r0)
+
+    def args(self) -> tuple:
+        """cpu_linear_gguf's lora_a, lora_b, lora_panel_r0."""
+        return self.a, self.b, self.panel_r0
+
+
+def _group_lora(g, factors: dict, nr: int) -> _Lora:
+    """One LoRA for linears packed side by side (q/k/v): A stacked. Where every member fills
+    whole panels, B holds each member's own rank columns and each panel reads x A^T from its
+    member's offset (panel_r0); else B is block-diagonal (zeros elsewhere). The same sums either
+    way (a chain never starts on or passes through a -0, so the zeros add nothing), with a third of
+    the B bytes at q/k/v and half at gate/up."""
+    K = g.mods[0].in_features
+    ranks = [factors[m][0].shape[0] if m in factors else 0 for m in g.mods]
+    offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+    compact = all(m.out_features % nr == 0 for m in g.mods)
+    width = max(ranks) if compact else sum(ranks)
+    rows = max(o + width for o in offsets) if compact else sum(ranks)
+    a_all, b_all = torch.zeros(rows, K), torch.zeros(g.n, width)
+    panel_r0, n0 = [], 0
+    for m, r, o in zip(g.mods, ranks, offsets, strict=True):
+        if r:
+            a_all[o : o + r] = factors[m][0]
+            b_all[n0 : n0 + m.out_features, (0 if compact else o) : (0 if compact else o) + r] = (
+                factors[m][1]
+            )
+        panel_r0 += [o] * (m.out_features // nr)
+        n0 += m.out_features
+    return _Lora.pack(a_all, b_all, torch.tensor(panel_r0) if compact else None)
 
 
 class GGUFLinear(nn.Module):
@@ -105,9 +137,8 @@ class GGUFLinear(nn.Module):
 
     def args(self) -> tuple:
         """cpu_linear_gguf's arguments after x."""
-        lo = self.lora
-        return (self.packed, self.ggml_type, self.out_features, self.bias,
-                None if lo is None else lo.a, None if lo is None else lo.b)  # fmt: skip
+        lora = (None, None, None) if self.lora is None else self.lora.args()
+        return (self.packed, self.ggml_type, self.out_features, self.bias, *lora)
 
     def extra_repr(self) -> str:
         lora = f", lora r={self.lora.rank}" if self.lora is not None else ""
@@ -469,24 +500,17 @@ def attach_lora(model, adapter_dir: str | Path) -> None:
             continue
         if g.lora is not None:
             continue  # made with its first member
-        # Linears side by side (q/k/v): one LoRA, A stacked and B block-diagonal, one call;
-        # each member reads its rows of B and the whole A (views: one copy of the factors).
-        ranks = [factors[m][0].shape[0] if m in factors else 0 for m in g.mods]
-        a_all = torch.zeros(sum(ranks), mod.in_features)
-        b_all = torch.zeros(g.n, sum(ranks))
-        r0 = n0 = 0
-        for m, r in zip(g.mods, ranks, strict=True):
-            if r:
-                a_all[r0 : r0 + r] = factors[m][0]
-                b_all[n0 : n0 + m.out_features, r0 : r0 + r] = factors[m][1]
-            r0, n0 = r0 + r, n0 + m.out_features
-        g.lora = _Lora.pack(a_all, b_all)
+        # Linears side by side (q/k/v): one LoRA and one call; each member reads its panels of
+        # B and the whole A (views: one copy of the factors).
+        g.lora = _group_lora(g, factors, nr)
         p0 = 0
         for m in g.mods:
             panels = -(-m.out_features // nr)
             b_rows = g.lora.b.narrow(0, p0, panels)
+            r0 = None if g.lora.panel_r0 is None else g.lora.panel_r0.narrow(0, p0, panels)
             nbytes = (b_rows.numel() + g.lora.a.numel() // len(g.mods)) * 4
-            m.lora, p0 = _Lora(g.lora.a, b_rows, g.lora.rank, m.out_features, nbytes), p0 + panels
+            m.lora = _Lora(g.lora.a, b_rows, g.lora.rank, m.out_features, nbytes, r0)
+            p0 += panels
     if not factors:
         raise ValueError(f"{adapter_dir}: no LoRA weights found")
     object.__setattr__(model, "lora_adapter", str(adapter_dir))
