@@ -148,7 +148,7 @@ def _cat_bias(mods) -> torch.Tensor | None:
 
 class _GroupCall:
     """Linears the GGUF loader packed side by side (q/k/v, gate/up): one kernel call, and their
-    LoRAs (if any) as one stacked A and block-diagonal B."""
+    LoRAs (if any) as one: A stacked, each panel of B on its own linear's columns of x A^T."""
 
     __slots__ = ("group", "bias")
 
