@@ -132,6 +132,8 @@ def test_shipped_adapter_loads_without_warnings():
     transformers method is ours to hide: the user cannot change it)."""
     import warnings
 
+    import torch
+
     from jacobi_ext.models import ADAPTERS, DISTILLED_MODEL, load_model
     from jacobi_ext.models.quantized import GGUFLinear, describe
 
@@ -147,6 +149,7 @@ def test_shipped_adapter_loads_without_warnings():
     # columns of x A^T (q's from 0, k's from 16, v's from 32)
     assert isinstance(q, GGUFLinear) and q.lora is not None and q.lora.rank == 16
     assert q.lora.a.shape[0] * q.lora.a.shape[2] == 3 * 16
+    assert q.lora.a.dtype == q.lora.b.dtype == torch.bfloat16  # the adapter's stored dtype
     k = model.model.layers[0].self_attn.k_proj
     assert set(q.lora.panel_r0.tolist()) == {0} and set(k.lora.panel_r0.tolist()) == {16}
     down = model.model.layers[0].mlp.down_proj

@@ -360,3 +360,30 @@ def test_grouped_lora_panels_read_their_own_columns_bitwise():
         ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), bad)
     with pytest.raises(ValueError, match="lora_panel_r0 must be"):
         ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), r0[:-1])
+
+
+@pytest.mark.parametrize("offsets", [False, True])
+def test_bf16_lora_factors_are_their_fp32_values_bitwise(offsets):
+    """LoRA factors kept in bf16 (an adapter's stored dtype): widened exactly in the kernel, so
+    the outputs are bitwise those of the same values in fp32, at every M; mixed dtypes refused."""
+    from jacobi_ext.kernels.ops import cpu_linear_layout
+    from jacobi_ext.models.quantized import _panels
+
+    rng = np.random.default_rng(5)
+    g = torch.Generator().manual_seed(5)
+    nr = cpu_linear_layout(torch.float32)[1]
+    N, K, r = 3 * nr, 96, 7
+    packed = ops.cpu_linear_gguf_pack([torch.from_numpy(random_rows(Q.Q4_1, N, K, rng))], 3)
+    a = torch.randn(3 * r if offsets else r, K, generator=g).bfloat16().float()
+    b = torch.randn(N, r, generator=g).bfloat16().float()
+    r0 = torch.tensor([0, r, 2 * r]) if offsets else None
+    a32, b32 = _panels(a, torch.float32), _panels(b, torch.float32)
+    assert torch.equal(a32, ops.cpu_linear_pack(a)) and torch.equal(b32, ops.cpu_linear_pack(b))
+    a16, b16 = _panels(a, torch.bfloat16), _panels(b, torch.bfloat16)
+    for M in (1, 4, 13):
+        x = torch.randn(M, K, generator=g)
+        want = ops.cpu_linear_gguf(x, packed, 3, N, None, a32, b32, r0)
+        got = ops.cpu_linear_gguf(x, packed, 3, N, None, a16, b16, r0)
+        assert torch.equal(got, want), M
+    with pytest.raises(ValueError, match="must both be float32 or both bfloat16"):
+        ops.cpu_linear_gguf(x, packed, 3, N, None, a16, b32, r0)

@@ -69,6 +69,38 @@ inline void tile_f32_rows(int rows, const float* x, int64_t ldx, const float* pa
   tile_f32<MR, kResume>(x, ldx, panel, K, out);
 }
 
+// tile_f32 on a bf16 panel [k, kNR]: each row widened exactly to fp32 (a shift), then the very
+// same multiply-adds, so the same bits as tile_f32 on the widened panel.
+template <int MR>
+inline void tile_f32_bf16(const float* x, int64_t ldx, const c10::BFloat16* panel, int64_t K,
+                          float* out) {
+  using BVec = at::vec::Vectorized<c10::BFloat16>;
+  static_assert(BVec::size() == kNR, "a bf16 panel row is one Vectorized<BFloat16>");
+  Vec acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = Vec(0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    const auto [w0, w1] = at::vec::convert_bfloat16_float(BVec::loadu(panel + k * kNR));
+    for (int m = 0; m < MR; ++m) {
+      const Vec xv(x[m * ldx + k]);
+      acc[m][0] = at::vec::fmadd(xv, w0, acc[m][0]);
+      acc[m][1] = at::vec::fmadd(xv, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    acc[m][0].store(out + m * kNR);
+    acc[m][1].store(out + m * kNR + kVL);
+  }
+}
+
+template <int MR = kMaxMR>
+inline void tile_f32_bf16_rows(int rows, const float* x, int64_t ldx, const c10::BFloat16* panel,
+                               int64_t K, float* out) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return tile_f32_bf16_rows<MR - 1>(rows, x, ldx, panel, K, out);
+  }
+  tile_f32_bf16<MR>(x, ldx, panel, K, out);
+}
+
 // y[m0 + m, n0 + j] = out[m][j] + bias[n0 + j] for j < cols, in y's dtype T.
 template <typename T>
 inline void write_tile(const float* out, int rows, int cols, const LinearArgs& a, int64_t m0,

@@ -116,7 +116,8 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                     true,
                     y.data_ptr(),
                     N};
-  // An unmerged LoRA: t = x A^T first (the fp32 kernel), its B product added per panel.
+  // An unmerged LoRA: t = x A^T first (fp32 factors: the fp32 kernel here; bf16: the GGUF kernel
+  // itself), its B product added per panel.
   cpu::GgufLora lo;
   at::Tensor t;
   const bool has_lora = lora_a.has_value() && lora_a->defined();
@@ -124,23 +125,28 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                     "lora_a and lora_b go together");
   if (has_lora) {
     const int64_t nr = panel_width();
+    const bool bf16 = lora_a->scalar_type() == at::kBFloat16;
     for (const at::Tensor* w : {&*lora_a, &*lora_b}) {
-      ck::dtype(*w, "lora factors", at::kFloat);
+      TORCH_CHECK_VALUE(w->scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat),
+                        "lora factors must both be float32 or both bfloat16, got ",
+                        lora_a->scalar_type(), " and ", lora_b->scalar_type());
       ck::contiguous(*w, "lora factors");
-      ck::rank(*w, "lora factors", 3, "[panels, k, NR] (cpu_linear_pack of an fp32 weight)");
+      ck::rank(*w, "lora factors", 3, "[panels, k, NR] (a weight in panels of NR outputs)");
       TORCH_CHECK_VALUE(w->size(2) == nr, "lora factors are packed for NR=", w->size(2),
                         ", this CPU's kernels use ", nr);
     }
     const int64_t r = lora_b->size(1), panels = (N + nr - 1) / nr;
     TORCH_CHECK_VALUE(lora_b->size(0) == panels, "lora_b has ", lora_b->size(0),
                       " panels; out_features ", N, " needs ", panels);
-    // t = x A^T: rank columns, or with panel_r0 every column of the packed A (B reads rank of
-    // them from panel_r0[p] on).
+    // t = x A^T: rank columns, or with panel_r0 (or bf16 factors) every column of the packed A
+    // (B reads rank of them from panel_r0[p] on, or from 0).
     const bool offsets = lora_panel_r0.has_value() && lora_panel_r0->defined();
-    const int64_t t_cols = offsets ? lora_a->size(0) * nr : r;
-    TORCH_CHECK_VALUE(lora_a->size(1) == K && lora_a->size(0) == (t_cols + nr - 1) / nr,
-                      "lora_a must be cpu_linear_pack of an fp32 [rank=", r, ", ", K,
-                      "] weight, got shape ", lora_a->sizes());
+    const int64_t t_cols = offsets || bf16 ? lora_a->size(0) * nr : r;
+    TORCH_CHECK_VALUE(lora_a->size(1) == K && lora_a->size(0) == (t_cols + nr - 1) / nr &&
+                          r <= t_cols,
+                      "lora_a must be an [rank=", r, ", ", K,
+                      "] weight in panels (cpu_linear_pack for float32), got shape ",
+                      lora_a->sizes());
     const int64_t* r0 = nullptr;
     if (offsets) {
       const at::Tensor& o = *lora_panel_r0;
@@ -155,10 +161,16 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                           t_cols);
     }
     t = at::empty({M, t_cols}, x.options());
-    cpu::LinearArgs ta{cpu::LinearDType::f32, M, t_cols, K, rows.x.data_ptr(), rows.ldx,
-                       lora_a->data_ptr(), nullptr, true, t.data_ptr(), t_cols};
-    JACOBI_CPU_DISPATCH(linear_packed, ta);
-    lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, lora_b->data_ptr<float>(), r0};
+    if (bf16) {
+      lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, nullptr, r0,
+                         static_cast<const uint16_t*>(lora_a->data_ptr()),
+                         static_cast<const uint16_t*>(lora_b->data_ptr())};
+    } else {
+      cpu::LinearArgs ta{cpu::LinearDType::f32, M, t_cols, K, rows.x.data_ptr(), rows.ldx,
+                         lora_a->data_ptr(), nullptr, true, t.data_ptr(), t_cols};
+      JACOBI_CPU_DISPATCH(linear_packed, ta);
+      lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, lora_b->data_ptr<float>(), r0};
+    }
   }
   JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);
   return y;

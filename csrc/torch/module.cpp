@@ -97,7 +97,8 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // the fp32 kernel's chain on those values: bitwise cpu_linear on the dequantized weight.
   m.def("cpu_linear_gguf_pack(Tensor[] weights, int type) -> Tensor");
   // lora_a / lora_b: an unmerged LoRA, y += (x A^T) B^T, A [rank, K] and B [N, rank] (the scale
-  // folded in) each packed by cpu_linear_pack in fp32; added after the bias. lora_panel_r0
+  // folded in) in panels [ceil(rows / NR), K, NR]: float32 (cpu_linear_pack) or both bfloat16
+  // (widened exactly in the kernel: the same bits as their float32 values); added after the bias. lora_panel_r0
   // (int64, one per panel of NR outputs): A has any number of rows, and panel p of B multiplies
   // columns [r0[p], r0[p] + rank) of x A^T (linears side by side, each its own columns).
   m.def("cpu_linear_gguf(Tensor x, Tensor packed, int type, int out_features, "

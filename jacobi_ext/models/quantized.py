@@ -69,19 +69,31 @@ class _Lora:
         self.panel_r0 = panel_r0
 
     @staticmethod
-    def pack(a: torch.Tensor, b: torch.Tensor, panel_r0: torch.Tensor | None = None) -> _Lora:
-        """From fp32 A [rows, K] and B [N, rank]."""
-        from ..kernels._native import ops
-
-        pa, pb = ops.cpu_linear_pack(a.contiguous()), ops.cpu_linear_pack(b.contiguous())
-        return _Lora(pa, pb, b.shape[1], b.shape[0], (pa.numel() + pb.numel()) * 4, panel_r0)
+    def pack(a: torch.Tensor, b: torch.Tensor, panel_r0: torch.Tensor | None = None,
+             dtype: torch.dtype = torch.float32) -> _Lora:  # fmt: skip
+        """From fp32 A [rows, K] and B [N, rank], kept in `dtype` (float32, or bfloat16 where
+        every value is one: the kernel widens it back exactly)."""
+        pa, pb = _panels(a, dtype), _panels(b, dtype)
+        nbytes = pa.numel() * pa.element_size() + pb.numel() * pb.element_size()
+        return _Lora(pa, pb, b.shape[1], b.shape[0], nbytes, panel_r0)
 
     def args(self) -> tuple:
         """cpu_linear_gguf's lora_a, lora_b, lora_panel_r0."""
         return self.a, self.b, self.panel_r0
 
 
-def _group_lora(g, factors: dict, nr: int) -> _Lora:
+def _panels(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight [N, K] in the kernels' panels, [ceil(N / NR), K, NR] of `dtype` (rows past N
+    zero): what cpu_linear_pack gives for float32, and the same layout in bfloat16."""
+    nr = _panel_width()
+    N, K = w.shape
+    panels = -(-N // nr)
+    out = torch.zeros(panels * nr, K, dtype=dtype)
+    out[:N] = w.to(dtype)
+    return out.view(panels, nr, K).transpose(1, 2).contiguous()
+
+
+def _group_lora(g, factors: dict, nr: int, dtype: torch.dtype) -> _Lora:
     """One LoRA for linears packed side by side (q/k/v): A stacked. Where every member fills
     whole panels, B holds each member's own rank columns and each panel reads x A^T from its
     member's offset (panel_r0); else B is block-diagonal (zeros elsewhere). The same sums either
@@ -103,7 +115,7 @@ def _group_lora(g, factors: dict, nr: int) -> _Lora:
             )
         panel_r0 += [o] * (m.out_features // nr)
         n0 += m.out_features
-    return _Lora.pack(a_all, b_all, torch.tensor(panel_r0) if compact else None)
+    return _Lora.pack(a_all, b_all, torch.tensor(panel_r0) if compact else None, dtype)
 
 
 class GGUFLinear(nn.Module):
@@ -457,7 +469,9 @@ def _materialise_buffers(model) -> None:
 
 def attach_lora(model, adapter_dir: str | Path) -> None:
     """Put a peft LoRA adapter (adapter_config.json + adapter_model.safetensors) on the GGUF
-    linears it targets, unmerged, in its stored values widened exactly to fp32."""
+    linears it targets, unmerged. Its factors stay bf16 where the adapter stores them so and the
+    scale folds into B exactly (a power of two, as alpha / r usually is): the kernel widens them
+    exactly to fp32, at half the bytes a step reads. Otherwise they are widened to fp32 here."""
     from safetensors.torch import load_file
 
     adapter_dir = Path(adapter_dir)
@@ -492,23 +506,26 @@ def attach_lora(model, adapter_dir: str | Path) -> None:
                 "this model; load it dequantized (dequantize=True) to merge it"
             )
         factors[mod] = (ab["lora_A"].float(), ab["lora_B"].float() * scale)
+    stored = {t.dtype for ab in pairs.values() for t in ab.values()}
+    exact = all(torch.equal(b.bfloat16().float(), b) for _, b in factors.values())
+    dtype = torch.bfloat16 if stored == {torch.bfloat16} and exact else torch.float32
     nr = _panel_width()
     for mod, (a, b) in factors.items():
         g = mod.group
         if g is None:
-            mod.lora = _Lora.pack(a, b)
+            mod.lora = _Lora.pack(a, b, None, dtype)
             continue
         if g.lora is not None:
             continue  # made with its first member
         # Linears side by side (q/k/v): one LoRA and one call; each member reads its panels of
         # B and the whole A (views: one copy of the factors).
-        g.lora = _group_lora(g, factors, nr)
+        g.lora = _group_lora(g, factors, nr, dtype)
         p0 = 0
         for m in g.mods:
             panels = -(-m.out_features // nr)
             b_rows = g.lora.b.narrow(0, p0, panels)
             r0 = None if g.lora.panel_r0 is None else g.lora.panel_r0.narrow(0, p0, panels)
-            nbytes = (b_rows.numel() + g.lora.a.numel() // len(g.mods)) * 4
+            nbytes = (b_rows.numel() + g.lora.a.numel() // len(g.mods)) * b_rows.element_size()
             m.lora = _Lora(g.lora.a, b_rows, g.lora.rank, m.out_features, nbytes, r0)
             p0 += panels
     if not factors:
