@@ -46,8 +46,7 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 // Where key vector v (keys [v kVL, v kVL + kVL)) of a group's keys starts in their transposed
 // blocks, [W / kKeyPad][D][kKeyPad] (decode_cpu.h): feature d is kKeyPad floats further on.
 inline const float* key_vector(const float* kt, int64_t D, int64_t v) {
-  const int64_t j = v * kVL;
-  return kt + (j / kKeyPad) * D * kKeyPad + j % kKeyPad;
+  return kt + kt_slot(v * kVL, D);
 }
 
 // Scores of R query rows (q: R x D fp32, pre-scaled) against key vectors [v, v + T) of a
@@ -153,14 +152,7 @@ inline void pv_range(const float* pt, const float* v, int64_t ldv, int64_t W, in
   constexpr int T = kScoreT<R>;
   int64_t d = d0;
   for (; d + T * kVL <= d1; d += T * kVL) pv_tile<R, T>(pt, v, ldv, W, D, d, kVL, out);
-  for (; d < d1; d += kVL) {
-    const int64_t n = std::min<int64_t>(kVL, d1 - d);
-    if (n == kVL) {
-      pv_tile<R, 1>(pt, v, ldv, W, D, d, kVL, out);
-    } else {
-      pv_tile<R, 1>(pt, v, ldv, W, D, d, n, out);
-    }
-  }
+  for (; d < d1; d += kVL) pv_tile<R, 1>(pt, v, ldv, W, D, d, std::min<int64_t>(kVL, d1 - d), out);
 }
 
 // out rows = p V over features [d0, d1), from the probabilities transposed (pt[j][r]).
@@ -407,9 +399,7 @@ void rope_attn(const RopeAttnArgs& a) {
         rotate_row(src + (a.Hq + h) * D, c, sv, D, kc + at);
         std::copy(src + (a.Hq + a.Hkv + h) * D, src + (a.Hq + a.Hkv + h + 1) * D, vc + at);
         if (a.kt_cache != nullptr) {  // the same key in the transposed blocks
-          const int64_t slot = a.slots[i];
-          float* col = a.kt_cache + (b * a.Hkv + h) * D * a.kt_ld + (slot / kKeyPad) * D * kKeyPad +
-                       slot % kKeyPad;
+          float* col = a.kt_cache + (b * a.Hkv + h) * D * a.kt_ld + kt_slot(a.slots[i], D);
           for (int64_t d = 0; d < D; ++d) col[d * kKeyPad] = to_f(kc[at + d]);
         }
       }

@@ -41,6 +41,12 @@ struct DecodeAttnArgs {
 // Keys per block of the transposed keys ([D][kKeyPad] each, contiguous): W is rounded up to
 // this (every ISA's vector width divides it), so the scratch size does not depend on the ISA.
 constexpr int64_t kKeyPad = 16;
+// Where slot j of one (batch, kv head)'s transposed keys sits, in floats from their start:
+// element j % kKeyPad of feature 0's row in block j / kKeyPad (feature d is d kKeyPad further).
+// The one statement of the blocked layout, for the attention, its cache write and the commit.
+inline int64_t kt_slot(int64_t j, int64_t D) {
+  return (j / kKeyPad) * D * kKeyPad + j % kKeyPad;
+}
 // Query rows of one kv head computed together (their score and output chains interleave).
 constexpr int kDecodeRows = 8;
 

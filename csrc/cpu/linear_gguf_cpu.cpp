@@ -398,16 +398,12 @@ inline void codes_tile(const float*, int64_t, const uint8_t*, int64_t, int64_t, 
 // ---- the driver ----------------------------------------------------------------------------------
 
 // y[m0 + m, n0 + j] += the LoRA term of panel p (linear_gguf_cpu.h: GgufLora), rows m0 .. m0 + rows.
+template <typename W>
 inline void add_lora(const GgufLora& lo, const LinearArgs& a, int64_t p, int rows, int64_t m0,
                      float* scratch) {
+  const W* bp = static_cast<const W*>(lo.b_packed) + p * lo.rank * kNR;
   const int64_t r0 = lo.panel_r0 != nullptr ? lo.panel_r0[p] : 0;
-  if (lo.b_bf16 != nullptr) {
-    const auto* bp = reinterpret_cast<const c10::BFloat16*>(lo.b_bf16) + p * lo.rank * kNR;
-    linear_tile::tile_f32_bf16_rows(rows, lo.t + m0 * lo.ldt + r0, lo.ldt, bp, lo.rank, scratch);
-  } else {
-    const float* bp = lo.b_packed + p * lo.rank * kNR;
-    tile_f32_rows<false>(rows, lo.t + m0 * lo.ldt + r0, lo.ldt, bp, lo.rank, scratch);
-  }
+  tile_f32_rows<false>(rows, lo.t + m0 * lo.ldt + r0, lo.ldt, bp, lo.rank, scratch);
   const int64_t n0 = p * kNR;
   const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
   float* y = static_cast<float*>(a.y);
@@ -417,22 +413,25 @@ inline void add_lora(const GgufLora& lo, const LinearArgs& a, int64_t p, int row
   }
 }
 
-// t = x A^T from bf16 A panels (GgufLora::a_bf16), every row of x, into lo.t: the fp32 tile on
-// each panel row widened, as the fp32 kernel computes t from fp32 A.
-inline void lora_t_bf16(const LinearArgs& a, const GgufLora& lo) {
-  const int64_t panels = lo.ldt / kNR;
-  const auto* ap = reinterpret_cast<const c10::BFloat16*>(lo.a_bf16);
+inline void add_lora(const GgufLora& lo, const LinearArgs& a, int64_t p, int rows, int64_t m0,
+                     float* scratch) {
+  if (lo.bf16) return add_lora<c10::BFloat16>(lo, a, p, rows, m0, scratch);
+  add_lora<float>(lo, a, p, rows, m0, scratch);
+}
+
+// t = x A^T into lo.t, every row of x: the fp32 kernel's tile on each panel of A.
+template <typename W>
+inline void lora_t(const LinearArgs& a, const GgufLora& lo) {
+  const W* ap = static_cast<const W*>(lo.a_packed);
   const float* x = static_cast<const float*>(a.x);
-  float* t = const_cast<float*>(lo.t);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, lo.ldt / kNR, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float out[kMaxMR * kNR];
     for (int64_t p = p0; p < p1; ++p) {
       for (int64_t m0 = 0; m0 < a.M; m0 += kMaxMR) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxMR, a.M - m0));
-        linear_tile::tile_f32_bf16_rows(rows, x + m0 * a.ldx, a.ldx, ap + p * a.K * kNR, a.K,
-                                        out);
+        tile_f32_rows<false>(rows, x + m0 * a.ldx, a.ldx, ap + p * a.K * kNR, a.K, out);
         for (int m = 0; m < rows; ++m)
-          std::memcpy(t + (m0 + m) * lo.ldt + p * kNR, out + m * kNR, kNR * sizeof(float));
+          std::memcpy(lo.t + (m0 + m) * lo.ldt + p * kNR, out + m * kNR, kNR * sizeof(float));
       }
     }
   });
@@ -440,7 +439,13 @@ inline void lora_t_bf16(const LinearArgs& a, const GgufLora& lo) {
 
 template <GgufType T>
 void run(const LinearArgs& a, const GgufLora& lo) {
-  if (lo.a_bf16 != nullptr) lora_t_bf16(a, lo);
+  if (lo.t != nullptr) {
+    if (lo.bf16) {
+      lora_t<c10::BFloat16>(a, lo);
+    } else {
+      lora_t<float>(a, lo);
+    }
+  }
   using Tr = Traits<T>;
   constexpr GgufFormat f = Tr::kF;
   const int64_t panels = (a.N + kNR - 1) / kNR;

@@ -91,26 +91,23 @@ inline int64_t gguf_group_bytes(const GgufFormat& f, int64_t nr) {
   return nr * f.header_bytes + nr * f.group_k * f.code_bits / 8;
 }
 
-// An unmerged LoRA beside the codes: y = (x W^T + bias) + t B^T, t = x A^T, B packed as an
-// [N, rank] weight in panels [ceil(N / NR), rank, NR]. Each output's LoRA term is the fp32
-// kernel's chain over the rank, added last. The factors are fp32 (t computed before the call by
-// the fp32 kernel, B read by its tile), or bf16, an adapter's stored dtype: then linear_gguf
-// computes t itself from A packed [ceil(t columns / NR), K, NR], and both products widen each
-// panel row exactly to fp32 before the same multiply-adds (so the same bits as the fp32 factors
-// holding the same values, at half the bytes).
+// An unmerged LoRA beside the codes: y = (x W^T + bias) + t B^T, t = x A^T, both factors in the
+// fp32 kernel's panels: A [ldt / NR, K, NR] (its rows padded to whole panels), B [ceil(N / NR),
+// rank, NR]. linear_gguf computes t first, then adds each panel's B product, each output's LoRA
+// term the fp32 kernel's chain over the rank, added last. The factors are fp32, or bf16 (an
+// adapter's stored dtype): each panel row is then widened exactly before the same multiply-adds,
+// so the same bits as fp32 factors holding the same values, at half the bytes.
 struct GgufLora {
-  const float* t = nullptr;   // [M, ldt]; nullptr: no LoRA
-  int64_t ldt = 0;
-  int64_t rank = 0;
-  const float* b_packed = nullptr;  // fp32 factors: [ceil(N / NR), rank, NR]
+  float* t = nullptr;  // [M, ldt], written by linear_gguf; nullptr: no LoRA
+  int64_t ldt = 0;     // columns of t: A's panels times NR
+  int64_t rank = 0;    // columns of t each panel of B reads
+  bool bf16 = false;   // the factors' dtype: fp32, or bf16 (c10::BFloat16)
+  const void* a_packed = nullptr;
+  const void* b_packed = nullptr;
   // Per panel, the first of the rank columns of t its B reads; nullptr: column 0. Linears packed
   // side by side (q/k/v) share one t (their A stacked), and each panel reads only its own
   // linear's columns, where a block-diagonal B would multiply the others' by zeros.
   const int64_t* panel_r0 = nullptr;
-  // bf16 factors (bit patterns): b_packed is unused, and t (ldt = its columns, a multiple of NR)
-  // is written by linear_gguf before its product.
-  const uint16_t* a_bf16 = nullptr;  // [ldt / NR, K, NR]
-  const uint16_t* b_bf16 = nullptr;  // [ceil(N / NR), rank, NR]
 };
 
 }  // namespace jacobi::cpu

@@ -11,6 +11,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 
 #include "cpu/linear_cpu.h"
@@ -30,12 +31,23 @@ constexpr int kMaxMR = 4;
 // Weight bytes a thread gets at least: below this, splitting a call costs more than it saves.
 constexpr int64_t kMinBytesPerThread = 48 * 1024;
 
+// Row k of a panel as two fp32 vectors: fp32 loaded as it is, bf16 widened exactly (a shift).
+inline void panel_row(const float* row, Vec& w0, Vec& w1) {
+  w0 = Vec::loadu(row);
+  w1 = Vec::loadu(row + kVL);
+}
+inline void panel_row(const c10::BFloat16* row, Vec& w0, Vec& w1) {
+  using BVec = at::vec::Vectorized<c10::BFloat16>;
+  static_assert(BVec::size() == kNR, "a bf16 panel row is one Vectorized<BFloat16>");
+  std::tie(w0, w1) = at::vec::convert_bfloat16_float(BVec::loadu(row));
+}
+
 // out[m][j] (+)= sum_k x[m, k] * panel[k, j], one fp32 chain per output. With kResume the chain
 // goes on from the partial sums in out (stored by an earlier call over the preceding k): storing
 // and reloading an accumulator does not change its bits, so a chain cut into pieces of k is the
-// same chain.
-template <int MR, bool kResume = false>
-inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K, float* out) {
+// same chain. A bf16 panel (an adapter's stored factors) gives the bits of its fp32 widening.
+template <int MR, bool kResume = false, typename W>
+inline void tile_f32(const float* x, int64_t ldx, const W* panel, int64_t K, float* out) {
   Vec acc[MR][2];
   for (int m = 0; m < MR; ++m) {
     if constexpr (kResume) {
@@ -46,7 +58,8 @@ inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K,
     }
   }
   for (int64_t k = 0; k < K; ++k) {
-    const Vec w0 = Vec::loadu(panel + k * kNR), w1 = Vec::loadu(panel + k * kNR + kVL);
+    Vec w0, w1;
+    panel_row(panel + k * kNR, w0, w1);
     for (int m = 0; m < MR; ++m) {
       const Vec xv(x[m * ldx + k]);
       acc[m][0] = at::vec::fmadd(xv, w0, acc[m][0]);
@@ -60,45 +73,13 @@ inline void tile_f32(const float* x, int64_t ldx, const float* panel, int64_t K,
 }
 
 // tile_f32 for `rows` (1 .. kMaxMR) rows: the tile of that height.
-template <bool kResume, int MR = kMaxMR>
-inline void tile_f32_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
+template <bool kResume, int MR = kMaxMR, typename W>
+inline void tile_f32_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t K,
                           float* out) {
   if constexpr (MR > 1) {
     if (rows < MR) return tile_f32_rows<kResume, MR - 1>(rows, x, ldx, panel, K, out);
   }
   tile_f32<MR, kResume>(x, ldx, panel, K, out);
-}
-
-// tile_f32 on a bf16 panel [k, kNR]: each row widened exactly to fp32 (a shift), then the very
-// same multiply-adds, so the same bits as tile_f32 on the widened panel.
-template <int MR>
-inline void tile_f32_bf16(const float* x, int64_t ldx, const c10::BFloat16* panel, int64_t K,
-                          float* out) {
-  using BVec = at::vec::Vectorized<c10::BFloat16>;
-  static_assert(BVec::size() == kNR, "a bf16 panel row is one Vectorized<BFloat16>");
-  Vec acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = Vec(0.f);
-  for (int64_t k = 0; k < K; ++k) {
-    const auto [w0, w1] = at::vec::convert_bfloat16_float(BVec::loadu(panel + k * kNR));
-    for (int m = 0; m < MR; ++m) {
-      const Vec xv(x[m * ldx + k]);
-      acc[m][0] = at::vec::fmadd(xv, w0, acc[m][0]);
-      acc[m][1] = at::vec::fmadd(xv, w1, acc[m][1]);
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    acc[m][0].store(out + m * kNR);
-    acc[m][1].store(out + m * kNR + kVL);
-  }
-}
-
-template <int MR = kMaxMR>
-inline void tile_f32_bf16_rows(int rows, const float* x, int64_t ldx, const c10::BFloat16* panel,
-                               int64_t K, float* out) {
-  if constexpr (MR > 1) {
-    if (rows < MR) return tile_f32_bf16_rows<MR - 1>(rows, x, ldx, panel, K, out);
-  }
-  tile_f32_bf16<MR>(x, ldx, panel, K, out);
 }
 
 // y[m0 + m, n0 + j] = out[m][j] + bias[n0 + j] for j < cols, in y's dtype T.

@@ -255,8 +255,7 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
       for (int64_t h = 0; h < H; ++h) {
         float* head = base + (b * H + h) * L * D;
         auto at = [&](int64_t slot, int64_t f) {
-          return head + (slot / cpu::kKeyPad) * D * cpu::kKeyPad + f * cpu::kKeyPad +
-                 slot % cpu::kKeyPad;
+          return head + cpu::kt_slot(slot, D) + f * cpu::kKeyPad;
         };
         for (int64_t n = 0; n < c[b]; ++n) {
           const int64_t x = forward ? n : c[b] - 1 - n;

@@ -116,8 +116,7 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                     true,
                     y.data_ptr(),
                     N};
-  // An unmerged LoRA: t = x A^T first (fp32 factors: the fp32 kernel here; bf16: the GGUF kernel
-  // itself), its B product added per panel.
+  // An unmerged LoRA: the kernel computes t = x A^T first, then adds its B product per panel.
   cpu::GgufLora lo;
   at::Tensor t;
   const bool has_lora = lora_a.has_value() && lora_a->defined();
@@ -138,12 +137,12 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
     const int64_t r = lora_b->size(1), panels = (N + nr - 1) / nr;
     TORCH_CHECK_VALUE(lora_b->size(0) == panels, "lora_b has ", lora_b->size(0),
                       " panels; out_features ", N, " needs ", panels);
-    // t = x A^T: rank columns, or with panel_r0 (or bf16 factors) every column of the packed A
-    // (B reads rank of them from panel_r0[p] on, or from 0).
+    // t = x A^T has every column of the packed A; B reads rank of them, from panel_r0[p] on,
+    // or from 0 (then A is exactly the rank's panels).
     const bool offsets = lora_panel_r0.has_value() && lora_panel_r0->defined();
-    const int64_t t_cols = offsets || bf16 ? lora_a->size(0) * nr : r;
-    TORCH_CHECK_VALUE(lora_a->size(1) == K && lora_a->size(0) == (t_cols + nr - 1) / nr &&
-                          r <= t_cols,
+    const int64_t t_cols = lora_a->size(0) * nr;
+    TORCH_CHECK_VALUE(lora_a->size(1) == K && r <= t_cols &&
+                          (offsets || lora_a->size(0) == (r + nr - 1) / nr),
                       "lora_a must be an [rank=", r, ", ", K,
                       "] weight in panels (cpu_linear_pack for float32), got shape ",
                       lora_a->sizes());
@@ -161,16 +160,8 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                           t_cols);
     }
     t = at::empty({M, t_cols}, x.options());
-    if (bf16) {
-      lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, nullptr, r0,
-                         static_cast<const uint16_t*>(lora_a->data_ptr()),
-                         static_cast<const uint16_t*>(lora_b->data_ptr())};
-    } else {
-      cpu::LinearArgs ta{cpu::LinearDType::f32, M, t_cols, K, rows.x.data_ptr(), rows.ldx,
-                         lora_a->data_ptr(), nullptr, true, t.data_ptr(), t_cols};
-      JACOBI_CPU_DISPATCH(linear_packed, ta);
-      lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, lora_b->data_ptr<float>(), r0};
-    }
+    lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, bf16, lora_a->data_ptr(),
+                       lora_b->data_ptr(), r0};
   }
   JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);
   return y;

@@ -106,16 +106,18 @@ def _group_lora(g, factors: dict, nr: int, dtype: torch.dtype) -> _Lora:
     width = max(ranks) if compact else sum(ranks)
     rows = max(o + width for o in offsets) if compact else sum(ranks)
     a_all, b_all = torch.zeros(rows, K), torch.zeros(g.n, width)
-    panel_r0, n0 = [], 0
+    n0 = 0
     for m, r, o in zip(g.mods, ranks, offsets, strict=True):
         if r:
+            col = 0 if compact else o  # where this member's rank columns sit in B
             a_all[o : o + r] = factors[m][0]
-            b_all[n0 : n0 + m.out_features, (0 if compact else o) : (0 if compact else o) + r] = (
-                factors[m][1]
-            )
-        panel_r0 += [o] * (m.out_features // nr)
+            b_all[n0 : n0 + m.out_features, col : col + r] = factors[m][1]
         n0 += m.out_features
-    return _Lora.pack(a_all, b_all, torch.tensor(panel_r0) if compact else None, dtype)
+    if not compact:
+        return _Lora.pack(a_all, b_all, None, dtype)
+    panels = [m.out_features // nr for m in g.mods]
+    panel_r0 = [o for o, n in zip(offsets, panels, strict=True) for _ in range(n)]
+    return _Lora.pack(a_all, b_all, torch.tensor(panel_r0), dtype)
 
 
 class GGUFLinear(nn.Module):
