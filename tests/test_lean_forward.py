@@ -72,6 +72,30 @@ def test_lean_logits_match_transformers_forward(family, attn, dtype, monkeypatch
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_native_layer_loop_is_the_python_loop_bitwise(family, dtype, monkeypatch):
+    """The fused ops run from C++ in one call (torch.classes.jacobi_ext.LeanLayers) give the
+    bits of the same ops called one by one from Python, at prefill and at a step (Qwen2: with
+    q/k/v biases); JACOBI_EXT_NATIVE=0 is the Python loop."""
+    model = _model(family, "sdpa", dtype, seed=3)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 101, (2, 11), generator=g)
+    pad = torch.tensor([0, 3])
+    drafts = torch.randint(0, 101, (2, 4), generator=g)
+    got = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("JACOBI_EXT_NATIVE", native)
+        got[native] = _logits(model, "1", monkeypatch, ids, pad, drafts, fused="1")
+        with torch.inference_mode():
+            runs = lean.lean_decoder(model)
+        assert (runs.native is not None) == (native == "1")  # the path under test ran
+        if native == "1":
+            assert runs.native.size() == 2
+    for a, b in zip(got["1"], got["0"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_every_method_is_our_ar_on_the_kernel(family, dtype, monkeypatch):
     """Lossless where the linears run on our kernel (and attention and norms on our fused ops):
     jacobi, multiblock (with and without lookup drafts) and a batch give exactly our AR's

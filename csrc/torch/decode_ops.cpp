@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu_step_ops.h"
 #include "cpu/decode_cpu.h"
 
 namespace jacobi::ops {
@@ -105,6 +106,8 @@ at::Tensor rms_norm_into(const at::Tensor& x, const at::Tensor* residual, const 
   if (a.rows > 0) JACOBI_CPU_DISPATCH(rms_norm, a);
   return y;
 }
+
+}  // namespace
 
 at::Tensor cpu_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return rms_norm_into(x, nullptr, weight, eps, nullptr);
@@ -203,6 +206,8 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   JACOBI_CPU_DISPATCH(rope_attention, a);
   return out;
 }
+
+namespace {
 
 void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst,
                    const at::Tensor& count, at::TensorList transposed) {

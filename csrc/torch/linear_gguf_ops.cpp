@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu_step_ops.h"
 #include "cpu/linear_gguf_cpu.h"
 #include "linear_common.h"
 
@@ -76,6 +77,8 @@ at::Tensor cpu_linear_gguf_pack(at::TensorList weights, int64_t type) {
                       packed.data_ptr<uint8_t>());
   return packed;
 }
+
+}  // namespace
 
 at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t type,
                            int64_t out_features, const std::optional<at::Tensor>& bias,
@@ -166,6 +169,8 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
   JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);
   return y;
 }
+
+namespace {
 
 // The ggml type ids the kernels read.
 std::vector<int64_t> cpu_linear_gguf_types() {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu_step_ops.h"
 #include "cpu/linear_cpu.h"
 #include "linear_common.h"
 
@@ -80,6 +81,8 @@ at::Tensor cpu_linear_pack_cat(at::TensorList weights) {
 
 at::Tensor cpu_linear_pack(const at::Tensor& weight) { return cpu_linear_pack_cat({weight}); }
 
+}  // namespace
+
 at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
@@ -116,6 +119,8 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
   JACOBI_CPU_DISPATCH(linear_packed, a);
   return y;
 }
+
+namespace {
 
 std::string cpu_linear_info(at::ScalarType dtype) {
   const LinearDType d = linear_dtype(dtype, "dtype");

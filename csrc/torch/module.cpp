@@ -4,6 +4,9 @@
 // its ops and each *_ops_cuda.cpp the CUDA one, under the same names. The Python side
 // (jacobi_ext/ops.py) adds the fake (meta) kernels and autograd formulas.
 //
+// One class is registered beside its code instead: torch.classes.jacobi_ext.LeanLayers
+// (lean_ops.cpp), a lean forward's layers in one call.
+//
 // The module links no libtorch_python: importing it only has to run the static registrations
 // below, so PyInit creates a bare module that carries a few build facts as attributes.
 #include <Python.h>

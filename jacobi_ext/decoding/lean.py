@@ -18,6 +18,10 @@ forward walks the layers in one loop and calls the model's own pieces directly:
     a few microseconds of dispatch: ~25 calls per layer become 8. Like the linear kernel, these
     ops compute each row alone, so a token's hidden state does not depend on how many tokens
     the step feeds.
+  - those ops for all layers in one call from Python (torch.classes.jacobi_ext.LeanLayers,
+    csrc/torch/lean_ops.cpp: the same functions in the same order, so the same bits): the
+    ~240 op calls of a step cost ~1 ms of a ~10 ms one-token step in Python and dispatch.
+    JACOBI_EXT_NATIVE=0 calls them from Python.
 With JACOBI_EXT_FUSED=0 (the model's own attention function and norms) its logits are bitwise
 those of transformers' forward with our kernel behind every `nn.Linear`; with the fused ops they
 agree to rounding (tests/test_lean_forward.py), and every decoding method returns exactly the
@@ -230,6 +234,7 @@ class LeanDecoder:
             self.attention = ALL_ATTENTION_FUNCTIONS[impl]
         self.impl = impl
         self.fused = True
+        self.native = None  # refresh: the layers as one LeanLayers where they can be
 
     def current(self) -> bool:
         """Whether the model's modules are still the ones this decoder packed."""
@@ -252,6 +257,7 @@ class LeanDecoder:
                 lin.refresh()
         self.head.refresh()
         self.plans = [self._plan(i) for i in range(len(self.layers))]
+        self.native = None if env_off("JACOBI_EXT_NATIVE") else self._native_layers()
 
     def _plan(self, i: int) -> tuple:
         """What _fused needs of layer i, looked up once: at one token a step's 30 layers spent
@@ -263,6 +269,42 @@ class LeanDecoder:
             a.scaling, *L.o.call(), L.ln2.weight, L.ln2.variance_epsilon, *L.gate_up.call(),
             L if not L.silu else None, *L.down.call(), nxt.weight, nxt.variance_epsilon,
         )  # fmt: skip
+
+    def _native_layers(self):
+        """The plans as one torch.classes.jacobi_ext.LeanLayers (csrc/torch/lean_ops.cpp), which
+        runs the fused loop's ops from C++ in the same order (bitwise its result, without ~240
+        calls from Python a step); None where a layer needs Python (an activation other than
+        SiLU, linears that are not one kernel call)."""
+        linear = torch.ops.jacobi_ext.cpu_linear.default
+        gguf = torch.ops.jacobi_ext.cpu_linear_gguf.default
+        native = torch.classes.jacobi_ext.LeanLayers()
+        for plan in self.plans:
+            (qkv_fn, qkv_args, heads, kv_heads, _, scaling, o_fn, o_args, ln2_w, ln2_eps,
+             gu_fn, gu_args, act_layer, down_fn, down_args, norm_w, norm_eps) = plan  # fmt: skip
+            if act_layer is not None:
+                return None
+            for fn, args in ((qkv_fn, qkv_args), (o_fn, o_args), (gu_fn, gu_args),
+                             (down_fn, down_args)):  # fmt: skip
+                if fn is linear:
+                    packed, n, bias = args
+                    native.add_linear(packed, -1, n, bias, None, None, None)
+                elif fn is gguf:
+                    native.add_linear(*args)
+                else:
+                    return None
+            native.add_layer(heads, kv_heads, scaling, ln2_w, ln2_eps, norm_w, norm_eps)
+        return native
+
+    @staticmethod
+    def _layer_cache(layer, plan, h: torch.Tensor) -> torch.Tensor:
+        """A runtime cache layer's blocked transposed keys, its buffers made on first use."""
+        if not layer.is_initialized:
+            kv = h.new_empty(h.shape[0], plan[3], 1, plan[4])  # [B, kv_heads, 1, head_dim]
+            layer.lazy_initialization(kv, kv)
+        kt = getattr(layer, "keys_t", None)
+        if kt is None:
+            kt = layer.keys_t = keys_transposed(layer.keys)
+        return kt
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache) -> torch.Tensor:
@@ -307,21 +349,22 @@ class LeanDecoder:
         slots, attend = rt.write_slots, rt.attend
         first = self.layers[0].ln1
         x = ops.cpu_rms_norm(h, first.weight, first.variance_epsilon)
+        if self.native is not None:
+            layers = cache.layers[: len(self.plans)]
+            kts = [self._layer_cache(c, p, h) for c, p in zip(layers, self.plans, strict=True)]
+            keys, values = [c.keys for c in layers], [c.values for c in layers]
+            x = self.native.run(x, h, cos, sin, keys, values, kts, slots, attend, mask)
+            return self.head(x)
         rope_attention, add_rms_norm, silu_mul = (
             ops.cpu_rope_attention.default,
             ops.cpu_add_rms_norm.default,
             ops.cpu_silu_mul.default,
         )
         for layer, plan in zip(cache.layers, self.plans, strict=False):
-            (qkv_fn, qkv_args, heads, kv_heads, head_dim, scaling, o_fn, o_args, ln2_w, ln2_eps,
+            (qkv_fn, qkv_args, heads, kv_heads, _, scaling, o_fn, o_args, ln2_w, ln2_eps,
              gu_fn, gu_args, act_layer, down_fn, down_args, norm_w, norm_eps) = plan  # fmt: skip
             qkv = qkv_fn(x, *qkv_args)
-            if not layer.is_initialized:  # the cache's buffers, made on first use
-                kv = qkv.new_empty(B, kv_heads, 1, head_dim)
-                layer.lazy_initialization(kv, kv)
-            kt = getattr(layer, "keys_t", None)
-            if kt is None:
-                kt = layer.keys_t = keys_transposed(layer.keys)
+            kt = self._layer_cache(layer, plan, h)
             out = rope_attention(
                 qkv, heads, kv_heads, cos, sin, layer.keys, layer.values, slots, attend, mask,
                 scaling, kt,

@@ -1,0 +1,31 @@
+// The CPU ops of a decoding step, callable from C++ as they are from Python (the same argument
+// checks and kernels): lean_ops.cpp runs a step's layers through them in one call. Each is
+// documented at its schema (module.cpp) and defined in linear_ops.cpp, linear_gguf_ops.cpp or
+// decode_ops.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace jacobi::ops {
+
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias);
+at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                           int64_t out_features, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& lora_a,
+                           const std::optional<at::Tensor>& lora_b,
+                           const std::optional<at::Tensor>& lora_panel_r0);
+at::Tensor cpu_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> cpu_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                    const at::Tensor& weight, double eps);
+at::Tensor cpu_silu_mul(const at::Tensor& gu);
+at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                              const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                              at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
+                              const at::Tensor& mask, double scale,
+                              const std::optional<at::Tensor>& kt_cache);
+
+}  // namespace jacobi::ops
