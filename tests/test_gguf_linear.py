@@ -212,6 +212,26 @@ def test_model_on_codes_is_the_dequantized_model(tmp_path, tied, family):
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
+def test_embedding_rows_are_the_gguf_packages_values(qtype):
+    """GGUFEmbedding's rows (Q8_0 in torch, the others through `gguf`) are bitwise the `gguf`
+    package's dequantization, for ids in any shape with repeats; random bytes (finite scales)."""
+    from jacobi_ext.models.quantized import GGUFEmbedding
+
+    g = np.random.default_rng(3)
+    dim, vocab = 96, 37
+    block, size = quants.GGML_QUANT_SIZES[qtype]
+    raw = g.integers(0, 256, size=(vocab, dim // block * size), dtype=np.uint8)
+    scales = raw.reshape(vocab, -1, size)[..., :4].view(np.float16)  # d (and Q4_1's m)
+    scales[...] = g.normal(0, 0.1, size=scales.shape).astype(np.float16)
+    emb = GGUFEmbedding(raw, int(qtype), dim)
+    ids = torch.tensor([[5, 0, 36, 5], [2, 2, 17, 30]])
+    want = quants.dequantize(raw[ids.reshape(-1).numpy()], qtype).reshape(2, 4, dim)
+    got = emb(ids)
+    assert got.dtype == torch.float32 and got.shape == (2, 4, dim)
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32)))
+
+
 def test_decoding_on_codes_equals_ar_and_the_dequantized_model(tmp_path):
     from jacobi_ext import generate
 
