@@ -121,6 +121,104 @@ def test_every_isa(isa, best_isa, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def _q4_1_fields(raw: np.ndarray, N: int, K: int):
+    """A Q4_1 weight's codes [N, K] (int64) and per-block d, m [N, K / 32] (float32)."""
+    b = raw.reshape(N, K // 32, 20)
+    d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    m = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    c = b[..., 4:].astype(np.int64)
+    codes = np.concatenate([c & 0xF, c >> 4], axis=-1).reshape(N, K)
+    return torch.from_numpy(codes), d, m
+
+
+def int8_reference(x: torch.Tensor, codes, d, m, bias=None) -> torch.Tensor:
+    """int8_activations' formula in float64: x quantized per row and group of 32 exactly as the
+    kernel does (float32 products, round half to even), the integer sums exact, the scaled sums
+    over groups in float64 (the kernel rounds each fused multiply-add to float32)."""
+    M, K = x.shape
+    xg = x.view(M, K // 32, 32)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(xg * inv[..., None]).clamp(-127, 127)
+    dx = amax / 127
+    msx = dx * q.sum(-1)
+    isum = torch.einsum("ngk,mgk->mng", codes.view(-1, K // 32, 32).double(), q.double())
+    y = ((d[None] * dx[:, None]).double() * isum + m[None].double() * msx[:, None].double()).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+def check_int8(tmp_path: Path) -> dict:
+    """The 8-bit-activation Q4_1 path: its formula (float64 reference), a row's bits alone and
+    among others; returns the outputs, for comparing ISAs."""
+    g = torch.Generator().manual_seed(7)
+    outs = {}
+    for t, N, K in _file_tensors(tmp_path, Q.Q4_1):
+        raw = np.array(t.data, dtype=np.uint8)
+        codes, d, m = _q4_1_fields(raw, N, K)
+        packed = ops.cpu_linear_gguf_pack([_raw(t)], int(Q.Q4_1))
+        w = _dequantized(t, N, K)
+        for M in MS:
+            x = torch.randn(M, K, generator=g)
+            x[0, :7] = 0.0  # a group with zeros (and, at K = 32, most of one)
+            bias = torch.randn(N, generator=g) if M % 2 else None
+            y = ops.cpu_linear_gguf(x, packed, 3, N, bias, int8_activations=True)
+            ref = int8_reference(x, codes, d, m, bias)
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+            # ... and near the exact product (8-bit activations: ~1 % of the terms' size)
+            exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            scale = (x.abs().double() @ w.abs().double().T).max().item() + 1e-30
+            assert (y.double() - exact).abs().max().item() <= 0.02 * scale
+            if M > 1:
+                one = ops.cpu_linear_gguf(x[M // 2 : M // 2 + 1], packed, 3, N, bias,
+                                          int8_activations=True)  # fmt: skip
+                assert torch.equal(y[M // 2], one[0])
+            outs[f"{N}x{K}/{M}"] = y
+    return outs
+
+
+def test_int8_activations(tmp_path):
+    check_int8(tmp_path)
+    x = torch.randn(2, 64)
+    x[1, 40] = float("nan")  # a non-finite value: its row's outputs are NaN, the other row's not
+    t, N, K = next((t, N, K) for t, N, K in _file_tensors(tmp_path / "nan", Q.Q4_1) if K == 64)
+    packed = ops.cpu_linear_gguf_pack([_raw(t)], int(Q.Q4_1))
+    y = ops.cpu_linear_gguf(x, packed, 3, N, int8_activations=True)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
+    q8 = ops.cpu_linear_gguf_pack([torch.zeros(4, 34, dtype=torch.uint8)], int(Q.Q8_0))
+    with pytest.raises(ValueError, match="int8_activations is implemented for Q4_1"):
+        ops.cpu_linear_gguf(torch.randn(1, 32), q8, int(Q.Q8_0), 4, int8_activations=True)
+
+
+def int8_this_process(expected_isa: str, tmp: str, out: str) -> None:
+    import jacobi_ext
+
+    assert jacobi_ext.CPU_ISA == expected_isa, (jacobi_ext.CPU_ISA, expected_isa)
+    torch.save(check_int8(Path(tmp)), out)
+
+
+def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
+    """The integer sums are exact and the float steps the same fused multiply-adds in the same
+    order on every ISA: the scalar loop and the vector tiles give the same bits."""
+    got = {}
+    for isa in ISAS[: ISAS.index(best_isa) + 1]:
+        out = tmp_path / f"{isa}.pt"
+        code = (
+            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "from test_gguf_linear import int8_this_process\n"
+            f"int8_this_process({isa!r}, {str(tmp_path / isa)!r}, {str(out)!r})\n"
+        )
+        env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, cwd=tmp_path)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        got[isa] = torch.load(out)
+    base = got["baseline"]
+    for isa, outs in got.items():
+        assert outs.keys() == base.keys()
+        for k in base:
+            assert torch.equal(outs[k], base[k]), (isa, k)
+
+
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
 def test_lora_inside_the_call_is_the_lora_beside_it(qtype):
     """cpu_linear_gguf's lora_a / lora_b: bitwise (x W^T + b) + (x A^T) B^T computed as three
@@ -242,6 +340,44 @@ def test_decoding_on_codes_equals_ar_and_the_dequantized_model(tmp_path):
     for method in ("ar", "jacobi", "multiblock"):
         got = generate(model, ids, max_new_tokens=40, method=method, block_size=8).tokens
         assert torch.equal(got, ar), method
+
+
+def test_int8_activations_decode_exactly_their_own_ar(tmp_path):
+    """On 8-bit activations the logits change (another arithmetic), but a row's bits still do not
+    depend on the other rows of a forward: every method returns exactly that mode's `ar`, in a
+    batch too; switching back restores the exact model's tokens."""
+    from jacobi_ext import generate
+    from jacobi_ext.models.quantized import describe, set_int8_activations
+
+    cfg, path, model, _ = _build(tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    exact = generate(model, ids, max_new_tokens=40, method="ar").tokens
+    with torch.inference_mode():
+        before = model(ids).logits
+    assert set_int8_activations(model) >= 1 and "int8 activations" in describe(model)
+    with torch.inference_mode():
+        assert not torch.equal(model(ids).logits, before)  # the mode is in effect
+    ar = generate(model, ids, max_new_tokens=40, method="ar").tokens
+    runs = {
+        "jacobi": dict(method="jacobi", block_size=8),
+        "jacobi lookup": dict(method="jacobi", block_size=16, lookup=True),
+        "multiblock": dict(method="multiblock", block_size=4, num_blocks=3, pool_size=2),
+        "tuned default": {},
+    }
+    for name, kw in runs.items():
+        assert torch.equal(generate(model, ids, max_new_tokens=40, **kw).tokens, ar), name
+    one = generate(model, ids[1:], max_new_tokens=40, method="jacobi", block_size=8).tokens
+    assert torch.equal(one[0, : one.shape[1]], ar[1, : one.shape[1]])
+    set_int8_activations(model, False)
+    assert torch.equal(generate(model, ids, max_new_tokens=40, method="ar").tokens, exact)
+
+
+def test_int8_activations_need_q4_1_codes():
+    from jacobi_ext.models import tiny_llama
+    from jacobi_ext.models.quantized import set_int8_activations
+
+    with pytest.raises(ValueError, match="int8 activations run on Q4_1 GGUF codes"):
+        set_int8_activations(tiny_llama(vocab_size=50, hidden_size=32, num_layers=1))
 
 
 def _write_adapter(folder: Path, model, r=4, alpha=8, seed=0) -> Path:

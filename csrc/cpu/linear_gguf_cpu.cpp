@@ -13,7 +13,9 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__F16C__) || defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -32,6 +34,7 @@ using linear_tile::tile_f32_rows;
 using linear_tile::write_tile;
 
 constexpr int kMaxBlockK = 256;
+constexpr int kInt8Group = 32;  // k per quantized group of x (Q4_1's block)
 constexpr int kMaxGroupsPerBlock = 16;
 // k per dequantized chunk: an fp32 [k, NR] panel of 16 KB (a multiple of every group size).
 constexpr int64_t kChunkK = 4096 / kNR;
@@ -513,6 +516,231 @@ void run(const LinearArgs& a, const GgufLora& lo) {
   });
 }
 
+// ---- 8-bit activations (opt-in; linear_gguf_cpu.h: linear_gguf_int8) ---------------------------
+
+// One row of x quantized per group of 32 k: q = nearbyint(x * (127 / amax)) in [-127, 127],
+// dx = amax / 127, msx = dx * sum(q). A group with a non-finite value gets q = 0 and dx = msx =
+// NaN (its outputs NaN, as the float product's). Plain scalar code, the same on every ISA.
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* msx) {
+  for (int64_t g = 0; g < K / kInt8Group; ++g) {
+    const float* xg = x + g * kInt8Group;
+    int8_t* qg = q + g * kInt8Group;
+    float amax = 0.f;
+    bool finite = true;
+    for (int k = 0; k < kInt8Group; ++k) {
+      finite = finite && std::isfinite(xg[k]);
+      amax = std::max(amax, std::fabs(xg[k]));
+    }
+    if (!finite) {
+      std::fill(qg, qg + kInt8Group, int8_t{0});
+      dx[g] = msx[g] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int k = 0; k < kInt8Group; ++k) {
+      const int v = std::clamp(static_cast<int>(std::nearbyint(xg[k] * inv)), -127, 127);
+      qg[k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    dx[g] = amax / 127.f;
+    msx[g] = dx[g] * static_cast<float>(sum);
+  }
+}
+
+// A Q4_1 panel times one quantized row: per group, column c's exact integer sum
+// isum = sum_k code(k, c) q(k), then acc = fma(d * dx, isum, acc), acc = fma(m, msx, acc) (d, m
+// the column's fp16 scale and offset): the same operations in the same order on every ISA.
+inline void int8_panel_row_scalar(const uint8_t* panel, int64_t groups, int64_t gbytes,
+                                  const int8_t* q, const float* dx, const float* msx,
+                                  float* out) {
+  for (int j = 0; j < kNR; ++j) out[j] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* grp = panel + g * gbytes;
+    const uint8_t* codes = grp + 4 * kNR;
+    const int8_t* qg = q + g * kInt8Group;
+    for (int j = 0; j < kNR; ++j) {
+      int isum = 0;
+      for (int i = 0; i < kInt8Group / 2; ++i) {
+        const uint8_t b = codes[i * kNR + j];
+        isum += static_cast<int>(b & 0xF) * qg[2 * i] + static_cast<int>(b >> 4) * qg[2 * i + 1];
+      }
+      const float d = half_to_float(load_u16(grp + 2 * j));
+      const float m = half_to_float(load_u16(grp + 2 * (kNR + j)));
+      const float dd = d * dx[g];
+      out[j] = std::fma(dd, static_cast<float>(isum), out[j]);
+      out[j] = std::fma(m, msx[g], out[j]);
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kInt8Vector = true;
+static_assert(kNR % 16 == 0, "the 8-bit tile takes 16 columns at a time");
+
+// A row's pairs of quantized values as _mm256_maddubs_epi16 takes them: per group, vector j
+// (0..7) holds (q[4j], q[4j+1]) 8 times in its low 128 bits and (q[4j+2], q[4j+3]) in its high.
+inline void int8_pairs(const int8_t* q, int64_t groups, uint8_t* xv) {
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int j = 0; j < 8; ++j) {
+      uint8_t* v = xv + (g * 8 + j) * 32;
+      const int8_t* qj = q + g * kInt8Group + 4 * j;
+      for (int r = 0; r < 8; ++r) {
+        std::memcpy(v + 2 * r, qj, 2);
+        std::memcpy(v + 16 + 2 * r, qj + 2, 2);
+      }
+    }
+  }
+}
+
+// int8_panel_row_scalar's arithmetic, 16 columns at a time: code rows 2j and 2j+1 of 16 columns
+// in one vector, their nibbles split and interleaved into (k, k+1) byte pairs per column, times
+// the row's pairs (maddubs: unsigned codes, signed q), summed in 16 bits over the group's 8
+// vectors (each sum <= 8 * 2 * 15 * 127 = 30480: no overflow), then widened: the exact integer
+// sum of each column, then the same two fused multiply-adds.
+// MR rows at once (each code vector split once for all of them): each row's operations are
+// exactly the one-row ones, so a row gets the same bits at any MR.
+template <int MR>
+inline void int8_panel_rows(const uint8_t* panel, int64_t groups, int64_t gbytes,
+                            const uint8_t* xv, int64_t ldxv, const float* dx, const float* msx,
+                            int64_t ldg, float* out) {
+  constexpr int S = kNR / 16;
+  __m256 acc[MR][S][2];
+  for (int r = 0; r < MR; ++r)
+    for (int s = 0; s < S; ++s) acc[r][s][0] = acc[r][s][1] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* grp = panel + g * gbytes;
+    const uint8_t* codes = grp + 4 * kNR;
+    for (int64_t b = 0; b < gbytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(grp + kPrefetchAhead + b), _MM_HINT_T0);
+    }
+    for (int s = 0; s < S; ++s) {
+      __m256i lo16[MR], hi16[MR];
+      for (int r = 0; r < MR; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            codes + (2 * j) * kNR + 16 * s));
+        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+            codes + (2 * j + 1) * kNR + 16 * s));
+        const __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(r0), r1, 1);
+        const __m256i l = _mm256_and_si256(c, nib);
+        const __m256i h = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
+        const __m256i ul = _mm256_unpacklo_epi8(l, h), uh = _mm256_unpackhi_epi8(l, h);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i x = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(xv + r * ldxv + (g * 8 + j) * 32));
+          lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(ul, x));
+          hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(uh, x));
+        }
+      }
+      __m256 d[2], m[2];
+      for (int half = 0; half < 2; ++half) {
+        const int c0 = 16 * s + 8 * half;
+        d[half] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 2 * c0)));
+        m[half] = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 2 * (kNR + c0))));
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256i isum[2] = {
+            _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo16[r])),
+                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo16[r], 1))),
+            _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi16[r])),
+                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi16[r], 1)))};
+        const __m256 vdx = _mm256_set1_ps(dx[r * ldg + g]);
+        const __m256 vmsx = _mm256_set1_ps(msx[r * ldg + g]);
+        for (int half = 0; half < 2; ++half) {
+          acc[r][s][half] = _mm256_fmadd_ps(_mm256_mul_ps(d[half], vdx),
+                                            _mm256_cvtepi32_ps(isum[half]), acc[r][s][half]);
+          acc[r][s][half] = _mm256_fmadd_ps(m[half], vmsx, acc[r][s][half]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int s = 0; s < S; ++s) {
+      _mm256_storeu_ps(out + r * kNR + 16 * s, acc[r][s][0]);
+      _mm256_storeu_ps(out + r * kNR + 16 * s + 8, acc[r][s][1]);
+    }
+  }
+}
+
+constexpr int kInt8MR = 4;  // rows per tile
+
+inline void int8_panel_tile(int rows, const uint8_t* panel, int64_t groups, int64_t gbytes,
+                            const uint8_t* xv, int64_t ldxv, const float* dx, const float* msx,
+                            int64_t ldg, float* out) {
+  switch (rows) {
+    case 1: return int8_panel_rows<1>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
+    case 2: return int8_panel_rows<2>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
+    case 3: return int8_panel_rows<3>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
+    default: return int8_panel_rows<4>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
+  }
+}
+#else
+constexpr bool kInt8Vector = false;
+inline void int8_pairs(const int8_t*, int64_t, uint8_t*) {}
+constexpr int kInt8MR = 1;
+inline void int8_panel_tile(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t,
+                            const float*, const float*, int64_t, float*) {}
+#endif
+
+void run_int8(const LinearArgs& a, const GgufLora& lo) {
+  if (lo.t != nullptr) {
+    if (lo.bf16) {
+      lora_t<c10::BFloat16>(a, lo);
+    } else {
+      lora_t<float>(a, lo);
+    }
+  }
+  constexpr GgufFormat f = gguf_format_of(GgufType::q4_1);
+  const int64_t panels = (a.N + kNR - 1) / kNR;
+  const int64_t groups = a.K / f.group_k;
+  const int64_t gbytes = gguf_group_bytes(f, kNR);
+  const int64_t panel_bytes = groups * gbytes;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(panel_bytes, 1));
+  // Every row quantized once, on the calling thread (M x K values: a few microseconds).
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> dx, msx;
+  thread_local std::vector<uint8_t> xv;
+  q.resize(static_cast<size_t>(a.M * a.K));
+  dx.resize(static_cast<size_t>(a.M * groups));
+  msx.resize(static_cast<size_t>(a.M * groups));
+  if (kInt8Vector) xv.resize(static_cast<size_t>(a.M * groups * 256));
+  const float* x = static_cast<const float*>(a.x);
+  for (int64_t m = 0; m < a.M; ++m) {
+    quantize_row(x + m * a.ldx, a.K, q.data() + m * a.K, dx.data() + m * groups,
+                 msx.data() + m * groups);
+    if (kInt8Vector) int8_pairs(q.data() + m * a.K, groups, xv.data() + m * groups * 256);
+  }
+  const auto* packed = static_cast<const uint8_t*>(a.packed);
+  // Pointers, not the vectors: in the workers a thread_local name is the worker's own (empty).
+  const int8_t* qp = q.data();
+  const float *dxp = dx.data(), *msxp = msx.data();
+  const uint8_t* xvp = xv.data();
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    alignas(64) float out[kInt8MR * kNR];
+    alignas(64) float scratch[kMaxMR * kNR];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kNR;
+      const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
+      for (int64_t m0 = 0; m0 < a.M; m0 += kInt8MR) {  // each row's bits the same at any M
+        const int rows = static_cast<int>(std::min<int64_t>(kInt8MR, a.M - m0));
+        if (kInt8Vector) {
+          int8_panel_tile(rows, packed + p * panel_bytes, groups, gbytes,
+                          xvp + m0 * groups * 256, groups * 256, dxp + m0 * groups,
+                          msxp + m0 * groups, groups, out);
+        } else {
+          int8_panel_row_scalar(packed + p * panel_bytes, groups, gbytes, qp + m0 * a.K,
+                                dxp + m0 * groups, msxp + m0 * groups, out);
+        }
+        write_tile<float>(out, rows, cols, a, m0, n0);
+        if (lo.t != nullptr) add_lora(lo, a, p, rows, m0, scratch);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void linear_gguf_pack(GgufType type, const uint8_t* const* rows, int64_t N, int64_t K,
@@ -572,6 +800,11 @@ void linear_gguf(GgufType type, const LinearArgs& a, const GgufLora& lora) {
     case GgufType::q5_k: return run<GgufType::q5_k>(a, lora);
     case GgufType::q6_k: return run<GgufType::q6_k>(a, lora);
   }
+}
+
+void linear_gguf_int8(GgufType type, const LinearArgs& a, const GgufLora& lora) {
+  if (a.M == 0 || a.N == 0) return;
+  if (type == GgufType::q4_1) run_int8(a, lora);  // the op checks the type
 }
 
 }  // namespace jacobi::cpu::JACOBI_ISA

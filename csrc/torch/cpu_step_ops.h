@@ -17,7 +17,8 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                            int64_t out_features, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& lora_a,
                            const std::optional<at::Tensor>& lora_b,
-                           const std::optional<at::Tensor>& lora_panel_r0);
+                           const std::optional<at::Tensor>& lora_panel_r0,
+                           bool int8_activations);
 at::Tensor cpu_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> cpu_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                     const at::Tensor& weight, double eps);

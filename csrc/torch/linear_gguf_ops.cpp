@@ -84,7 +84,8 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                            int64_t out_features, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& lora_a,
                            const std::optional<at::Tensor>& lora_b,
-                           const std::optional<at::Tensor>& lora_panel_r0) {
+                           const std::optional<at::Tensor>& lora_panel_r0,
+                           bool int8_activations) {
   const GgufFormat f = format_of(type);
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
   TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
@@ -166,7 +167,14 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
     lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, bf16, lora_a->data_ptr(),
                        lora_b->data_ptr(), r0};
   }
-  JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);
+  if (int8_activations) {
+    TORCH_CHECK_VALUE(type == static_cast<int64_t>(GgufType::q4_1),
+                      "int8_activations is implemented for Q4_1 (ggml type 3) weights, got type ",
+                      type, "; run this linear with int8_activations=False");
+    JACOBI_CPU_DISPATCH(linear_gguf_int8, static_cast<GgufType>(type), a, lo);
+  } else {
+    JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);
+  }
   return y;
 }
 

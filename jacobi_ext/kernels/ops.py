@@ -389,8 +389,9 @@ def _cpu_linear_gguf_pack_fake(weights, type):
 
 @torch.library.register_fake("jacobi_ext::cpu_linear_gguf")
 def _cpu_linear_gguf_fake(
-    x, packed, type, out_features, bias=None, lora_a=None, lora_b=None, lora_panel_r0=None
-):
+    x, packed, type, out_features, bias=None, lora_a=None, lora_b=None, lora_panel_r0=None,
+    int8_activations=False,
+):  # fmt: skip
     if x.dtype != torch.float32:
         raise ValueError(f"x must be float32 (the GGUF linear computes in float32), got {x.dtype}")
     want = cpu_linear_gguf_packed_shape(type, out_features, x.shape[-1])
