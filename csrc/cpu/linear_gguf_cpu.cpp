@@ -698,7 +698,8 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
   const int64_t groups = a.K / f.group_k;
   const int64_t gbytes = gguf_group_bytes(f, kNR);
   const int64_t panel_bytes = groups * gbytes;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(panel_bytes, 1));
+  const int64_t grain =
+      std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(panel_bytes, 1));
   // Every row quantized once, on the calling thread (M x K values: a few microseconds).
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> dx, msx;
