@@ -75,3 +75,57 @@ def test_a_row_is_the_same_bits_whatever_rows_share_the_call(seed, threads):
     finally:
         torch.set_num_threads(before)
     assert not wide.isnan().any()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_row_is_the_same_bits_wherever_its_keys_sit(seed, threads):
+    """cpu_rope_attention with context_start: a token's row gives the same bits as a draft among
+    a step's tokens (its block's earlier drafts in the scratch region before the context) and as
+    the one token of a step (those drafts committed into the context), for any scratch size.
+    This is what makes every decoding method return exactly our AR: the methods place the same
+    keys in different slots."""
+    rope = torch.ops.jacobi_ext.cpu_rope_attention
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, G, D, P, n = 1, 3, 3, 64, 29 + 11 * seed, 6
+    H = Hkv * G
+    ctx_k, ctx_v = torch.randn(2, B, Hkv, P, D, generator=g)
+    qkv = torch.randn(B, n, (H + 2 * Hkv) * D, generator=g)
+    ang = torch.rand(B, n, D // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    scale = D**-0.5
+
+    def cache(scratch, keys, values):
+        cap = scratch + keys.shape[2] + 4
+        k = torch.full((B, Hkv, cap, D), float("nan"))  # never written: never read into a result
+        v = torch.full((B, Hkv, cap, D), float("nan"))
+        k[:, :, scratch : scratch + keys.shape[2]] = keys
+        v[:, :, scratch : scratch + values.shape[2]] = values
+        return k, v
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        sJ = 8  # drafts: the step's n tokens in slots 0..n-1, row i sees slots 0..i
+        kJ, vJ = cache(sJ, ctx_k, ctx_v)
+        attend = sJ + P
+        mask = torch.zeros(B, 1, n, attend, dtype=torch.bool)
+        mask[..., sJ:] = True
+        for i in range(n):
+            mask[:, :, i, : i + 1] = True
+        outJ = rope(qkv, H, Hkv, cos, sin, kJ, vJ, torch.arange(n), attend, mask, scale, None, sJ)
+        for i in range(n):
+            sA = 1 + (i + seed) % 4  # one token a step, its block's earlier tokens committed
+            kA, vA = cache(
+                sA, torch.cat([ctx_k, kJ[:, :, :i]], 2), torch.cat([ctx_v, vJ[:, :, :i]], 2)
+            )
+            attendA = sA + P + i
+            maskA = torch.zeros(B, 1, 1, attendA, dtype=torch.bool)
+            maskA[..., sA:] = True
+            maskA[..., 0] = True
+            outA = rope(qkv[:, i : i + 1], H, Hkv, cos[:, i : i + 1], sin[:, i : i + 1], kA, vA,
+                        torch.tensor([0]), attendA, maskA, scale, None, sA)  # fmt: skip
+            assert torch.equal(outA[:, 0], outJ[:, i]), i
+    finally:
+        torch.set_num_threads(before)
+    assert not outJ.isnan().any()

@@ -117,15 +117,16 @@ inline void scores(int rows, const float* q, int64_t D, const float* kt, int64_t
 // feature vectors side by side for more independent chains, as score_tile; n < kVL: one partial
 // vector (T = 1).
 template <int R, int T>
-inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t D,
-                    int64_t d0, int64_t n, float* out) {
+inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+                    int64_t D, int64_t d0, int64_t n, float* out) {
   constexpr int kAll = (1 << R) - 1;
   Vec acc[R][T];
   JACOBI_UNROLL
   for (int r = 0; r < R; ++r)
     JACOBI_UNROLL
     for (int t = 0; t < T; ++t) acc[r][t] = Vec(0.f);
-  for (int64_t j = 0; j < W; ++j) {
+  for (int64_t o = 0; o < W; ++o) {  // the slots in position order: [first, W), then [0, first)
+    const int64_t j = o < W - first ? first + o : o - (W - first);
     Vec vv[T];
     JACOBI_UNROLL
     for (int t = 0; t < T; ++t) vv[t] = Vec::loadu(v + j * ldv + d0 + t * kVL, T == 1 ? n : kVL);
@@ -147,32 +148,34 @@ inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int
 }
 
 template <int R>
-inline void pv_range(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t D,
-                     int64_t d0, int64_t d1, float* out) {
+inline void pv_range(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+                     int64_t D, int64_t d0, int64_t d1, float* out) {
   constexpr int T = kScoreT<R>;
   int64_t d = d0;
-  for (; d + T * kVL <= d1; d += T * kVL) pv_tile<R, T>(pt, v, ldv, W, D, d, kVL, out);
-  for (; d < d1; d += kVL) pv_tile<R, 1>(pt, v, ldv, W, D, d, std::min<int64_t>(kVL, d1 - d), out);
+  for (; d + T * kVL <= d1; d += T * kVL) pv_tile<R, T>(pt, v, ldv, W, first, D, d, kVL, out);
+  for (; d < d1; d += kVL) {
+    pv_tile<R, 1>(pt, v, ldv, W, first, D, d, std::min<int64_t>(kVL, d1 - d), out);
+  }
 }
 
 // out rows = p V over features [d0, d1), from the probabilities transposed (pt[j][r]).
-inline void pv(int rows, const float* pt, const float* v, int64_t ldv, int64_t W, int64_t D,
-               int64_t d0, int64_t d1, float* out) {
+inline void pv(int rows, const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+               int64_t D, int64_t d0, int64_t d1, float* out) {
   switch (rows) {
-    case 8: return pv_range<8>(pt, v, ldv, W, D, d0, d1, out);
-    case 7: return pv_range<7>(pt, v, ldv, W, D, d0, d1, out);
-    case 6: return pv_range<6>(pt, v, ldv, W, D, d0, d1, out);
-    case 5: return pv_range<5>(pt, v, ldv, W, D, d0, d1, out);
-    case 4: return pv_range<4>(pt, v, ldv, W, D, d0, d1, out);
-    case 3: return pv_range<3>(pt, v, ldv, W, D, d0, d1, out);
-    case 2: return pv_range<2>(pt, v, ldv, W, D, d0, d1, out);
-    default: return pv_range<1>(pt, v, ldv, W, D, d0, d1, out);
+    case 8: return pv_range<8>(pt, v, ldv, W, first, D, d0, d1, out);
+    case 7: return pv_range<7>(pt, v, ldv, W, first, D, d0, d1, out);
+    case 6: return pv_range<6>(pt, v, ldv, W, first, D, d0, d1, out);
+    case 5: return pv_range<5>(pt, v, ldv, W, first, D, d0, d1, out);
+    case 4: return pv_range<4>(pt, v, ldv, W, first, D, d0, d1, out);
+    case 3: return pv_range<3>(pt, v, ldv, W, first, D, d0, d1, out);
+    case 2: return pv_range<2>(pt, v, ldv, W, first, D, d0, d1, out);
+    default: return pv_range<1>(pt, v, ldv, W, first, D, d0, d1, out);
   }
 }
 
 // A row of scores (sr[0, ldk), masks m[0, W)) -> its softmax in place: masked slots and the
 // padding [W, ldk) exactly 0. Returns false (and zeros) where the row sees no slot.
-inline bool softmax_row(float* sr, const bool* m, int64_t W, int64_t ldk) {
+inline bool softmax_row(float* sr, const bool* m, int64_t W, int64_t ldk, int64_t first) {
   float mx = kNegInf;
   for (int64_t j = 0; j < W; ++j) {
     if (!m[j]) sr[j] = kNegInf;
@@ -183,15 +186,14 @@ inline bool softmax_row(float* sr, const bool* m, int64_t W, int64_t ldk) {
     std::fill(sr, sr + ldk, 0.f);
     return false;
   }
-  Vec sum(0.f);
   const Vec vmx(mx);
-  for (int64_t j = 0; j < ldk; j += kVL) {
-    const Vec e = (Vec::loadu(sr + j) - vmx).exp_u20();
-    e.store(sr + j);
-    sum = sum + e;
-  }
-  const float inv =
-      1.f / at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+  for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) - vmx).exp_u20().store(sr + j);
+  // The sum in position order (slots [first, W), then [0, first); masked slots add exact
+  // zeros), one chain: the same bits wherever the cache keeps the row's keys.
+  float sum = 0.f;
+  for (int64_t j = first; j < W; ++j) sum += sr[j];
+  for (int64_t j = 0; j < first; ++j) sum += sr[j];
+  const float inv = 1.f / sum;
   const Vec vinv(inv);
   for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) * vinv).store(sr + j);
   return true;
@@ -288,7 +290,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
     const int64_t b = g / a.Hkv;
     for (int r = 0; r < rows; ++r) {
       const int64_t i = (r0 + r) % Q;
-      any[r] = softmax_row(s + r * ldk, a.mask + (b * Q + i) * W, W, ldk);
+      any[r] = softmax_row(s + r * ldk, a.mask + (b * Q + i) * W, W, ldk, a.first);
     }
     for (int64_t j = 0; j < W; ++j)
       for (int r = 0; r < rows; ++r) pt[j * kRows + r] = s[r * ldk + j];
@@ -338,7 +340,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
                     shared_s + (g * rows_per_group + r0 + rows) * ldk, s);
           bool any[kRows];
           softmax_rows(g, r0, rows, s, any, pt);
-          pv(rows, pt, v_rows(g), ldv, W, D, d0, d1, of);
+          pv(rows, pt, v_rows(g), ldv, W, a.first, D, d0, d1, of);
           store_rows(g, r0, rows, of, any, d0, d1);
         }
       }
@@ -361,7 +363,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
       scores(rows, qf, D, group_kt(g), 0, key_vectors, s, ldk);
       bool any[kRows];
       softmax_rows(g, r0, rows, s, any, pt);
-      pv(rows, pt, v_rows(g), ldv, W, D, 0, D, of);
+      pv(rows, pt, v_rows(g), ldv, W, a.first, D, 0, D, of);
       store_rows(g, r0, rows, of, any, 0, D);
     }
   });
@@ -409,7 +411,7 @@ void rope_attn(const RopeAttnArgs& a) {
                    nullptr, 0, 0, 0,
                    kc, cache_b, cache_h, D,
                    vc, cache_b, cache_h, D,
-                   a.mask, a.scale, a.out, a.scratch, a.kt_cache, a.kt_ld};
+                   a.mask, a.scale, a.out, a.scratch, a.kt_cache, a.kt_ld, a.first};
   attention<T>(d, [&](int64_t b, int64_t h, int64_t i, float* dst) {
     T rot[512];  // head dims up to 512 (the op checks)
     rotate_row(qkv + (b * Q + i) * row + h * D, cs + (b * Q + i) * D, sn + (b * Q + i) * D, D,

@@ -36,6 +36,10 @@ struct DecodeAttnArgs {
   // way, so the same scores, bitwise.
   const float* kt = nullptr;
   int64_t ldkt = 0;
+  // Slots [first, W) hold the context in position order and [0, first) the step's own tokens
+  // after it (the runtime's scratch region): the softmax sum and p V run over the slots in that
+  // order, so a row's bits do not depend on where its keys sit (0: slot order).
+  int64_t first = 0;
 };
 
 // Keys per block of the transposed keys ([D][kKeyPad] each, contiguous): W is rounded up to
@@ -96,6 +100,7 @@ struct RopeAttnArgs {
   // hundred keys that was about half the attention's memory traffic).
   float* kt_cache = nullptr;
   int64_t kt_ld = 0;
+  int64_t first = 0;  // DecodeAttnArgs::first
 };
 
 struct RmsNormArgs {

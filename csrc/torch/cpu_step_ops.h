@@ -27,6 +27,7 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                               at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
                               const at::Tensor& mask, double scale,
-                              const std::optional<at::Tensor>& kt_cache);
+                              const std::optional<at::Tensor>& kt_cache,
+                              int64_t context_start);
 
 }  // namespace jacobi::ops

@@ -139,7 +139,8 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                               at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
                               const at::Tensor& mask, double scale,
-                              const std::optional<at::Tensor>& kt_cache) {
+                              const std::optional<at::Tensor>& kt_cache,
+                              int64_t context_start) {
   const LinearDType d = small_op_dtype(qkv, "qkv");
   ck::rank(qkv, "qkv", 3, "[B, Q, (heads + 2 kv_heads) * D]");
   ck::rank(k_cache, "k_cache", 4, "[B, kv_heads, capacity, D]");
@@ -166,6 +167,8 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) >= Q, "slots must be [>= Q] int64");
   TORCH_CHECK_VALUE(attend >= 1 && attend <= cap, "attend must be in [1, capacity = ", cap,
                     "], got ", attend);
+  TORCH_CHECK_VALUE(context_start >= 0 && context_start <= attend,
+                    "context_start must be in [0, attend = ", attend, "], got ", context_start);
   ck::dtype(mask, "mask", at::kBool);
   TORCH_CHECK_VALUE(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == 1 &&
                         mask.size(2) == Q && mask.size(3) == attend,
@@ -202,7 +205,7 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   cpu::RopeAttnArgs a{d, B, heads, kv_heads, Q, D, qc.data_ptr(), cc.data_ptr(), sc.data_ptr(),
                       k_cache.data_ptr(), v_cache.data_ptr(), cap, sp, attend,
                       mc.data_ptr<bool>(), static_cast<float>(scale), out.data_ptr(),
-                      scratch, kt, kt_ld};
+                      scratch, kt, kt_ld, context_start};
   JACOBI_CPU_DISPATCH(rope_attention, a);
   return out;
 }

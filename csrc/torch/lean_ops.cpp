@@ -68,12 +68,13 @@ struct LeanLayers : torch::CustomClassHolder {
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 
   // x: the first layer's normed input [B, Q, hidden], h: the residual stream [B, Q, hidden];
-  // per layer its cache's keys, values and blocked transposed keys; slots, attend and mask as
-  // cpu_rope_attention takes them. Returns the final norm of the last layer's output.
+  // per layer its cache's keys, values and blocked transposed keys; slots, attend, mask and
+  // context_start as cpu_rope_attention takes them. Returns the final norm of the last layer's
+  // output.
   at::Tensor run(at::Tensor x, at::Tensor h, at::Tensor cos, at::Tensor sin,
                  std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                  std::vector<at::Tensor> keys_t, at::Tensor slots, int64_t attend,
-                 at::Tensor mask) {
+                 at::Tensor mask, int64_t context_start) {
     const size_t L = layers.size();
     TORCH_CHECK_VALUE(keys.size() == L && values.size() == L && keys_t.size() == L,
                       "run takes one keys, values and keys_t tensor per layer (", L, "), got ",
@@ -84,7 +85,7 @@ struct LeanLayers : torch::CustomClassHolder {
       const LeanLayer& l = layers[i];
       const at::Tensor out =
           cpu_rope_attention(l.qkv(x), l.heads, l.kv_heads, cos, sin, keys[i], values[i], slots,
-                             attend, mask, l.scale, keys_t[i]);
+                             attend, mask, l.scale, keys_t[i], context_start);
       std::tie(h, x) = cpu_add_rms_norm(l.o(out.view({B, Q, -1})), h, l.ln2_weight, l.ln2_eps);
       const at::Tensor m = cpu_silu_mul(l.gate_up(x));
       std::tie(h, x) = cpu_add_rms_norm(l.down(m), h, l.next_weight, l.next_eps);

@@ -127,10 +127,12 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // then attention over cache slots [0, attend) where mask [B, 1, Q, attend] allows.
   // kt_cache: optional, the keys kept transposed in float32 blocks [B, kv_heads, L / 16, D, 16]
   // (L >= capacity), written with k_cache and attended from (bitwise the same result).
-  // Returns [B, Q, heads, D].
+  // context_start: slots [context_start, attend) hold the context in position order and
+  // [0, context_start) the step's tokens after it; the softmax sum and p V run in that order, so
+  // a row's result does not depend on where its keys sit in the cache. Returns [B, Q, heads, D].
   m.def("cpu_rope_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int attend, Tensor mask, "
-        "float scale, Tensor(c!)? kt_cache=None) -> Tensor");
+        "float scale, Tensor(c!)? kt_cache=None, int context_start=0) -> Tensor");
   // The decoding step's commit on a CPU: in every cache [B, H, capacity, D] of caches, for each
   // sequence b, the slots [src[b], src[b] + count[b]) move to [dst[b], dst[b] + count[b]) (as one
   // gather then scatter: the ranges may overlap). One call for all layers, in place. transposed:

@@ -346,14 +346,15 @@ class LeanDecoder:
         cos, sin = inner.rotary_emb.forward(h, pos)
         B, Q = ids.shape
         rt = cache.layers[0]._rt  # the runtime: where this step's K/V go, how far to attend
-        slots, attend = rt.write_slots, rt.attend
+        # context in slots [scratch, attend), the step's tokens in [0, scratch): sums by position
+        slots, attend, ctx0 = rt.write_slots, rt.attend, rt.scratch
         first = self.layers[0].ln1
         x = ops.cpu_rms_norm(h, first.weight, first.variance_epsilon)
         if self.native is not None:
             layers = cache.layers[: len(self.plans)]
             kts = [self._layer_cache(c, p, h) for c, p in zip(layers, self.plans, strict=True)]
             keys, values = [c.keys for c in layers], [c.values for c in layers]
-            x = self.native.run(x, h, cos, sin, keys, values, kts, slots, attend, mask)
+            x = self.native.run(x, h, cos, sin, keys, values, kts, slots, attend, mask, ctx0)
             return self.head(x)
         rope_attention, add_rms_norm, silu_mul = (
             ops.cpu_rope_attention.default,
@@ -367,7 +368,7 @@ class LeanDecoder:
             kt = self._layer_cache(layer, plan, h)
             out = rope_attention(
                 qkv, heads, kv_heads, cos, sin, layer.keys, layer.values, slots, attend, mask,
-                scaling, kt,
+                scaling, kt, ctx0,
             )  # fmt: skip
             h, x = add_rms_norm(o_fn(out.view(B, Q, -1), *o_args), h, ln2_w, ln2_eps)
             gu = gu_fn(x, *gu_args)
