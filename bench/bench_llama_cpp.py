@@ -16,7 +16,9 @@ the prompt corpus, half each, HumanEval first), the same threads, the same EOS a
    (`generate(model, ids)`), on the base model (`load_model()`) and the shipped distilled model
    (`load_model("smollm2-jf")`), each loaded as `load_model` loads it by default (the GGUF's own
    codes where this build reads them; `JACOBI_BENCH_DEQUANTIZE=1` / `--dequantize`: fp32,
-   dequantized, as transformers loads the file).
+   dequantized, as transformers loads the file); and `ar` and the tuned default of both models
+   with `int8_activations=True` ("int8 act.": Q4_1 codes times 8-bit activations, llama.cpp's
+   kind of arithmetic; their answers are checked against that mode's own `ar`).
 
 Every call is timed whole (prefill included: tokens/s of whole calls) and in its two parts: the
 prefill (the prompt's forward and the first token) and the steady decode after it (steady ms per
@@ -76,7 +78,15 @@ METHODS = {
     "multiblock n=16": dict(method="multiblock", block_size=16),
     "tuned (default)": {},
 }
-MODELS = {"base": None, "smollm2-jf": "smollm2-jf"}  # label -> load_model's name
+# label -> load_model's name and options; the methods each model runs (default: all of METHODS)
+MODELS = {
+    "base": (None, {}),
+    "smollm2-jf": ("smollm2-jf", {}),
+    "base, int8 act.": (None, {"int8_activations": True}),
+    "smollm2-jf, int8 act.": ("smollm2-jf", {"int8_activations": True}),
+}
+MODEL_METHODS = {"base, int8 act.": ("ar", "tuned (default)"),
+                 "smollm2-jf, int8 act.": ("ar", "tuned (default)")}  # fmt: skip
 LLAMA_MISSING = (
     "llama.cpp row skipped: `import llama_cpp` failed ({exc}). `pip install llama-cpp-python` "
     "builds llama.cpp from source (~10 min) and is not part of the README's commands: install "
@@ -195,12 +205,16 @@ def _load_models(dequantize: bool, log) -> tuple[dict, dict, object]:
     from jacobi_ext.models.quantized import is_quantized
 
     models, weights, tokenizer = {}, {}, None
-    for label, name in MODELS.items():
+    for label, (name, options) in MODELS.items():
+        if dequantize and options.get("int8_activations"):
+            continue  # 8-bit activations run on the codes only
         t0 = time.perf_counter()
-        model, tok = load_model(name, **({"dequantize": True} if dequantize else {}))
+        model, tok = load_model(name, **({"dequantize": True} if dequantize else options))
         models[label] = model
         tokenizer = tokenizer or tok
         weights[label] = "GGUF codes" if is_quantized(model) else "fp32 (dequantized)"
+        if options.get("int8_activations"):
+            weights[label] += ", int8 activations"
         step_curve(model)  # the tuner's curve, once per machine: not charged to a timed call
         log(f"loaded {label} ({weights[label]}) in {time.perf_counter() - t0:.1f} s")
     return models, weights, tokenizer
@@ -303,7 +317,8 @@ def run(
         else:
             log(skipped)
         for label, model in models.items():
-            for method, kw in METHODS.items():
+            for method in MODEL_METHODS.get(label, METHODS):
+                kw = METHODS[method]
                 row = f"{method} [{label}]"
                 callers[row] = lambda ids, m=model, kw=kw: ours(
                     m, torch.tensor([ids], dtype=torch.long), max_new, eos, kw
@@ -492,7 +507,11 @@ def test_llama_cpp_side_by_side(benchmark):
     rows = box["rows"]
     print("\n" + markdown(rows, _meta(rows)))
     ours_rows = [r for r in rows if r["row"] not in (LLAMA, "quantized floor")]
-    assert len(ours_rows) == len(METHODS) * len(MODELS)
+    assert len(ours_rows) == sum(
+        len(MODEL_METHODS.get(label, METHODS))
+        for label, (_, options) in MODELS.items()
+        if not (DEQUANTIZE and options.get("int8_activations"))
+    )
     assert all(r["tokens_per_s"] > 0 and r["same_as_ar"] == r["prompts"] for r in ours_rows)
     benchmark.extra_info.update(
         model_file=rows[-1]["model_file"], prompts=rows[-1]["prompts"],

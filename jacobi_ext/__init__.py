@@ -67,6 +67,8 @@ def build_info() -> dict[str, object]:
         "cpu kernel isa": CPU_ISA,
         # GGUF tensor types the CPU linear reads as stored (jacobi_ext.models.quantized)
         "gguf types read": ", ".join(_gguf_types()) or "none",
+        # ... and those it also reads on 8-bit activations (int8_activations=True)
+        "gguf int8 activations": "Q4_1" if _gguf_types() else "none",
         "cpu threads": torch.get_num_threads(),
     }
 

@@ -342,6 +342,47 @@ def test_decoding_on_codes_equals_ar_and_the_dequantized_model(tmp_path):
         assert torch.equal(got, ar), method
 
 
+def test_int8_activations_decode_exactly_their_own_ar(tmp_path):
+    """On 8-bit activations the logits change (another arithmetic), but a row's bits still do not
+    depend on the other rows of a forward: every method returns exactly that mode's `ar`, in a
+    batch too; switching back restores the exact model's tokens."""
+    from jacobi_ext import generate
+    from jacobi_ext.decoding.tuning import model_key
+    from jacobi_ext.models.quantized import describe, set_int8_activations
+
+    cfg, path, model, _ = _build(tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    exact = generate(model, ids, max_new_tokens=40, method="ar").tokens
+    with torch.inference_mode():
+        before = model(ids).logits
+    key = model_key(model)
+    assert set_int8_activations(model) >= 1 and "int8 activations" in describe(model)
+    assert model_key(model) != key  # the tuner measures this mode's own curve
+    with torch.inference_mode():
+        assert not torch.equal(model(ids).logits, before)  # the mode is in effect
+    ar = generate(model, ids, max_new_tokens=40, method="ar").tokens
+    runs = {
+        "jacobi": dict(method="jacobi", block_size=8),
+        "jacobi lookup": dict(method="jacobi", block_size=16, lookup=True),
+        "multiblock": dict(method="multiblock", block_size=4, num_blocks=3, pool_size=2),
+        "tuned default": {},
+    }
+    for name, kw in runs.items():
+        assert torch.equal(generate(model, ids, max_new_tokens=40, **kw).tokens, ar), name
+    one = generate(model, ids[1:], max_new_tokens=40, method="jacobi", block_size=8).tokens
+    assert torch.equal(one[0, : one.shape[1]], ar[1, : one.shape[1]])
+    set_int8_activations(model, False)
+    assert torch.equal(generate(model, ids, max_new_tokens=40, method="ar").tokens, exact)
+
+
+def test_int8_activations_need_q4_1_codes():
+    from jacobi_ext.models import tiny_llama
+    from jacobi_ext.models.quantized import set_int8_activations
+
+    with pytest.raises(ValueError, match="int8 activations run on Q4_1 GGUF codes"):
+        set_int8_activations(tiny_llama(vocab_size=50, hidden_size=32, num_layers=1))
+
+
 def _write_adapter(folder: Path, model, r=4, alpha=8, seed=0) -> Path:
     """A peft-format LoRA adapter (bf16) on every q/k/v/o/gate/up/down of the model."""
     from safetensors.torch import save_file

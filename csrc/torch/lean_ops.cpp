@@ -27,11 +27,12 @@ struct LeanLinear {
   int64_t type = -1;
   int64_t n = 0;
   std::optional<at::Tensor> bias, lora_a, lora_b, lora_panel_r0;
+  bool int8_activations = false;
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (type < 0) return cpu_linear(x, packed, n, bias);
     return cpu_linear_gguf(x, packed, type, n, bias, lora_a, lora_b, lora_panel_r0,
-                           /*int8_activations=*/false);
+                           int8_activations);
   }
 };
 
@@ -50,9 +51,11 @@ struct LeanLayers : torch::CustomClassHolder {
 
   void add_linear(at::Tensor packed, int64_t type, int64_t out_features,
                   std::optional<at::Tensor> bias, std::optional<at::Tensor> lora_a,
-                  std::optional<at::Tensor> lora_b, std::optional<at::Tensor> lora_panel_r0) {
+                  std::optional<at::Tensor> lora_b, std::optional<at::Tensor> lora_panel_r0,
+                  bool int8_activations) {
     pending.push_back(LeanLinear{std::move(packed), type, out_features, std::move(bias),
-                             std::move(lora_a), std::move(lora_b), std::move(lora_panel_r0)});
+                                 std::move(lora_a), std::move(lora_b), std::move(lora_panel_r0),
+                                 int8_activations});
   }
 
   void add_layer(int64_t heads, int64_t kv_heads, double scale, at::Tensor ln2_weight,

@@ -13,7 +13,8 @@ from jacobi_ext.models import DTYPE_NAMES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --device and --dequantize (jacobi_ext.models.load_from_args reads them)."""
+    """--model, --dtype, --device, --dequantize and --int8-activations (read by
+    jacobi_ext.models.load_from_args)."""
     p.add_argument(
         "--model",
         default=None,
@@ -33,6 +34,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="load a GGUF model dequantized to --dtype, as transformers does (default on a CPU "
         "in float32: decode from the file's quantized codes, an adapter unmerged on top)",
+    )
+    p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="Q4_1 codes times 8-bit activations, in integers (llama.cpp's kind of arithmetic): "
+        "faster on a CPU; not the fp32 model's logits, but every method still returns exactly "
+        "this mode's own ar",
     )
 
 

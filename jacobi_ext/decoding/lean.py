@@ -164,7 +164,7 @@ class _GroupCall:
         """cpu_linear_gguf's arguments after x."""
         g = self.group
         lora = (None, None, None) if g.lora is None else g.lora.args()
-        return (g.packed, g.ggml_type, g.n, self.bias, *lora)
+        return (g.packed, g.ggml_type, g.n, self.bias, *lora, g.int8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.jacobi_ext.cpu_linear_gguf(x, *self.args())
@@ -287,7 +287,7 @@ class LeanDecoder:
                              (down_fn, down_args)):  # fmt: skip
                 if fn is linear:
                     packed, n, bias = args
-                    native.add_linear(packed, -1, n, bias, None, None, None)
+                    native.add_linear(packed, -1, n, bias, None, None, None, False)
                 elif fn is gguf:
                     native.add_linear(*args)
                 else:

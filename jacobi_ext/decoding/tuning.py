@@ -93,6 +93,10 @@ def model_key(model) -> str:
     which = prepack.backend(model)
     if which is not None:  # packed CPU linears cost differently: a curve of their own
         raw += "|prepack" if which == "onednn" else f"|{which}"
+    from ..models.quantized import describe, is_quantized
+
+    if is_quantized(model):  # GGUF codes: their types and mode (8-bit activations) cost apart
+        raw += f"|{describe(model)}"
     key = hashlib.sha1(raw.encode()).hexdigest()[:16]
     if stamp is not None:
         model._jacobi_ext_key = (stamp, key)

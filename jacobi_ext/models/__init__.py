@@ -52,6 +52,7 @@ def load_model(
     attn_implementation: str = "sdpa",
     verbose: bool = False,
     dequantize: bool | None = None,
+    int8_activations: bool = False,
 ):
     """Load a causal LM and its tokenizer, offline.
 
@@ -67,8 +68,22 @@ def load_model(
     transformers does, every weight dequantized to `dtype` (an adapter merged in): for training,
     bf16, GPUs, or to compare. `dequantize=False` insists on the codes (an error where they
     cannot run).
+    `int8_activations=True`: its Q4_1 linears multiply 8-bit activations with the codes in
+    integers (llama.cpp's kind of arithmetic; faster, no longer the fp32 model's logits, every
+    method still exactly this mode's own `ar`): `jacobi_ext.models.quantized.set_int8_activations`.
     Returns `(model, tokenizer)` with the model in eval mode on `device`.
     """
+    model, tokenizer = _load_model(
+        name_or_path, dtype, device, attn_implementation, verbose, dequantize
+    )
+    if int8_activations:
+        from .quantized import set_int8_activations
+
+        set_int8_activations(model)
+    return model, tokenizer
+
+
+def _load_model(name_or_path, dtype, device, attn_implementation, verbose, dequantize):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter = _adapter_dir(name_or_path)
@@ -322,10 +337,11 @@ DTYPE_NAMES = {
 
 
 def load_from_args(args):
-    """load_model from parsed command-line arguments (--model, --dtype, --device, --dequantize)."""
+    """load_model from parsed command-line arguments (add_model_args')."""
     return load_model(
         args.model,
         dtype=DTYPE_NAMES[args.dtype],
         device=args.device,
         dequantize=True if getattr(args, "dequantize", False) else None,
+        int8_activations=getattr(args, "int8_activations", False),
     )

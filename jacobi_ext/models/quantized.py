@@ -136,6 +136,7 @@ class GGUFLinear(nn.Module):
         self.name = name
         self.group: _Group | None = None
         self.lora: _Lora | None = None
+        self.int8 = False  # 8-bit activations (set_int8_activations)
 
     @property
     def nbytes(self) -> int:
@@ -153,23 +154,56 @@ class GGUFLinear(nn.Module):
     def args(self) -> tuple:
         """cpu_linear_gguf's arguments after x."""
         lora = (None, None, None) if self.lora is None else self.lora.args()
-        return (self.packed, self.ggml_type, self.out_features, self.bias, *lora)
+        return (self.packed, self.ggml_type, self.out_features, self.bias, *lora, self.int8)
 
     def extra_repr(self) -> str:
         lora = f", lora r={self.lora.rank}" if self.lora is not None else ""
-        return f"{self.in_features}, {self.out_features}, {self.type_name}{lora}"
+        int8 = ", int8 activations" if self.int8 else ""
+        return f"{self.in_features}, {self.out_features}, {self.type_name}{lora}{int8}"
 
 
 class _Group:
     """Linears packed side by side into one buffer (q/k/v, gate/up): one kernel call for all."""
 
-    __slots__ = ("mods", "packed", "ggml_type", "n", "lora")
+    __slots__ = ("mods", "packed", "ggml_type", "n", "lora", "int8")
 
     def __init__(self, mods: list[GGUFLinear], packed: torch.Tensor) -> None:
         self.mods, self.packed = tuple(mods), packed
         self.ggml_type = mods[0].ggml_type
         self.n = sum(m.out_features for m in mods)
         self.lora: _Lora | None = None
+        self.int8 = False
+
+
+# The ggml types the kernels read on 8-bit activations (csrc/cpu/linear_gguf_cpu.h).
+INT8_TYPES = (3,)  # Q4_1
+
+
+def set_int8_activations(model, on: bool = True) -> int:
+    """Run the model's Q4_1 linears on 8-bit activations (on=True) or exactly (on=False).
+
+    Exact (the default): every output is the fp32 product with the exactly dequantized weight,
+    bitwise the model dequantized to fp32. On 8-bit activations (llama.cpp's kind of arithmetic):
+    each row of x is quantized per block of 32 values and multiplied with the 4-bit codes in
+    integers, ~1.4-1.9x faster per one-row linear here; the logits are no longer the fp32
+    model's (so greedy answers may part from transformers' at near-ties, as llama.cpp's do), but
+    a row's bits do not depend on the other rows of a forward, so every decoding method still
+    returns exactly this mode's own `ar`. Other tensor types stay exact. Takes effect at the next
+    `generate` call. Returns how many linears it switched."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, GGUFLinear) and m.ggml_type in INT8_TYPES:
+            m.int8 = bool(on)
+            n += 1
+            if m.group is not None:
+                m.group.int8 = bool(on)
+    model.__dict__.pop("_jacobi_ext_key", None)  # the tuner's curve: this mode's own
+    if on and n == 0:
+        raise ValueError(
+            "int8 activations run on Q4_1 GGUF codes; this model has no Q4_1 linear on its codes "
+            f"({describe(model)}): load a Q4_1 .gguf file without dequantize=True"
+        )
+    return n
 
 
 class GGUFEmbedding(nn.Module):
@@ -223,16 +257,18 @@ def is_quantized(model) -> bool:
 def describe(model) -> str:
     """'GGUF Q4_1 x 210, Q8_0 x 1 (+ LoRA)' or 'fp32'-style: what the model's linears read."""
     counts: dict[str, int] = {}
-    lora = False
+    lora = int8 = False
     for m in model.modules():
         if isinstance(m, GGUFLinear):
             counts[m.type_name] = counts.get(m.type_name, 0) + 1
             lora = lora or m.lora is not None
+            int8 = int8 or m.int8
         elif type(m) is nn.Linear:
             key = str(m.weight.dtype).replace("torch.", "")
             counts[key] = counts.get(key, 0) + 1
     parts = ", ".join(f"{k} x {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
-    return parts + (" + LoRA (unmerged)" if lora else "")
+    parts += " + LoRA (unmerged)" if lora else ""
+    return parts + (", Q4_1 on int8 activations" if int8 else "")
 
 
 # ---- loading -------------------------------------------------------------------------------------
