@@ -203,8 +203,8 @@ inline bool softmax_row(float* sr, const bool* m, int64_t W, int64_t ldk, int64_
 // = the row in fp32 (before the scale).
 //
 // Two schedules, the same arithmetic on every row (each score one chain over d, the softmax of
-// softmax_row, each output one chain over the slots in order), so a row's result does not depend
-// on which one ran or on the other rows:
+// softmax_row, each output one chain over the slots in position order: DecodeAttnArgs::first), so
+// a row's result does not depend on which one ran, on the other rows, or on where its keys sit:
 //  - many query rows (a wide step, a batch): one unit of work per (batch, kv head, kRows rows),
 //    scores, softmax and p V together;
 //  - few (a one- or few-token step: at one token 3 units of a GQA model for 2 threads, each
