@@ -424,7 +424,7 @@ inline void add_lora(const GgufLora& lo, const LinearArgs& a, int64_t p, int row
 
 // t = x A^T into lo.t, every row of x: the fp32 kernel's tile on each panel of A.
 template <typename W>
-inline void lora_t(const LinearArgs& a, const GgufLora& lo) {
+inline void lora_t_of(const LinearArgs& a, const GgufLora& lo) {
   const W* ap = static_cast<const W*>(lo.a_packed);
   const float* x = static_cast<const float*>(a.x);
   at::parallel_for(0, lo.ldt / kNR, 1, [&](int64_t p0, int64_t p1) {
@@ -440,15 +440,16 @@ inline void lora_t(const LinearArgs& a, const GgufLora& lo) {
   });
 }
 
+// lora_t_of in the factors' dtype; nothing without a LoRA.
+inline void lora_t(const LinearArgs& a, const GgufLora& lo) {
+  if (lo.t == nullptr) return;
+  if (lo.bf16) return lora_t_of<c10::BFloat16>(a, lo);
+  lora_t_of<float>(a, lo);
+}
+
 template <GgufType T>
 void run(const LinearArgs& a, const GgufLora& lo) {
-  if (lo.t != nullptr) {
-    if (lo.bf16) {
-      lora_t<c10::BFloat16>(a, lo);
-    } else {
-      lora_t<float>(a, lo);
-    }
-  }
+  lora_t(a, lo);
   using Tr = Traits<T>;
   constexpr GgufFormat f = Tr::kF;
   const int64_t panels = (a.N + kNR - 1) / kNR;
@@ -518,6 +519,9 @@ void run(const LinearArgs& a, const GgufLora& lo) {
 
 // ---- 8-bit activations (opt-in; linear_gguf_cpu.h: linear_gguf_int8) ---------------------------
 
+using Q41 = Traits<GgufType::q4_1>;
+constexpr int64_t kQ41Header = kNR * Q41::kHeaderBytes;  // a group's fp16 d[NR], m[NR]
+
 // One row of x quantized per group of 32 k: q = nearbyint(x * (127 / amax)) in [-127, 127],
 // dx = amax / 127, msx = dx * sum(q). A group with a non-finite value gets q = 0 and dx = msx =
 // NaN (its outputs NaN, as the float product's). Plain scalar code, the same on every ISA.
@@ -557,7 +561,7 @@ inline void int8_panel_row_scalar(const uint8_t* panel, int64_t groups, int64_t 
   for (int j = 0; j < kNR; ++j) out[j] = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = panel + g * gbytes;
-    const uint8_t* codes = grp + 4 * kNR;
+    const uint8_t* codes = grp + kQ41Header;
     const int8_t* qg = q + g * kInt8Group;
     for (int j = 0; j < kNR; ++j) {
       int isum = 0;
@@ -611,7 +615,7 @@ inline void int8_panel_rows(const uint8_t* panel, int64_t groups, int64_t gbytes
   const __m256i nib = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = panel + g * gbytes;
-    const uint8_t* codes = grp + 4 * kNR;
+    const uint8_t* codes = grp + kQ41Header;
     for (int64_t b = 0; b < gbytes; b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(grp + kPrefetchAhead + b), _MM_HINT_T0);
     }
@@ -686,14 +690,8 @@ inline void int8_panel_tile(int, const uint8_t*, int64_t, int64_t, const uint8_t
 #endif
 
 void run_int8(const LinearArgs& a, const GgufLora& lo) {
-  if (lo.t != nullptr) {
-    if (lo.bf16) {
-      lora_t<c10::BFloat16>(a, lo);
-    } else {
-      lora_t<float>(a, lo);
-    }
-  }
-  constexpr GgufFormat f = gguf_format_of(GgufType::q4_1);
+  lora_t(a, lo);
+  constexpr GgufFormat f = Q41::kF;
   const int64_t panels = (a.N + kNR - 1) / kNR;
   const int64_t groups = a.K / f.group_k;
   const int64_t gbytes = gguf_group_bytes(f, kNR);
