@@ -116,6 +116,12 @@ inline void scores(int rows, const float* q, int64_t D, const float* kt, int64_t
 // common case: the multiply-adds run unconditionally), else each row is asked on its own. T
 // feature vectors side by side for more independent chains, as score_tile; n < kVL: one partial
 // vector (T = 1).
+// The slot of the o-th of W slots in position order (DecodeAttnArgs::first): [first, W), then
+// [0, first). The one statement of that order, for the softmax sum and p V.
+inline int64_t slot_by_position(int64_t o, int64_t W, int64_t first) {
+  return o < W - first ? first + o : o - (W - first);
+}
+
 template <int R, int T>
 inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
                     int64_t D, int64_t d0, int64_t n, float* out) {
@@ -125,8 +131,8 @@ inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int
   for (int r = 0; r < R; ++r)
     JACOBI_UNROLL
     for (int t = 0; t < T; ++t) acc[r][t] = Vec(0.f);
-  for (int64_t o = 0; o < W; ++o) {  // the slots in position order: [first, W), then [0, first)
-    const int64_t j = o < W - first ? first + o : o - (W - first);
+  for (int64_t o = 0; o < W; ++o) {
+    const int64_t j = slot_by_position(o, W, first);
     Vec vv[T];
     JACOBI_UNROLL
     for (int t = 0; t < T; ++t) vv[t] = Vec::loadu(v + j * ldv + d0 + t * kVL, T == 1 ? n : kVL);
@@ -188,11 +194,10 @@ inline bool softmax_row(float* sr, const bool* m, int64_t W, int64_t ldk, int64_
   }
   const Vec vmx(mx);
   for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) - vmx).exp_u20().store(sr + j);
-  // The sum in position order (slots [first, W), then [0, first); masked slots add exact
-  // zeros), one chain: the same bits wherever the cache keeps the row's keys.
+  // The sum in position order (masked slots add exact zeros), one chain: the same bits
+  // wherever the cache keeps the row's keys.
   float sum = 0.f;
-  for (int64_t j = first; j < W; ++j) sum += sr[j];
-  for (int64_t j = 0; j < first; ++j) sum += sr[j];
+  for (int64_t o = 0; o < W; ++o) sum += sr[slot_by_position(o, W, first)];
   const float inv = 1.f / sum;
   const Vec vinv(inv);
   for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) * vinv).store(sr + j);
