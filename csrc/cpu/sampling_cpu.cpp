@@ -124,6 +124,55 @@ void debug_noise(int64_t rows, int64_t vocab, int64_t row_per_key, const int64_t
   }
 }
 
+namespace {
+// One chunk's pick: {first NaN or -1, first maximum} of x[begin, end) (begin < end).
+template <typename T>
+std::pair<int64_t, int64_t> chunk_pick(const T* x, int64_t begin, int64_t end) {
+  int64_t best = begin;
+  T top = x[begin];
+  if (top != top) return {begin, begin};
+  for (int64_t i = begin + 1; i < end; ++i) {
+    const T v = x[i];
+    if (v != v) return {i, i};
+    if (v > top) {
+      top = v;
+      best = i;
+    }
+  }
+  return {-1, best};
+}
+}  // namespace
+
+template <typename T>
+void argmax_rows(const T* x, int64_t rows, int64_t vocab, int64_t* out) {
+  constexpr int64_t kChunk = 4096;  // ~16 KB of fp32: big enough that a chunk outweighs a call
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  std::vector<std::pair<int64_t, int64_t>> picks(static_cast<size_t>(rows * chunks));
+  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t r = u / chunks, c = u % chunks;
+      const T* row = x + r * vocab;
+      picks[u] = chunk_pick(row, c * kChunk, std::min(vocab, (c + 1) * kChunk));
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * vocab;
+    int64_t best = -1;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const auto [nan, top] = picks[r * chunks + c];
+      if (nan >= 0) {
+        best = nan;
+        break;
+      }
+      if (best < 0 || row[top] > row[best]) best = top;  // a later chunk wins only when greater
+    }
+    out[r] = best;
+  }
+}
+
+template void argmax_rows<float>(const float*, int64_t, int64_t, int64_t*);
+template void argmax_rows<double>(const double*, int64_t, int64_t, int64_t*);
+
 template void gumbel_argmax<float>(const float*, int64_t, int64_t, int64_t, const int64_t*,
                                    const int64_t*, const SamplingParams&, int64_t*);
 template void gumbel_argmax<double>(const double*, int64_t, int64_t, int64_t, const int64_t*,

@@ -14,6 +14,13 @@ void gumbel_argmax(const T* logits, int64_t rows, int64_t vocab, int64_t row_per
                    const int64_t* keys, const int64_t* positions, const SamplingParams& p,
                    int64_t* out);
 
+// out[r] = the greedy pick of row r of x [rows, vocab] (float or double): the index of its first
+// NaN if it holds one, else of its first maximum (torch.max(-1).indices' choice). A row is split
+// into chunks read in parallel (at::parallel_for: in the same halves a linear's parallel loop
+// wrote them, so each thread reads what is in its own cache); the chunks' picks combine in order.
+template <typename T>
+void argmax_rows(const T* x, int64_t rows, int64_t vocab, int64_t* out);
+
 // The noise of every (row, v), [rows, vocab] float64: uniforms or Gumbel noise (tests only).
 void debug_noise(int64_t rows, int64_t vocab, int64_t row_per_key, const int64_t* keys,
                  const int64_t* positions, bool uniform, double* out);

@@ -227,24 +227,14 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
     TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == B && t.is_contiguous() && t.device().is_cpu(),
                       "each cache must be a contiguous CPU tensor [B = ", B,
                       ", H, capacity, D], got ", t.sizes());
-    const int64_t H = t.size(1), cap = t.size(2), row = t.size(3) * t.element_size();
-    auto* base = static_cast<char*>(t.data_ptr());
+    const int64_t cap = t.size(2);
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK_VALUE(c[b] >= 0 && s[b] >= 0 && d[b] >= 0 && s[b] + c[b] <= cap &&
                             d[b] + c[b] <= cap,
                         "sequence ", b, ": slots [", s[b], ", ", s[b] + c[b], ") -> [", d[b], ", ",
                         d[b] + c[b], ") are outside the cache [0, ", cap, ")");
-      if (c[b] == 0 || s[b] == d[b]) continue;
-      for (int64_t h = 0; h < H; ++h) {
-        char* head = base + (b * H + h) * cap * row;
-        std::memmove(head + d[b] * row, head + s[b] * row, static_cast<size_t>(c[b] * row));
-      }
     }
   }
-  // Transposed copies [B, H, L / 16, D, 16] (cpu_rope_attention's kt_cache): slot x is element
-  // x % 16 of row d of block x / 16. The ranges may overlap: copy in the direction a memmove
-  // would (forward when moving down, backward when moving up), so each slot is read before it is
-  // overwritten.
   for (const at::Tensor& t : transposed) {
     TORCH_CHECK_VALUE(t.dim() == 5 && t.size(0) == B && t.size(4) == cpu::kKeyPad &&
                           t.scalar_type() == at::kFloat && t.is_contiguous() &&
@@ -252,26 +242,55 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
                       "each transposed cache must be a contiguous float32 CPU tensor [B = ", B,
                       ", H, slots / ", cpu::kKeyPad, ", D, ", cpu::kKeyPad, "], got ",
                       t.scalar_type(), " ", t.sizes());
-    const int64_t H = t.size(1), L = t.size(2) * cpu::kKeyPad, D = t.size(3);
-    float* base = t.data_ptr<float>();
+    const int64_t L = t.size(2) * cpu::kKeyPad;
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK_VALUE(s[b] + c[b] <= L && d[b] + c[b] <= L, "sequence ", b, ": slots [", s[b],
                         ", ", s[b] + c[b], ") -> [", d[b], ", ", d[b] + c[b],
                         ") are outside the transposed cache [0, ", L, ")");
-      if (c[b] == 0 || s[b] == d[b]) continue;
-      const bool forward = d[b] < s[b];
-      for (int64_t h = 0; h < H; ++h) {
-        float* head = base + (b * H + h) * L * D;
-        auto at = [&](int64_t slot, int64_t f) {
-          return head + cpu::kt_slot(slot, D) + f * cpu::kKeyPad;
-        };
-        for (int64_t n = 0; n < c[b]; ++n) {
-          const int64_t x = forward ? n : c[b] - 1 - n;
-          for (int64_t f = 0; f < D; ++f) *at(d[b] + x, f) = *at(s[b] + x, f);
+    }
+  }
+  // Checked above; the copies of the tensors (one layer's keys, values, transposed keys each)
+  // are independent: threads take whole tensors (a step's slots are few: the time is the cache
+  // misses of ~60 small scattered copies, ~0.25 ms a step on one thread).
+  const int64_t nc = static_cast<int64_t>(caches.size());
+  at::parallel_for(0, nc + static_cast<int64_t>(transposed.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i < nc) {
+        const at::Tensor& t = caches[i];
+        const int64_t H = t.size(1), cap = t.size(2), row = t.size(3) * t.element_size();
+        auto* base = static_cast<char*>(t.data_ptr());
+        for (int64_t b = 0; b < B; ++b) {
+          if (c[b] == 0 || s[b] == d[b]) continue;
+          for (int64_t h = 0; h < H; ++h) {
+            char* head = base + (b * H + h) * cap * row;
+            std::memmove(head + d[b] * row, head + s[b] * row, static_cast<size_t>(c[b] * row));
+          }
+        }
+        continue;
+      }
+      // Transposed copies [B, H, L / 16, D, 16] (cpu_rope_attention's kt_cache): slot x is
+      // element x % 16 of row d of block x / 16. The ranges may overlap: copy in the direction a
+      // memmove would (forward when moving down, backward when moving up), so each slot is read
+      // before it is overwritten.
+      const at::Tensor& t = transposed[i - nc];
+      const int64_t H = t.size(1), L = t.size(2) * cpu::kKeyPad, D = t.size(3);
+      float* base = t.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b) {
+        if (c[b] == 0 || s[b] == d[b]) continue;
+        const bool forward = d[b] < s[b];
+        for (int64_t h = 0; h < H; ++h) {
+          float* head = base + (b * H + h) * L * D;
+          auto at = [&](int64_t slot, int64_t f) {
+            return head + cpu::kt_slot(slot, D) + f * cpu::kKeyPad;
+          };
+          for (int64_t n = 0; n < c[b]; ++n) {
+            const int64_t x = forward ? n : c[b] - 1 - n;
+            for (int64_t f = 0; f < D; ++f) *at(d[b] + x, f) = *at(s[b] + x, f);
+          }
         }
       }
     }
-  }
+  });
 }
 
 }  // namespace

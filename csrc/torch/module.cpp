@@ -82,6 +82,9 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // The noise itself, materialised [batch, positions, vocab] float64 (tests only: the decoding
   // never stores it): the uniforms u in (0, 1) (uniform=true) or the Gumbel noise -log(-log u).
   m.def("debug_gumbel_noise(Tensor keys, Tensor positions, int vocab, bool uniform) -> Tensor");
+  // The greedy pick over the last dim, int64 [...]: the first NaN, else the first maximum
+  // (torch.max(-1).indices' choice), rows split into chunks read in parallel (CPU).
+  m.def("cpu_argmax(Tensor logits) -> Tensor");
   // Decode-shaped linear on the CPU (csrc/cpu/linear_cpu.h): y = x W^T (+ bias) for float32 or
   // bfloat16, from a weight packed once by cpu_linear_pack (weight [N, K] -> panels
   // [ceil(N / NR), K or K rounded up to even, NR], in the layout of this CPU's kernels). Each

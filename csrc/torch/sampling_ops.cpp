@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "checks.h"
 #include "cpu/sampling_cpu.h"
@@ -83,9 +84,30 @@ at::Tensor debug_gumbel_noise_cpu(const at::Tensor& keys, const at::Tensor& posi
   return logits;
 }
 
+at::Tensor cpu_argmax(const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) >= 1,
+                    "logits must be [..., vocab] with vocab >= 1, got shape ", logits.sizes());
+  TORCH_CHECK_VALUE(at::isFloatingType(logits.scalar_type()),
+                    "logits must be floating point, got ", logits.scalar_type());
+  const int64_t V = logits.size(-1), rows = logits.numel() / V;
+  std::vector<int64_t> shape(logits.sizes().begin(), logits.sizes().end() - 1);
+  at::Tensor out = at::empty(shape, logits.options().dtype(at::kLong));
+  if (rows == 0) return out;
+  // bf16 / fp16 widen to fp32 exactly (the order of values and NaNs is kept).
+  const bool wide = logits.scalar_type() == at::kDouble;
+  const at::Tensor x = wide ? logits.contiguous() : logits.to(at::kFloat).contiguous();
+  if (wide) {
+    jacobi::cpu::argmax_rows(x.data_ptr<double>(), rows, V, out.data_ptr<int64_t>());
+  } else {
+    jacobi::cpu::argmax_rows(x.data_ptr<float>(), rows, V, out.data_ptr<int64_t>());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
+  m.impl("cpu_argmax", &cpu_argmax);
   m.impl("gumbel_argmax", &gumbel_argmax_cpu);
   m.impl("debug_gumbel_noise", &debug_gumbel_noise_cpu);
 }

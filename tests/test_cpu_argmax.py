@@ -1,0 +1,63 @@
+"""The CPU greedy pick (`cpu_argmax`) against torch.max(-1).indices, the choice the decoding made
+before: the first NaN, else the first of tied maxima, on random shapes, dtypes, ties, NaN and
+infinities, at 1 and 2 threads (a row is split into chunks read in parallel)."""
+
+import pytest
+import torch
+
+from jacobi_ext.decoding.runtime import targets
+from jacobi_ext.kernels._native import ops
+
+
+def _reference(x: torch.Tensor) -> torch.Tensor:
+    return x.max(-1).indices
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1,), (7,), (4095,), (4097,), (3, 49152), (2, 5, 9000)])
+def test_argmax_is_torch_max_index(shape, dtype, threads):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g).to(dtype)
+    assert torch.equal(ops.cpu_argmax(x), _reference(x))
+    # ties: few distinct values, so maxima repeat inside and across chunks
+    t = torch.randint(0, 3, shape, generator=g).to(dtype)
+    assert torch.equal(ops.cpu_argmax(t), _reference(t))
+
+
+def test_nan_and_infinities(threads):
+    x = torch.randn(6, 10000)
+    x[0, 9000] = float("nan")  # a NaN in a late chunk beats a larger value in an early one
+    x[0, 10] = 1e30
+    x[1, 3] = float("nan")
+    x[1, 8000] = float("nan")
+    x[2] = float("-inf")
+    x[3, 5000] = float("inf")
+    x[3, 9999] = float("inf")
+    x[4, 4096] = 50.0  # the first element of the second chunk
+    x[5, 4095] = 50.0  # the last element of the first chunk
+    x[5, 4096] = 50.0
+    got = ops.cpu_argmax(x)
+    assert got.tolist() == [9000, 3, 0, 5000, 4096, 4095]
+    assert torch.equal(got, _reference(x))
+
+
+def test_strided_input_and_targets():
+    x = torch.randn(4, 3, 5000).transpose(0, 1)  # not contiguous
+    assert torch.equal(ops.cpu_argmax(x), _reference(x))
+    assert torch.equal(targets(x), _reference(x))
+
+
+def test_bad_input_says_what_is_wrong():
+    with pytest.raises(ValueError, match="floating point"):
+        ops.cpu_argmax(torch.arange(5))
+    with pytest.raises(ValueError, match="vocab >= 1"):
+        ops.cpu_argmax(torch.empty(3, 0))
+    assert ops.cpu_argmax(torch.empty(0, 5)).shape == (0,)
