@@ -138,6 +138,33 @@ def test_buckets_and_masks() -> None:
     ]
     assert m[1].tolist()[0] == [1, 0, 0, 0, 0, 0, 1, 1, 0]
     assert m[1].tolist()[2] == [0, 0, 1, 0, 0, 0, 0, 0, 0]  # padding sees itself only
+    native = torch.ops.jacobi_ext.cpu_step_mask(seg, off, lo, hi, 9)
+    assert torch.equal(native, step_mask(seg, off, lo, hi, 9))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_step_mask_is_step_mask(seed: int) -> None:
+    """The CPU runtime's one-pass mask (cpu_step_mask) against masks.step_mask on random steps:
+    packed rows of random lengths, padding, any committed range, widths past the scratch."""
+    from jacobi_ext.decoding.masks import step_mask
+
+    g = torch.Generator().manual_seed(seed)
+    B, Q = 1 + seed % 3, 1 + 3 * seed
+    seg, off = torch.full((B, Q), -1), torch.zeros(B, Q, dtype=torch.long)
+    for b in range(B):
+        i, r = 0, 0
+        fill = int(torch.randint(0, Q + 1, (1,), generator=g))
+        while i < fill:
+            n = min(fill - i, int(torch.randint(1, 5, (1,), generator=g)))
+            seg[b, i : i + n], off[b, i : i + n] = r, torch.arange(n)
+            i, r = i + n, r + 1
+    width = Q + int(torch.randint(0, 40, (1,), generator=g))
+    lo = torch.randint(Q, width + 1, (B,), generator=g)
+    hi = torch.minimum(lo + torch.randint(0, 30, (B,), generator=g), torch.tensor(width))
+    got = torch.ops.jacobi_ext.cpu_step_mask(seg, off, lo, hi, width)
+    assert torch.equal(got, step_mask(seg, off, lo, hi, width))
+    with pytest.raises(ValueError, match="must cover"):
+        torch.ops.jacobi_ext.cpu_step_mask(seg, off, lo, hi, Q - 1)
 
 
 @pytest.mark.gpu

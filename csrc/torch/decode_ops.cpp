@@ -293,10 +293,50 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
   });
 }
 
+// masks.step_mask's rule, element by element: query i (row seg[b, i], offset off[b, i]; seg < 0:
+// padding) sees committed slot j (lo[b] <= j < hi[b]) if it is real; among the scratch slots
+// j < Q it also sees the tokens of its own row at offsets <= its own (both real), and a padding
+// query sees its own slot only.
+at::Tensor cpu_step_mask(const at::Tensor& seg, const at::Tensor& off, const at::Tensor& lo,
+                         const at::Tensor& hi, int64_t width) {
+  for (auto [t, name] : {std::pair{&seg, "seg"}, {&off, "off"}, {&lo, "lo"}, {&hi, "hi"}}) {
+    ck::dtype(*t, name, at::kLong);
+  }
+  ck::rank(seg, "seg", 2, "[B, Q]");
+  const int64_t B = seg.size(0), Q = seg.size(1);
+  TORCH_CHECK_VALUE(off.sizes() == seg.sizes(), "off must be [B, Q] like seg ", seg.sizes(),
+                    ", got ", off.sizes());
+  TORCH_CHECK_VALUE(lo.dim() == 1 && lo.size(0) == B && hi.dim() == 1 && hi.size(0) == B,
+                    "lo and hi must be [B = ", B, "], got ", lo.sizes(), ", ", hi.sizes());
+  TORCH_CHECK_VALUE(width >= Q, "width (", width, ") must cover the step's ", Q,
+                    " scratch slots");
+  const at::Tensor sc = seg.contiguous(), oc = off.contiguous(), lc = lo.contiguous(),
+                   hc = hi.contiguous();
+  const int64_t *sg = sc.data_ptr<int64_t>(), *of = oc.data_ptr<int64_t>(),
+                *l = lc.data_ptr<int64_t>(), *h = hc.data_ptr<int64_t>();
+  at::Tensor mask = at::empty({B, 1, Q, width}, seg.options().dtype(at::kBool));
+  bool* m = mask.data_ptr<bool>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* sb = sg + b * Q;
+    const int64_t* ob = of + b * Q;
+    for (int64_t i = 0; i < Q; ++i) {
+      bool* row = m + (b * Q + i) * width;
+      const bool real = sb[i] >= 0;
+      for (int64_t j = 0; j < width; ++j) row[j] = real && j >= l[b] && j < h[b];
+      for (int64_t j = 0; j < Q; ++j) {
+        const bool local = real ? sb[j] >= 0 && sb[j] == sb[i] && ob[j] <= ob[i] : j == i;
+        row[j] = row[j] || local;
+      }
+    }
+  }
+  return mask;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("cpu_kv_commit", &cpu_kv_commit);
+  m.impl("cpu_step_mask", &cpu_step_mask);
   m.impl("cpu_decode_attention", &cpu_decode_attention);
   m.impl("cpu_rms_norm", &cpu_rms_norm);
   m.impl("cpu_add_rms_norm", &cpu_add_rms_norm);

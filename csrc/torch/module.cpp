@@ -142,6 +142,10 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // keys kept as cpu_rope_attention's kt_cache [B, H, L / 16, D, 16], whose slots move alike.
   m.def("cpu_kv_commit(Tensor(a!)[] caches, Tensor src, Tensor dst, Tensor count, "
         "Tensor(b!)[] transposed) -> ()");
+  // The step's attention mask on a CPU in one pass, bool [B, 1, Q, width]: what
+  // jacobi_ext.decoding.masks.step_mask builds from seg, off [B, Q] and lo, hi [B] (int64) in ~15
+  // tensor ops (its docstring has the rule; tests compare the two).
+  m.def("cpu_step_mask(Tensor seg, Tensor off, Tensor lo, Tensor hi, int width) -> Tensor");
 }
 
 namespace {
