@@ -142,6 +142,31 @@ def test_buckets_and_masks() -> None:
     assert torch.equal(native, step_mask(seg, off, lo, hi, 9))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_native_ar_acceptance_is_the_steps(seed: int) -> None:
+    """The CPU step's one-pass AR acceptance (cpu_ar_accept) against BatchStep._ar's tensor ops
+    on random steps: drafts that match their targets for a while, EOS anywhere (fed or not),
+    sequences that feed nothing, with and without EOS ids."""
+    from types import SimpleNamespace
+
+    from jacobi_ext.decoding.step import BatchStep
+
+    g = torch.Generator().manual_seed(seed)
+    B, Q = 1 + seed % 4, 1 + 2 * seed
+    tgt = torch.randint(0, 6, (B, Q), generator=g)
+    toks = torch.randint(0, 6, (B, Q), generator=g)
+    run = torch.randint(0, Q + 1, (B,), generator=g)
+    for b in range(B):  # drafts equal to the previous target up to a random point
+        toks[b, 1 : run[b]] = tgt[b, : max(int(run[b]) - 1, 0)]
+    fed = torch.randint(0, Q + 1, (B,), generator=g)
+    for eos in (None, torch.tensor([2]), torch.tensor([0, 5])):
+        want = BatchStep._ar(SimpleNamespace(eos=eos), toks, tgt, fed, Q)
+        got = torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed, eos)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), eos
+    with pytest.raises(ValueError, match="fed must be"):
+        torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed[:0], None)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_native_step_mask_is_step_mask(seed: int) -> None:
     """The CPU runtime's one-pass mask (cpu_step_mask) against masks.step_mask on random steps:

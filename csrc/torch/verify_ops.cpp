@@ -2,11 +2,15 @@
 #include "verify_ops.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <c10/util/SmallVector.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <tuple>
 
 #include "cpu/verify_cpu.h"
 #include "checks.h"
@@ -154,6 +158,77 @@ VerifyResult verify_step_cpu(const at::Tensor& tokens, const at::Tensor& greedy,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) { m.impl("verify_step", &verify_step_cpu); }
+namespace {
+
+// The decoding step's AR acceptance (jacobi_ext/decoding/step.py: BatchStep._ar, whose torch
+// ops it replaces on a CPU: ~20 small ops, ~0.2 ms a step), per sequence b with q = fed[b]:
+// accepted = 1 + the longest run of fed drafts toks[b, i] (1 <= i < q) equal to tgt[b, i - 1],
+// capped at 1 + the first fed EOS; the seed is tgt[b, accepted - 1]; finished = whether
+// toks[b, accepted - 1] is an EOS. summary[b] = (0, accepted, finished, 1, 1, seed, 0, 0),
+// count[b] = accepted where q > 0, else 0.
+std::tuple<at::Tensor, at::Tensor> cpu_ar_accept(const at::Tensor& toks, const at::Tensor& tgt,
+                                                 const at::Tensor& fed,
+                                                 const std::optional<at::Tensor>& eos) {
+  namespace ck = jacobi::checks;
+  ck::rank(toks, "toks", 2, "[B, Q]");
+  ck::dtype(toks, "toks", at::kLong);
+  ck::dtype(tgt, "tgt", at::kLong);
+  ck::dtype(fed, "fed", at::kLong);
+  const int64_t B = toks.size(0), Q = toks.size(1);
+  TORCH_CHECK_VALUE(tgt.sizes() == toks.sizes(), "tgt must be [B, Q] like toks ", toks.sizes(),
+                    ", got ", tgt.sizes());
+  TORCH_CHECK_VALUE(fed.dim() == 1 && fed.size(0) == B, "fed must be [B = ", B, "], got ",
+                    fed.sizes());
+  TORCH_CHECK_VALUE(Q >= 1, "a step feeds at least one token, got Q = ", Q);
+  at::Tensor e;
+  if (eos.has_value()) {
+    ck::dtype(*eos, "eos", at::kLong);
+    TORCH_CHECK_VALUE(eos->dim() == 1, "eos must be [E] token ids, got ", eos->sizes());
+    e = eos->contiguous();
+  }
+  const at::Tensor tc = toks.contiguous(), gc = tgt.contiguous(), fc = fed.contiguous();
+  const int64_t *t = tc.data_ptr<int64_t>(), *g = gc.data_ptr<int64_t>(),
+                *q = fc.data_ptr<int64_t>();
+  const int64_t* ep = e.defined() ? e.data_ptr<int64_t>() : nullptr;
+  const int64_t E = e.defined() ? e.size(0) : 0;
+  auto is_eos = [&](int64_t tok) {
+    for (int64_t k = 0; k < E; ++k) {
+      if (ep[k] == tok) return true;
+    }
+    return false;
+  };
+  at::Tensor summary = at::zeros({B, 8}, toks.options());
+  at::Tensor count = at::empty({B}, toks.options());
+  int64_t* s = summary.data_ptr<int64_t>();
+  int64_t* c = count.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* tb = t + b * Q;
+    const int64_t* gb = g + b * Q;
+    int64_t acc = 1;
+    while (acc < Q && acc < q[b] && tb[acc] == gb[acc - 1]) ++acc;
+    if (ep != nullptr) {
+      for (int64_t i = 0; i < Q && i < q[b]; ++i) {
+        if (is_eos(tb[i])) {
+          acc = std::min(acc, i + 1);
+          break;
+        }
+      }
+    }
+    int64_t* row = s + b * 8;
+    row[1] = acc;
+    row[2] = ep != nullptr && is_eos(tb[acc - 1]) ? 1 : 0;
+    row[3] = row[4] = 1;
+    row[5] = gb[acc - 1];
+    c[b] = q[b] > 0 ? acc : 0;
+  }
+  return {summary, count};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
+  m.impl("verify_step", &verify_step_cpu);
+  m.impl("cpu_ar_accept", &cpu_ar_accept);
+}
 
 }  // namespace jacobi::ops
