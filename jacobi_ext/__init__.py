@@ -68,7 +68,7 @@ def build_info() -> dict[str, object]:
         # GGUF tensor types the CPU linear reads as stored (jacobi_ext.models.quantized)
         "gguf types read": ", ".join(_gguf_types()) or "none",
         # ... and those it also reads on 8-bit activations (int8_activations=True)
-        "gguf int8 activations": "Q4_1" if _gguf_types() else "none",
+        "gguf int8 activations": "Q4_1, Q8_0" if _gguf_types() else "none",
         "cpu threads": torch.get_num_threads(),
     }
 

@@ -131,6 +131,17 @@ def _q4_1_fields(raw: np.ndarray, N: int, K: int):
     return torch.from_numpy(codes), d, m
 
 
+def _q8_0_fields(raw: np.ndarray, N: int, K: int):
+    """A Q8_0 weight's codes [N, K] (int64) and per-block d [N, K / 32] (float32); no offset."""
+    b = raw.reshape(N, K // 32, 34)
+    d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    codes = b[..., 2:].copy().view(np.int8).astype(np.int64).reshape(N, K)
+    return torch.from_numpy(codes), d, None
+
+
+INT8_FIELDS = {Q.Q4_1: _q4_1_fields, Q.Q8_0: _q8_0_fields}
+
+
 def int8_reference(x: torch.Tensor, codes, d, m, bias=None) -> torch.Tensor:
     """int8_activations' formula in float64: x quantized per row and group of 32 exactly as the
     kernel does (float32 products, round half to even), the integer sums exact, the scaled sums
@@ -143,36 +154,47 @@ def int8_reference(x: torch.Tensor, codes, d, m, bias=None) -> torch.Tensor:
     dx = amax / 127
     msx = dx * q.sum(-1)
     isum = torch.einsum("ngk,mgk->mng", codes.view(-1, K // 32, 32).double(), q.double())
-    y = ((d[None] * dx[:, None]).double() * isum + m[None].double() * msx[:, None].double()).sum(-1)
+    y = (d[None] * dx[:, None]).double() * isum
+    if m is not None:  # Q4_1's offset
+        y = y + m[None].double() * msx[:, None].double()
+    y = y.sum(-1)
     return y if bias is None else y + bias.double()
 
 
 def check_int8(tmp_path: Path) -> dict:
-    """The 8-bit-activation Q4_1 path: its formula (float64 reference), a row's bits alone and
-    among others; returns the outputs, for comparing ISAs."""
+    """The 8-bit-activation paths (Q4_1, Q8_0): their formula (float64 reference), a row's bits
+    alone and among others; returns the outputs, for comparing ISAs."""
     g = torch.Generator().manual_seed(7)
     outs = {}
-    for t, N, K in _file_tensors(tmp_path, Q.Q4_1):
+    for qtype, fields in INT8_FIELDS.items():
+        outs.update(_check_int8_type(tmp_path / qtype.name, qtype, fields, g))
+    return outs
+
+
+def _check_int8_type(tmp_path: Path, qtype, fields, g) -> dict:
+    outs = {}
+    for t, N, K in _file_tensors(tmp_path, qtype):
         raw = np.array(t.data, dtype=np.uint8)
-        codes, d, m = _q4_1_fields(raw, N, K)
-        packed = ops.cpu_linear_gguf_pack([_raw(t)], int(Q.Q4_1))
+        codes, d, m = fields(raw, N, K)
+        packed = ops.cpu_linear_gguf_pack([_raw(t)], int(qtype))
         w = _dequantized(t, N, K)
         for M in MS:
             x = torch.randn(M, K, generator=g)
             x[0, :7] = 0.0  # a group with zeros (and, at K = 32, most of one)
             bias = torch.randn(N, generator=g) if M % 2 else None
-            y = ops.cpu_linear_gguf(x, packed, 3, N, bias, int8_activations=True)
+            y = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, int8_activations=True)
             ref = int8_reference(x, codes, d, m, bias)
-            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+            # fp32 rounding of the per-group sums: relative to the size of the terms
+            scale = (x.abs().double() @ w.abs().double().T).max().item() + 1e-30
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6 * max(scale, 1.0))
             # ... and near the exact product (8-bit activations: ~1 % of the terms' size)
             exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
-            scale = (x.abs().double() @ w.abs().double().T).max().item() + 1e-30
             assert (y.double() - exact).abs().max().item() <= 0.02 * scale
             if M > 1:
-                one = ops.cpu_linear_gguf(x[M // 2 : M // 2 + 1], packed, 3, N, bias,
+                one = ops.cpu_linear_gguf(x[M // 2 : M // 2 + 1], packed, int(qtype), N, bias,
                                           int8_activations=True)  # fmt: skip
                 assert torch.equal(y[M // 2], one[0])
-            outs[f"{N}x{K}/{M}"] = y
+            outs[f"{qtype.name} {N}x{K}/{M}"] = y
     return outs
 
 
@@ -184,9 +206,22 @@ def test_int8_activations(tmp_path):
     packed = ops.cpu_linear_gguf_pack([_raw(t)], int(Q.Q4_1))
     y = ops.cpu_linear_gguf(x, packed, 3, N, int8_activations=True)
     assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
-    q8 = ops.cpu_linear_gguf_pack([torch.zeros(4, 34, dtype=torch.uint8)], int(Q.Q8_0))
-    with pytest.raises(ValueError, match="int8_activations is implemented for Q4_1"):
-        ops.cpu_linear_gguf(torch.randn(1, 32), q8, int(Q.Q8_0), 4, int8_activations=True)
+    # Q8_0 at the edge of the 16-bit pair sums: codes -128 and 127 against q = -127 and 127
+    N, K = 17, 64
+    raw = np.zeros((N, K // 32, 34), dtype=np.uint8)
+    raw[..., 0:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    raw[: N // 2, :, 2:] = 0x80  # -128
+    raw[N // 2 :, :, 2:] = 0x7F  # 127
+    raw = raw.reshape(N, -1)
+    packed = ops.cpu_linear_gguf_pack([torch.from_numpy(raw)], int(Q.Q8_0))
+    x = torch.stack([torch.full((K,), -3.0), torch.full((K,), 3.0), torch.randn(K)])
+    y = ops.cpu_linear_gguf(x, packed, int(Q.Q8_0), N, int8_activations=True)
+    codes, d, _ = _q8_0_fields(raw, N, K)
+    torch.testing.assert_close(y.double(), int8_reference(x, codes, d, None), rtol=1e-6, atol=0)
+    assert y[0, 0].item() == 0.5 * (3.0 / 127) * 128 * 127 * K  # every product exact
+    q4_0 = ops.cpu_linear_gguf_pack([torch.zeros(4, 18, dtype=torch.uint8)], int(Q.Q4_0))
+    with pytest.raises(ValueError, match="int8_activations is implemented for Q4_1 .* and Q8_0"):
+        ops.cpu_linear_gguf(torch.randn(1, 32), q4_0, int(Q.Q4_0), 4, int8_activations=True)
 
 
 def int8_this_process(expected_isa: str, tmp: str, out: str) -> None:
@@ -379,7 +414,7 @@ def test_int8_activations_need_q4_1_codes():
     from jacobi_ext.models import tiny_llama
     from jacobi_ext.models.quantized import set_int8_activations
 
-    with pytest.raises(ValueError, match="int8 activations run on Q4_1 GGUF codes"):
+    with pytest.raises(ValueError, match="int8 activations run on Q4_1 / Q8_0 GGUF codes"):
         set_int8_activations(tiny_llama(vocab_size=50, hidden_size=32, num_layers=1))
 
 

@@ -521,6 +521,16 @@ void run(const LinearArgs& a, const GgufLora& lo) {
 
 using Q41 = Traits<GgufType::q4_1>;
 constexpr int64_t kQ41Header = kNR * Q41::kHeaderBytes;  // a group's fp16 d[NR], m[NR]
+using Q80 = Traits<GgufType::q8_0>;
+constexpr int64_t kQ80Header = kNR * Q80::kHeaderBytes;  // a group's fp16 d[NR]
+static_assert(Q41::kG == kInt8Group && Q80::kG == kInt8Group, "one x group per weight group");
+
+// The 8-bit path's types: Q4_1 (unsigned 4-bit codes and an offset), Q8_0 (signed 8-bit codes).
+template <GgufType T>
+constexpr int64_t int8_header() {
+  static_assert(T == GgufType::q4_1 || T == GgufType::q8_0, "8-bit activations: Q4_1 or Q8_0");
+  return T == GgufType::q4_1 ? kQ41Header : kQ80Header;
+}
 
 // One row of x quantized per group of 32 k: q = nearbyint(x * (127 / amax)) in [-127, 127],
 // dx = amax / 127, msx = dx * sum(q). A group with a non-finite value gets q = 0 and dx = msx =
@@ -552,28 +562,37 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float*
   }
 }
 
-// A Q4_1 panel times one quantized row: per group, column c's exact integer sum
-// isum = sum_k code(k, c) q(k), then acc = fma(d * dx, isum, acc), acc = fma(m, msx, acc) (d, m
-// the column's fp16 scale and offset): the same operations in the same order on every ISA.
+// A Q4_1 or Q8_0 panel times one quantized row: per group, column c's exact integer sum
+// isum = sum_k code(k, c) q(k), then acc = fma(d * dx, isum, acc) and, for Q4_1,
+// acc = fma(m, msx, acc) (d, m the column's fp16 scale and offset): the same operations in the
+// same order on every ISA.
+template <GgufType T>
 inline void int8_panel_row_scalar(const uint8_t* panel, int64_t groups, int64_t gbytes,
                                   const int8_t* q, const float* dx, const float* msx,
                                   float* out) {
   for (int j = 0; j < kNR; ++j) out[j] = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = panel + g * gbytes;
-    const uint8_t* codes = grp + kQ41Header;
+    const uint8_t* codes = grp + int8_header<T>();
     const int8_t* qg = q + g * kInt8Group;
     for (int j = 0; j < kNR; ++j) {
       int isum = 0;
-      for (int i = 0; i < kInt8Group / 2; ++i) {
-        const uint8_t b = codes[i * kNR + j];
-        isum += static_cast<int>(b & 0xF) * qg[2 * i] + static_cast<int>(b >> 4) * qg[2 * i + 1];
+      if constexpr (T == GgufType::q4_1) {
+        for (int i = 0; i < kInt8Group / 2; ++i) {
+          const uint8_t b = codes[i * kNR + j];
+          isum += static_cast<int>(b & 0xF) * qg[2 * i] + static_cast<int>(b >> 4) * qg[2 * i + 1];
+        }
+      } else {
+        for (int k = 0; k < kInt8Group; ++k)
+          isum += static_cast<int>(static_cast<int8_t>(codes[k * kNR + j])) * qg[k];
       }
       const float d = half_to_float(load_u16(grp + 2 * j));
-      const float m = half_to_float(load_u16(grp + 2 * (kNR + j)));
       const float dd = d * dx[g];
       out[j] = std::fma(dd, static_cast<float>(isum), out[j]);
-      out[j] = std::fma(m, msx[g], out[j]);
+      if constexpr (T == GgufType::q4_1) {
+        const float m = half_to_float(load_u16(grp + 2 * (kNR + j)));
+        out[j] = std::fma(m, msx[g], out[j]);
+      }
     }
   }
 }
@@ -597,66 +616,98 @@ inline void int8_pairs(const int8_t* q, int64_t groups, uint8_t* xv) {
   }
 }
 
-// int8_panel_row_scalar's arithmetic, 16 columns at a time: code rows 2j and 2j+1 of 16 columns
-// in one vector, their nibbles split and interleaved into (k, k+1) byte pairs per column, times
-// the row's pairs (maddubs: unsigned codes, signed q), summed in 16 bits over the group's 8
-// vectors (each sum <= 8 * 2 * 15 * 127 = 30480: no overflow), then widened: the exact integer
-// sum of each column, then the same two fused multiply-adds.
+// int8_panel_row_scalar's arithmetic, 16 columns at a time, the row's pairs (q(k), q(k+1))
+// times the codes' (k, k+1) byte pairs per column with maddubs (unsigned x signed bytes, the two
+// products summed in 16 bits), then widened: the exact integer sum of each column, then the same
+// fused multiply-adds.
+//  - Q4_1: code rows 2j and 2j+1 of 16 columns in one vector, their nibbles split and
+//    interleaved; the 16-bit sums add up over the group's 8 vectors (each <= 8 * 2 * 15 * 127 =
+//    30480: no overflow) and are widened once.
+//  - Q8_0: code rows 4j .. 4j+3 interleaved into pairs; signed codes as |code| times q with the
+//    code's sign (a pair's sum <= 2 * 128 * 127 = 32512: no overflow), widened at each vector.
 // MR rows at once (each code vector split once for all of them): each row's operations are
 // exactly the one-row ones, so a row gets the same bits at any MR.
-template <int MR>
+template <GgufType T, int MR>
 inline void int8_panel_rows(const uint8_t* panel, int64_t groups, int64_t gbytes,
                             const uint8_t* xv, int64_t ldxv, const float* dx, const float* msx,
                             int64_t ldg, float* out) {
   constexpr int S = kNR / 16;
+  constexpr bool kOffset = T == GgufType::q4_1;
   __m256 acc[MR][S][2];
   for (int r = 0; r < MR; ++r)
     for (int s = 0; s < S; ++s) acc[r][s][0] = acc[r][s][1] = _mm256_setzero_ps();
   const __m256i nib = _mm256_set1_epi8(0x0F);
+  // 16-bit lanes [a | b] (two halves of 8 columns) -> their sum in 32 bits per column
+  auto widen = [](__m256i v) {
+    return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)),
+                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+  };
+  auto row16 = [&](const uint8_t* codes, int k, int s) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kNR + 16 * s));
+  };
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = panel + g * gbytes;
-    const uint8_t* codes = grp + kQ41Header;
+    const uint8_t* codes = grp + int8_header<T>();
     for (int64_t b = 0; b < gbytes; b += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(grp + kPrefetchAhead + b), _MM_HINT_T0);
     }
     for (int s = 0; s < S; ++s) {
-      __m256i lo16[MR], hi16[MR];
-      for (int r = 0; r < MR; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-            codes + (2 * j) * kNR + 16 * s));
-        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-            codes + (2 * j + 1) * kNR + 16 * s));
-        const __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(r0), r1, 1);
-        const __m256i l = _mm256_and_si256(c, nib);
-        const __m256i h = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
-        const __m256i ul = _mm256_unpacklo_epi8(l, h), uh = _mm256_unpackhi_epi8(l, h);
+      __m256i isum[MR][2];  // columns 16 s + [0, 8) and [8, 16)
+      if constexpr (kOffset) {
+        __m256i lo16[MR], hi16[MR];
+        for (int r = 0; r < MR; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i c = _mm256_set_m128i(row16(codes, 2 * j + 1, s), row16(codes, 2 * j, s));
+          const __m256i l = _mm256_and_si256(c, nib);
+          const __m256i h = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
+          const __m256i ul = _mm256_unpacklo_epi8(l, h), uh = _mm256_unpackhi_epi8(l, h);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i x = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(xv + r * ldxv + (g * 8 + j) * 32));
+            lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(ul, x));
+            hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(uh, x));
+          }
+        }
         for (int r = 0; r < MR; ++r) {
-          const __m256i x = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(xv + r * ldxv + (g * 8 + j) * 32));
-          lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(ul, x));
-          hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(uh, x));
+          isum[r][0] = widen(lo16[r]);
+          isum[r][1] = widen(hi16[r]);
+        }
+      } else {
+        for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          // [row 4j | row 4j+2] and [row 4j+1 | row 4j+3], interleaved: per column the pairs
+          // (4j, 4j+1) in the low half, (4j+2, 4j+3) in the high, as the row's pairs in xv
+          const __m256i c02 = _mm256_set_m128i(row16(codes, 4 * j + 2, s), row16(codes, 4 * j, s));
+          const __m256i c13 =
+              _mm256_set_m128i(row16(codes, 4 * j + 3, s), row16(codes, 4 * j + 1, s));
+          const __m256i ul = _mm256_unpacklo_epi8(c02, c13), uh = _mm256_unpackhi_epi8(c02, c13);
+          const __m256i al = _mm256_abs_epi8(ul), ah = _mm256_abs_epi8(uh);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i x = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(xv + r * ldxv + (g * 8 + j) * 32));
+            isum[r][0] = _mm256_add_epi32(
+                isum[r][0], widen(_mm256_maddubs_epi16(al, _mm256_sign_epi8(x, ul))));
+            isum[r][1] = _mm256_add_epi32(
+                isum[r][1], widen(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(x, uh))));
+          }
         }
       }
       __m256 d[2], m[2];
       for (int half = 0; half < 2; ++half) {
         const int c0 = 16 * s + 8 * half;
         d[half] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 2 * c0)));
-        m[half] = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 2 * (kNR + c0))));
+        if constexpr (kOffset) {
+          m[half] = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 2 * (kNR + c0))));
+        }
       }
       for (int r = 0; r < MR; ++r) {
-        const __m256i isum[2] = {
-            _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo16[r])),
-                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo16[r], 1))),
-            _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi16[r])),
-                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi16[r], 1)))};
         const __m256 vdx = _mm256_set1_ps(dx[r * ldg + g]);
         const __m256 vmsx = _mm256_set1_ps(msx[r * ldg + g]);
         for (int half = 0; half < 2; ++half) {
           acc[r][s][half] = _mm256_fmadd_ps(_mm256_mul_ps(d[half], vdx),
-                                            _mm256_cvtepi32_ps(isum[half]), acc[r][s][half]);
-          acc[r][s][half] = _mm256_fmadd_ps(m[half], vmsx, acc[r][s][half]);
+                                            _mm256_cvtepi32_ps(isum[r][half]), acc[r][s][half]);
+          if constexpr (kOffset) acc[r][s][half] = _mm256_fmadd_ps(m[half], vmsx, acc[r][s][half]);
         }
       }
     }
@@ -671,27 +722,30 @@ inline void int8_panel_rows(const uint8_t* panel, int64_t groups, int64_t gbytes
 
 constexpr int kInt8MR = 4;  // rows per tile
 
+template <GgufType T>
 inline void int8_panel_tile(int rows, const uint8_t* panel, int64_t groups, int64_t gbytes,
                             const uint8_t* xv, int64_t ldxv, const float* dx, const float* msx,
                             int64_t ldg, float* out) {
   switch (rows) {
-    case 1: return int8_panel_rows<1>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
-    case 2: return int8_panel_rows<2>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
-    case 3: return int8_panel_rows<3>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
-    default: return int8_panel_rows<4>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
+    case 1: return int8_panel_rows<T, 1>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
+    case 2: return int8_panel_rows<T, 2>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
+    case 3: return int8_panel_rows<T, 3>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
+    default: return int8_panel_rows<T, 4>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
   }
 }
 #else
 constexpr bool kInt8Vector = false;
 inline void int8_pairs(const int8_t*, int64_t, uint8_t*) {}
 constexpr int kInt8MR = 1;
+template <GgufType T>
 inline void int8_panel_tile(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t,
                             const float*, const float*, int64_t, float*) {}
 #endif
 
+template <GgufType T>
 void run_int8(const LinearArgs& a, const GgufLora& lo) {
   lora_t(a, lo);
-  constexpr GgufFormat f = Q41::kF;
+  constexpr GgufFormat f = Traits<T>::kF;
   const int64_t panels = (a.N + kNR - 1) / kNR;
   const int64_t groups = a.K / f.group_k;
   const int64_t gbytes = gguf_group_bytes(f, kNR);
@@ -726,11 +780,11 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
       for (int64_t m0 = 0; m0 < a.M; m0 += kInt8MR) {  // each row's bits the same at any M
         const int rows = static_cast<int>(std::min<int64_t>(kInt8MR, a.M - m0));
         if (kInt8Vector) {
-          int8_panel_tile(rows, packed + p * panel_bytes, groups, gbytes,
+          int8_panel_tile<T>(rows, packed + p * panel_bytes, groups, gbytes,
                           xvp + m0 * groups * 256, groups * 256, dxp + m0 * groups,
                           msxp + m0 * groups, groups, out);
         } else {
-          int8_panel_row_scalar(packed + p * panel_bytes, groups, gbytes, qp + m0 * a.K,
+          int8_panel_row_scalar<T>(packed + p * panel_bytes, groups, gbytes, qp + m0 * a.K,
                                 dxp + m0 * groups, msxp + m0 * groups, out);
         }
         write_tile<float>(out, rows, cols, a, m0, n0);
@@ -803,7 +857,8 @@ void linear_gguf(GgufType type, const LinearArgs& a, const GgufLora& lora) {
 
 void linear_gguf_int8(GgufType type, const LinearArgs& a, const GgufLora& lora) {
   if (a.M == 0 || a.N == 0) return;
-  if (type == GgufType::q4_1) run_int8(a, lora);  // the op checks the type
+  if (type == GgufType::q4_1) run_int8<GgufType::q4_1>(a, lora);  // the op checks the type
+  if (type == GgufType::q8_0) run_int8<GgufType::q8_0>(a, lora);
 }
 
 }  // namespace jacobi::cpu::JACOBI_ISA

@@ -168,9 +168,10 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                        lora_b->data_ptr(), r0};
   }
   if (int8_activations) {
-    TORCH_CHECK_VALUE(type == static_cast<int64_t>(GgufType::q4_1),
-                      "int8_activations is implemented for Q4_1 (ggml type 3) weights, got type ",
-                      type, "; run this linear with int8_activations=False");
+    TORCH_CHECK_VALUE(type == static_cast<int64_t>(GgufType::q4_1) ||
+                          type == static_cast<int64_t>(GgufType::q8_0),
+                      "int8_activations is implemented for Q4_1 (ggml type 3) and Q8_0 (8) "
+                      "weights, got type ", type, "; run this linear with int8_activations=False");
     JACOBI_CPU_DISPATCH(linear_gguf_int8, static_cast<GgufType>(type), a, lo);
   } else {
     JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);

@@ -107,7 +107,7 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // (widened exactly in the kernel: the same bits as their float32 values); added after the bias. lora_panel_r0
   // (int64, one per panel of NR outputs): A has any number of rows, and panel p of B multiplies
   // columns [r0[p], r0[p] + rank) of x A^T (linears side by side, each its own columns).
-  // int8_activations: Q4_1 only, each row of x quantized to 8 bits per group of 32 and integer
+  // int8_activations: Q4_1 and Q8_0, each row of x quantized to 8 bits per group of 32 and integer
   // dot products per group (linear_gguf_cpu.h: linear_gguf_int8): not the dequantized fp32
   // product, but the same bits for a row at any M and on every ISA.
   m.def("cpu_linear_gguf(Tensor x, Tensor packed, int type, int out_features, "

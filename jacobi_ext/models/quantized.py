@@ -176,16 +176,17 @@ class _Group:
 
 
 # The ggml types the kernels read on 8-bit activations (csrc/cpu/linear_gguf_cpu.h).
-INT8_TYPES = (3,)  # Q4_1
+INT8_TYPES = (3, 8)  # Q4_1, Q8_0
 
 
 def set_int8_activations(model, on: bool = True) -> int:
-    """Run the model's Q4_1 linears on 8-bit activations (on=True) or exactly (on=False).
+    """Run the model's Q4_1 and Q8_0 linears (the default model's layers and its LM head) on
+    8-bit activations (on=True) or exactly (on=False).
 
     Exact (the default): every output is the fp32 product with the exactly dequantized weight,
     bitwise the model dequantized to fp32. On 8-bit activations (llama.cpp's kind of arithmetic):
     each row of x is quantized per block of 32 values and multiplied with the 4-bit codes in
-    integers, ~1.4-1.9x faster per one-row linear here; the logits are no longer the fp32
+    integers, ~1.4-1.9x faster per one-row Q4_1 linear here; the logits are no longer the fp32
     model's (so greedy answers may part from transformers' at near-ties, as llama.cpp's do), but
     a row's bits do not depend on the other rows of a forward, so every decoding method still
     returns exactly this mode's own `ar`. Other tensor types stay exact. Takes effect at the next
@@ -200,8 +201,8 @@ def set_int8_activations(model, on: bool = True) -> int:
     model.__dict__.pop("_jacobi_ext_key", None)  # the tuner's curve: this mode's own
     if on and n == 0:
         raise ValueError(
-            "int8 activations run on Q4_1 GGUF codes; this model has no Q4_1 linear on its codes "
-            f"({describe(model)}): load a Q4_1 .gguf file without dequantize=True"
+            "int8 activations run on Q4_1 / Q8_0 GGUF codes; this model has no such linear on its "
+            f"codes ({describe(model)}): load a Q4_1 or Q8_0 .gguf file without dequantize=True"
         )
     return n
 
@@ -257,18 +258,19 @@ def is_quantized(model) -> bool:
 def describe(model) -> str:
     """'GGUF Q4_1 x 210, Q8_0 x 1 (+ LoRA)' or 'fp32'-style: what the model's linears read."""
     counts: dict[str, int] = {}
-    lora = int8 = False
+    lora, int8 = False, set()
     for m in model.modules():
         if isinstance(m, GGUFLinear):
             counts[m.type_name] = counts.get(m.type_name, 0) + 1
             lora = lora or m.lora is not None
-            int8 = int8 or m.int8
+            if m.int8:
+                int8.add(m.type_name)
         elif type(m) is nn.Linear:
             key = str(m.weight.dtype).replace("torch.", "")
             counts[key] = counts.get(key, 0) + 1
     parts = ", ".join(f"{k} x {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
     parts += " + LoRA (unmerged)" if lora else ""
-    return parts + (", Q4_1 on int8 activations" if int8 else "")
+    return parts + (f", {' and '.join(sorted(int8))} on int8 activations" if int8 else "")
 
 
 # ---- loading -------------------------------------------------------------------------------------
