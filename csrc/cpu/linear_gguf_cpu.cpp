@@ -532,33 +532,85 @@ constexpr int64_t int8_header() {
   return T == GgufType::q4_1 ? kQ41Header : kQ80Header;
 }
 
-// One row of x quantized per group of 32 k: q = nearbyint(x * (127 / amax)) in [-127, 127],
-// dx = amax / 127, msx = dx * sum(q). A group with a non-finite value gets q = 0 and dx = msx =
-// NaN (its outputs NaN, as the float product's). Plain scalar code, the same on every ISA.
+// One group of 32 values of a row of x quantized: q = nearbyint(x * (127 / amax)) in
+// [-127, 127], dx = amax / 127, msx = dx * sum(q). A group with a non-finite value gets q = 0 and
+// dx = msx = NaN (its outputs NaN, as the float product's); a group so small that 127 / amax
+// overflows (amax < ~3.7e-37) gets q = 0 (its terms are below fp32's reach anyway). Plain scalar
+// code; the vector variant below gives the same bytes.
+inline void quantize_group_scalar(const float* xg, int8_t* qg, float* dx, float* msx) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int k = 0; k < kInt8Group; ++k) {
+    finite = finite && std::isfinite(xg[k]);
+    amax = std::max(amax, std::fabs(xg[k]));
+  }
+  if (!finite) {
+    std::fill(qg, qg + kInt8Group, int8_t{0});
+    *dx = *msx = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int k = 0; k < kInt8Group; ++k) {
+    const int v = std::isfinite(inv)
+                      ? std::clamp(static_cast<int>(std::nearbyint(xg[k] * inv)), -127, 127)
+                      : 0;
+    qg[k] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *dx = amax / 127.f;
+  *msx = *dx * static_cast<float>(sum);
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// quantize_group_scalar with 8 lanes: the same max, the same product x * inv rounded to fp32,
+// rounded to the nearest integer, ties to even (nearbyint's mode), clamped; the integer sum exact.
+// Groups with a non-finite value or an overflowing 127 / amax go to the scalar code.
+inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i exp = _mm256_set1_epi32(0x7f800000);
+  __m256 v[4], amax8 = _mm256_setzero_ps();
+  int special = 0;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xg + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[i]));
+    const __m256i e = _mm256_and_si256(_mm256_castps_si256(v[i]), exp);
+    special |= _mm256_movemask_epi8(_mm256_cmpeq_epi32(e, exp));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax = _mm_cvtss_f32(m4);
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  if (special != 0 || !std::isfinite(inv)) return quantize_group_scalar(xg, qg, dx, msx);
+  const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i iv[4], sum8 = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vinv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    iv[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));  // exact: integers
+    sum8 = _mm256_add_epi32(sum8, iv[i]);
+  }
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                       _mm256_packs_epi32(iv[2], iv[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+  *dx = amax / 127.f;
+  *msx = *dx * static_cast<float>(_mm_cvtsi128_si32(s4));
+}
+#else
+inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx) {
+  quantize_group_scalar(xg, qg, dx, msx);
+}
+#endif
+
+// One row of x quantized per group of 32 k (quantize_group).
 inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* msx) {
   for (int64_t g = 0; g < K / kInt8Group; ++g) {
-    const float* xg = x + g * kInt8Group;
-    int8_t* qg = q + g * kInt8Group;
-    float amax = 0.f;
-    bool finite = true;
-    for (int k = 0; k < kInt8Group; ++k) {
-      finite = finite && std::isfinite(xg[k]);
-      amax = std::max(amax, std::fabs(xg[k]));
-    }
-    if (!finite) {
-      std::fill(qg, qg + kInt8Group, int8_t{0});
-      dx[g] = msx[g] = std::numeric_limits<float>::quiet_NaN();
-      continue;
-    }
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int k = 0; k < kInt8Group; ++k) {
-      const int v = std::clamp(static_cast<int>(std::nearbyint(xg[k] * inv)), -127, 127);
-      qg[k] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    dx[g] = amax / 127.f;
-    msx[g] = dx[g] * static_cast<float>(sum);
+    quantize_group(x + g * kInt8Group, q + g * kInt8Group, dx + g, msx + g);
   }
 }
 
@@ -606,12 +658,11 @@ static_assert(kNR % 16 == 0, "the 8-bit tile takes 16 columns at a time");
 inline void int8_pairs(const int8_t* q, int64_t groups, uint8_t* xv) {
   for (int64_t g = 0; g < groups; ++g) {
     for (int j = 0; j < 8; ++j) {
-      uint8_t* v = xv + (g * 8 + j) * 32;
-      const int8_t* qj = q + g * kInt8Group + 4 * j;
-      for (int r = 0; r < 8; ++r) {
-        std::memcpy(v + 2 * r, qj, 2);
-        std::memcpy(v + 16 + 2 * r, qj + 2, 2);
-      }
+      int16_t lo, hi;
+      std::memcpy(&lo, q + g * kInt8Group + 4 * j, 2);
+      std::memcpy(&hi, q + g * kInt8Group + 4 * j + 2, 2);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xv + (g * 8 + j) * 32),
+                          _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo)));
     }
   }
 }
