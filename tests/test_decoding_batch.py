@@ -144,9 +144,9 @@ def test_buckets_and_masks() -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_native_ar_acceptance_is_the_steps(seed: int) -> None:
-    """The CPU step's one-pass AR acceptance (cpu_ar_accept) against BatchStep._ar's tensor ops
+    """The CPU step's one-pass AR rows (cpu_ar_accept) against BatchStep._ar_rows' tensor ops
     on random steps: drafts that match their targets for a while, EOS anywhere (fed or not),
-    sequences that feed nothing, with and without EOS ids."""
+    sequences that feed nothing, with and without EOS ids, rows wider than the step."""
     from types import SimpleNamespace
 
     from jacobi_ext.decoding.step import BatchStep
@@ -159,12 +159,17 @@ def test_native_ar_acceptance_is_the_steps(seed: int) -> None:
     for b in range(B):  # drafts equal to the previous target up to a random point
         toks[b, 1 : run[b]] = tgt[b, : max(int(run[b]) - 1, 0)]
     fed = torch.randint(0, Q + 1, (B,), generator=g)
+    S, tail = Q + seed % 3, seed
     for eos in (None, torch.tensor([2]), torch.tensor([0, 5])):
-        want = BatchStep._ar(SimpleNamespace(eos=eos), toks, tgt, fed, Q)
-        got = torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed, eos)
+        step = SimpleNamespace(eos=eos, S=S, tail=tail)
+        step._ar = lambda *a, step=step: BatchStep._ar(step, *a)
+        want = BatchStep._ar_rows(step, toks, tgt, fed, Q)
+        got = torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed, eos, S, tail)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), eos
     with pytest.raises(ValueError, match="fed must be"):
-        torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed[:0], None)
+        torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed[:0], None, S, tail)
+    with pytest.raises(ValueError, match="must hold"):
+        torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed, None, Q - 1, tail)
 
 
 @pytest.mark.parametrize("seed", range(6))

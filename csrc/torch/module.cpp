@@ -146,10 +146,11 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // jacobi_ext.decoding.masks.step_mask builds from seg, off [B, Q] and lo, hi [B] (int64) in ~15
   // tensor ops (its docstring has the rule; tests compare the two).
   m.def("cpu_step_mask(Tensor seg, Tensor off, Tensor lo, Tensor hi, int width) -> Tensor");
-  // The step's AR acceptance on a CPU in one pass (jacobi_ext.decoding.step.BatchStep._ar's
-  // result from toks, tgt [B, Q], fed [B] and the EOS ids; csrc/torch/verify_ops.cpp has the rule):
-  // (summary [B, 8], count [B]), int64.
-  m.def("cpu_ar_accept(Tensor toks, Tensor tgt, Tensor fed, Tensor? eos) -> (Tensor, Tensor)");
+  // The step's AR rows on a CPU in one pass (jacobi_ext.decoding.step.BatchStep._ar_rows' result
+  // from toks, tgt [B, Q], fed [B], the EOS ids and the row's commit width and tail;
+  // csrc/torch/verify_ops.cpp has the rule): (rows [B, 8 + width + tail], count [B]), int64.
+  m.def("cpu_ar_accept(Tensor toks, Tensor tgt, Tensor fed, Tensor? eos, int width, int tail) "
+        "-> (Tensor, Tensor)");
 }
 
 namespace {

@@ -160,15 +160,17 @@ VerifyResult verify_step_cpu(const at::Tensor& tokens, const at::Tensor& greedy,
 
 namespace {
 
-// The decoding step's AR acceptance (jacobi_ext/decoding/step.py: BatchStep._ar, whose torch
-// ops it replaces on a CPU: ~20 small ops, ~0.2 ms a step), per sequence b with q = fed[b]:
+// The decoding step's AR rows (jacobi_ext/decoding/step.py: BatchStep._ar_rows, whose ~25 torch
+// ops it replaces on a CPU, ~0.25 ms a step), per sequence b with q = fed[b]:
 // accepted = 1 + the longest run of fed drafts toks[b, i] (1 <= i < q) equal to tgt[b, i - 1],
 // capped at 1 + the first fed EOS; the seed is tgt[b, accepted - 1]; finished = whether
-// toks[b, accepted - 1] is an EOS. summary[b] = (0, accepted, finished, 1, 1, seed, 0, 0),
+// toks[b, accepted - 1] is an EOS. row[b] = the summary (0, accepted, finished, 1, 1, seed, 0, 0),
+// then `width` commit slots (toks[b, i] for i < min(q, Q), else -1), then `tail` zeros;
 // count[b] = accepted where q > 0, else 0.
 std::tuple<at::Tensor, at::Tensor> cpu_ar_accept(const at::Tensor& toks, const at::Tensor& tgt,
                                                  const at::Tensor& fed,
-                                                 const std::optional<at::Tensor>& eos) {
+                                                 const std::optional<at::Tensor>& eos,
+                                                 int64_t width, int64_t tail) {
   namespace ck = jacobi::checks;
   ck::rank(toks, "toks", 2, "[B, Q]");
   ck::dtype(toks, "toks", at::kLong);
@@ -180,6 +182,8 @@ std::tuple<at::Tensor, at::Tensor> cpu_ar_accept(const at::Tensor& toks, const a
   TORCH_CHECK_VALUE(fed.dim() == 1 && fed.size(0) == B, "fed must be [B = ", B, "], got ",
                     fed.sizes());
   TORCH_CHECK_VALUE(Q >= 1, "a step feeds at least one token, got Q = ", Q);
+  TORCH_CHECK_VALUE(width >= Q && tail >= 0, "width (", width, ") must hold the step's ", Q,
+                    " tokens and tail (", tail, ") be >= 0");
   at::Tensor e;
   if (eos.has_value()) {
     ck::dtype(*eos, "eos", at::kLong);
@@ -197,9 +201,10 @@ std::tuple<at::Tensor, at::Tensor> cpu_ar_accept(const at::Tensor& toks, const a
     }
     return false;
   };
-  at::Tensor summary = at::zeros({B, 8}, toks.options());
+  const int64_t L = 8 + width + tail;
+  at::Tensor rows = at::zeros({B, L}, toks.options());
   at::Tensor count = at::empty({B}, toks.options());
-  int64_t* s = summary.data_ptr<int64_t>();
+  int64_t* s = rows.data_ptr<int64_t>();
   int64_t* c = count.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t* tb = t + b * Q;
@@ -214,14 +219,15 @@ std::tuple<at::Tensor, at::Tensor> cpu_ar_accept(const at::Tensor& toks, const a
         }
       }
     }
-    int64_t* row = s + b * 8;
+    int64_t* row = s + b * L;
     row[1] = acc;
     row[2] = ep != nullptr && is_eos(tb[acc - 1]) ? 1 : 0;
     row[3] = row[4] = 1;
     row[5] = gb[acc - 1];
+    for (int64_t i = 0; i < width; ++i) row[8 + i] = i < Q && i < q[b] ? tb[i] : -1;
     c[b] = q[b] > 0 ? acc : 0;
   }
-  return {summary, count};
+  return {rows, count};
 }
 
 }  // namespace

@@ -182,7 +182,7 @@ class BatchStep:
 
     def _step(self, Q: int, attend: int) -> torch.Tensor:
         """The step on the device (captured as a graph on CUDA): no host values."""
-        rt, B, S = self.rt, self.rt.B, self.S
+        rt = self.rt
         rt.seg[:, :Q] = self._field("seg")[:, :Q]
         rt.off[:, :Q] = self._field("off")[:, :Q]
         self.src[:, self.host0 :] = self._field("host")
@@ -192,14 +192,11 @@ class BatchStep:
         tgt = rt.forward(Q, attend, self.rule)
         toks = rt.ids[:, :Q]
         ar_len = self._field("ar_len")[:, 0]
-        if toks.device.type == "cpu":  # one native pass, the same result (~0.2 ms a step less)
-            summary, count = torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, ar_len, self.eos)
+        if toks.device.type == "cpu":  # one native pass, the same rows (~0.25 ms a step less)
+            ar_rows = torch.ops.jacobi_ext.cpu_ar_accept
+            row, count = ar_rows(toks, tgt, ar_len, self.eos, self.S, self.tail)
         else:
-            summary, count = self._ar(toks, tgt, ar_len, Q)
-        fed = torch.where(torch.arange(Q, device=toks.device) < ar_len[:, None], toks, -1)
-        commit = torch.full((B, S), -1, dtype=torch.long, device=toks.device)
-        commit[:, :Q] = fed
-        row = torch.cat([summary, commit, toks.new_zeros(B, self.tail)], dim=1)
+            row, count = self._ar_rows(toks, tgt, ar_len, Q)
         src = torch.zeros_like(count)
         if self.parallel:
             par_row, par_src, par_count, par = self._verify(toks, tgt, Q)
@@ -208,6 +205,17 @@ class BatchStep:
             count = torch.where(par, par_count, count)
         rt.commit(src, count)
         return row
+
+    def _ar_rows(self, toks, tgt, q, Q: int):
+        """Every sequence's packed row as an AR step (used where ar_len > 0): the summary (_ar),
+        the fed tokens to commit (-1 past ar_len and past the step), zeros for the tail; and the
+        tokens to commit [B]."""
+        B, dev = toks.shape[0], toks.device
+        summary, count = self._ar(toks, tgt, q, Q)
+        fed = torch.where(torch.arange(Q, device=dev) < q[:, None], toks, -1)
+        commit = torch.full((B, self.S), -1, dtype=torch.long, device=dev)
+        commit[:, :Q] = fed
+        return torch.cat([summary, commit, toks.new_zeros(B, self.tail)], dim=1), count
 
     def _ar(self, toks, tgt, q, Q: int):
         """AR acceptance of every sequence (used where ar_len > 0): 1 + the longest prefix of the
