@@ -185,7 +185,7 @@ def set_int8_activations(model, on: bool = True) -> int:
 
     Exact (the default): every output is the fp32 product with the exactly dequantized weight,
     bitwise the model dequantized to fp32. On 8-bit activations (llama.cpp's kind of arithmetic):
-    each row of x is quantized per block of 32 values and multiplied with the 4-bit codes in
+    each row of x is quantized per block of 32 values and multiplied with the codes in
     integers, ~1.4-1.9x faster per one-row Q4_1 linear here; the logits are no longer the fp32
     model's (so greedy answers may part from transformers' at near-ties, as llama.cpp's do), but
     a row's bits do not depend on the other rows of a forward, so every decoding method still
