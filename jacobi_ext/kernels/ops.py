@@ -252,6 +252,27 @@ def _debug_gumbel_noise_fake(keys, positions, vocab, uniform):
     return positions.new_empty(tuple(positions.shape) + (vocab,), dtype=torch.float64)
 
 
+# ---- the CPU step's bookkeeping (csrc/torch/decode_ops.cpp, verify_ops.cpp, sampling_ops.cpp) ---
+# Fakes so that a traced step (torch.compile, as CUDA graphs need it) keeps these ops in its graph.
+
+
+@torch.library.register_fake("jacobi_ext::cpu_argmax")
+def _cpu_argmax_fake(logits):
+    return logits.new_empty(tuple(logits.shape[:-1]), dtype=torch.long)
+
+
+@torch.library.register_fake("jacobi_ext::cpu_step_mask")
+def _cpu_step_mask_fake(seg, off, lo, hi, width):
+    B, Q = seg.shape
+    return seg.new_empty((B, 1, Q, width), dtype=torch.bool)
+
+
+@torch.library.register_fake("jacobi_ext::cpu_ar_accept")
+def _cpu_ar_accept_fake(toks, tgt, fed, eos, width, tail):
+    B = toks.shape[0]
+    return toks.new_empty((B, 8 + width + tail)), toks.new_empty((B,))
+
+
 # ---- the CPU decode-shaped linear (csrc/cpu/linear_cpu.h) ---------------------------------------
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 
