@@ -1,6 +1,7 @@
 """The CPU greedy pick (`cpu_argmax`) against torch.max(-1).indices, the choice the decoding made
 before: the first NaN, else the first of tied maxima, on random shapes, dtypes, ties, NaN and
-infinities, at 1 and 2 threads (a row is split into chunks read in parallel)."""
+infinities, at 1 and 2 threads (a row is split into chunks read in parallel). And torch.library's
+checks of the CPU step's native ops (this one, cpu_step_mask, cpu_ar_accept)."""
 
 import pytest
 import torch
@@ -61,3 +62,15 @@ def test_bad_input_says_what_is_wrong():
     with pytest.raises(ValueError, match="vocab >= 1"):
         ops.cpu_argmax(torch.empty(3, 0))
     assert ops.cpu_argmax(torch.empty(0, 5)).shape == (0,)
+
+
+def test_opcheck():
+    """Schema, fake kernel and dispatch as torch.library checks them (a traced step needs them)."""
+    torch.library.opcheck(torch.ops.jacobi_ext.cpu_argmax.default, (torch.randn(2, 3, 5000),))
+    seg = torch.tensor([[0, 0, 1, -1]])
+    off = torch.tensor([[0, 1, 0, 0]])
+    lo, hi = torch.tensor([4]), torch.tensor([9])
+    torch.library.opcheck(torch.ops.jacobi_ext.cpu_step_mask.default, (seg, off, lo, hi, 12))
+    toks, tgt = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[4, 5, 1, 2]])
+    args = (toks, tgt, torch.tensor([3]), torch.tensor([2]), 6, 3)
+    torch.library.opcheck(torch.ops.jacobi_ext.cpu_ar_accept.default, args)
