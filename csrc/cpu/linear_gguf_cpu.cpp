@@ -519,24 +519,25 @@ void run(const LinearArgs& a, const GgufLora& lo) {
 
 // ---- 8-bit activations (opt-in; linear_gguf_cpu.h: linear_gguf_int8) ---------------------------
 
-using Q41 = Traits<GgufType::q4_1>;
-constexpr int64_t kQ41Header = kNR * Q41::kHeaderBytes;  // a group's fp16 d[NR], m[NR]
-using Q80 = Traits<GgufType::q8_0>;
-constexpr int64_t kQ80Header = kNR * Q80::kHeaderBytes;  // a group's fp16 d[NR]
-static_assert(Q41::kG == kInt8Group && Q80::kG == kInt8Group, "one x group per weight group");
-
 // The 8-bit path's types: Q4_1 (unsigned 4-bit codes and an offset), Q8_0 (signed 8-bit codes).
+// A group's header (fp16 d[NR], and m[NR] for Q4_1) comes before its codes.
 template <GgufType T>
 constexpr int64_t int8_header() {
   static_assert(T == GgufType::q4_1 || T == GgufType::q8_0, "8-bit activations: Q4_1 or Q8_0");
-  return T == GgufType::q4_1 ? kQ41Header : kQ80Header;
+  static_assert(Traits<T>::kG == kInt8Group, "one x group per weight group");
+  return kNR * Traits<T>::kHeaderBytes;
 }
 
 // One group of 32 values of a row of x quantized: q = nearbyint(x * (127 / amax)) in
 // [-127, 127], dx = amax / 127, msx = dx * sum(q). A group with a non-finite value gets q = 0 and
 // dx = msx = NaN (its outputs NaN, as the float product's); a group so small that 127 / amax
-// overflows (amax < ~3.7e-37) gets q = 0 (its terms are below fp32's reach anyway). Plain scalar
-// code; the vector variant below gives the same bytes.
+// overflows (amax < ~3.7e-37) gets q = 0 (its terms are below fp32's reach anyway).
+inline float int8_scale(float amax) {
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  return std::isfinite(inv) ? inv : 0.f;
+}
+
+// Plain scalar code; the vector variant below gives the same bytes.
 inline void quantize_group_scalar(const float* xg, int8_t* qg, float* dx, float* msx) {
   float amax = 0.f;
   bool finite = true;
@@ -549,12 +550,10 @@ inline void quantize_group_scalar(const float* xg, int8_t* qg, float* dx, float*
     *dx = *msx = std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const float inv = int8_scale(amax);
   int sum = 0;
   for (int k = 0; k < kInt8Group; ++k) {
-    const int v = std::isfinite(inv)
-                      ? std::clamp(static_cast<int>(std::nearbyint(xg[k] * inv)), -127, 127)
-                      : 0;
+    const int v = std::clamp(static_cast<int>(std::nearbyint(xg[k] * inv)), -127, 127);
     qg[k] = static_cast<int8_t>(v);
     sum += v;
   }
@@ -565,7 +564,7 @@ inline void quantize_group_scalar(const float* xg, int8_t* qg, float* dx, float*
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // quantize_group_scalar with 8 lanes: the same max, the same product x * inv rounded to fp32,
 // rounded to the nearest integer, ties to even (nearbyint's mode), clamped; the integer sum exact.
-// Groups with a non-finite value or an overflowing 127 / amax go to the scalar code.
+// Groups with a non-finite value go to the scalar code.
 inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i exp = _mm256_set1_epi32(0x7f800000);
@@ -581,8 +580,8 @@ inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx) {
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
   const float amax = _mm_cvtss_f32(m4);
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  if (special != 0 || !std::isfinite(inv)) return quantize_group_scalar(xg, qg, dx, msx);
+  if (special != 0) return quantize_group_scalar(xg, qg, dx, msx);
+  const float inv = int8_scale(amax);
   const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   __m256i iv[4], sum8 = _mm256_setzero_si256();
   for (int i = 0; i < 4; ++i) {

@@ -125,9 +125,9 @@ JACOBI_DECLARE_CPU_KERNEL(void linear_gguf(::jacobi::cpu::GgufType type,
 // x quantized alone per group of 32 k (q = nearbyint(x * 127 / amax), dx = amax / 127), each
 // output column's exact integer sum of code x q per group, then acc = fma(d * dx, isum, acc)
 // and, for Q4_1's offset, acc = fma(m, dx * sum(q), acc), over the groups in order; bias and
-// LoRA as linear_gguf. Not the
-// dequantized fp32 product (llama.cpp's kind of arithmetic, ~1/3 the instructions per weight),
-// but the same bits on every ISA and for a row whatever the other rows of the call.
+// LoRA as linear_gguf. Not the dequantized fp32 product (llama.cpp's kind of arithmetic, ~1/3
+// the instructions per 4-bit weight), but the same bits on every ISA and for a row whatever the
+// other rows of the call.
 JACOBI_DECLARE_CPU_KERNEL(void linear_gguf_int8(::jacobi::cpu::GgufType type,
                                                 const ::jacobi::cpu::LinearArgs& args,
                                                 const ::jacobi::cpu::GgufLora& lora))

@@ -156,10 +156,6 @@ VerifyResult verify_step_cpu(const at::Tensor& tokens, const at::Tensor& greedy,
   return l.outputs;
 }
 
-}  // namespace
-
-namespace {
-
 // The decoding step's AR rows (jacobi_ext/decoding/step.py: BatchStep._ar_rows, whose ~25 torch
 // ops it replaces on a CPU, ~0.25 ms a step), per sequence b with q = fed[b]:
 // accepted = 1 + the longest run of fed drafts toks[b, i] (1 <= i < q) equal to tgt[b, i - 1],
@@ -195,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> cpu_ar_accept(const at::Tensor& toks, const a
                 *q = fc.data_ptr<int64_t>();
   const int64_t* ep = e.defined() ? e.data_ptr<int64_t>() : nullptr;
   const int64_t E = e.defined() ? e.size(0) : 0;
-  auto is_eos = [&](int64_t tok) {
+  auto is_eos = [&](int64_t tok) {  // false for every token without EOS ids
     for (int64_t k = 0; k < E; ++k) {
       if (ep[k] == tok) return true;
     }
@@ -211,17 +207,15 @@ std::tuple<at::Tensor, at::Tensor> cpu_ar_accept(const at::Tensor& toks, const a
     const int64_t* gb = g + b * Q;
     int64_t acc = 1;
     while (acc < Q && acc < q[b] && tb[acc] == gb[acc - 1]) ++acc;
-    if (ep != nullptr) {
-      for (int64_t i = 0; i < Q && i < q[b]; ++i) {
-        if (is_eos(tb[i])) {
-          acc = std::min(acc, i + 1);
-          break;
-        }
+    for (int64_t i = 0; i < Q && i < q[b]; ++i) {
+      if (is_eos(tb[i])) {
+        acc = std::min(acc, i + 1);
+        break;
       }
     }
     int64_t* row = s + b * L;
     row[1] = acc;
-    row[2] = ep != nullptr && is_eos(tb[acc - 1]) ? 1 : 0;
+    row[2] = is_eos(tb[acc - 1]) ? 1 : 0;
     row[3] = row[4] = 1;
     row[5] = gb[acc - 1];
     for (int64_t i = 0; i < width; ++i) row[8 + i] = i < Q && i < q[b] ? tb[i] : -1;
