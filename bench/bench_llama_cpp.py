@@ -17,8 +17,8 @@ the prompt corpus, half each, HumanEval first), the same threads, the same EOS a
    (`load_model("smollm2-jf")`), each loaded as `load_model` loads it by default (the GGUF's own
    codes where this build reads them; `JACOBI_BENCH_DEQUANTIZE=1` / `--dequantize`: fp32,
    dequantized, as transformers loads the file); and `ar` and the tuned default of both models
-   with `int8_activations=True` ("int8 act.": Q4_1 codes times 8-bit activations, llama.cpp's
-   kind of arithmetic; their answers are checked against that mode's own `ar`).
+   with `int8_activations=True` ("int8 act.": Q4_1 and Q8_0 codes times 8-bit activations,
+   llama.cpp's kind of arithmetic; their answers are checked against that mode's own `ar`).
 
 Every call is timed whole (prefill included: tokens/s of whole calls) and in its two parts: the
 prefill (the prompt's forward and the first token) and the steady decode after it (steady ms per

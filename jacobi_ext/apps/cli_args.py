@@ -38,9 +38,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--int8-activations",
         action="store_true",
-        help="Q4_1 codes times 8-bit activations, in integers (llama.cpp's kind of arithmetic): "
-        "faster on a CPU; not the fp32 model's logits, but every method still returns exactly "
-        "this mode's own ar",
+        help="Q4_1 and Q8_0 codes times 8-bit activations, in integers (llama.cpp's kind of "
+        "arithmetic): faster on a CPU; not the fp32 model's logits, but every method still "
+        "returns exactly this mode's own ar",
     )
 
 

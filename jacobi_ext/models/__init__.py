@@ -68,9 +68,10 @@ def load_model(
     transformers does, every weight dequantized to `dtype` (an adapter merged in): for training,
     bf16, GPUs, or to compare. `dequantize=False` insists on the codes (an error where they
     cannot run).
-    `int8_activations=True`: its Q4_1 linears multiply 8-bit activations with the codes in
-    integers (llama.cpp's kind of arithmetic; faster, no longer the fp32 model's logits, every
-    method still exactly this mode's own `ar`): `jacobi_ext.models.quantized.set_int8_activations`.
+    `int8_activations=True`: its Q4_1 and Q8_0 linears multiply 8-bit activations with the
+    codes in integers (llama.cpp's kind of arithmetic; faster, no longer the fp32 model's
+    logits, every method still exactly this mode's own `ar`):
+    `jacobi_ext.models.quantized.set_int8_activations`.
     Returns `(model, tokenizer)` with the model in eval mode on `device`.
     """
     model, tokenizer = _load_model(
