@@ -36,7 +36,7 @@ def _logits(model, lean_env, monkeypatch, ids, pad, drafts, fused="0"):
     B = ids.shape[0]
     rt = StaticRuntime(model, B, 64, 16)
     keep = lambda logits, pos: logits.clone()  # noqa: E731  (the rule sees the raw logits)
-    pre = rt.prefill(ids, pad, drafts, rule=keep)
+    pre = rt.prefill(ids, pad, drafts, rule=keep, all_targets=True)
     assert bool(rt._lean) == (lean_env == "1")  # the path under test is the one that ran
     q = 5
     with torch.inference_mode():
@@ -68,6 +68,31 @@ def test_lean_logits_match_transformers_forward(family, attn, dtype, monkeypatch
     real[1, :3] = False  # padding queries see only themselves: their logits are not used
     torch.testing.assert_close(pre_fused[real], pre_hf[real], **tol)
     torch.testing.assert_close(step_fused, step_hf, **tol)
+
+
+@pytest.mark.parametrize("lean_env,fused", [("0", "0"), ("1", "0"), ("1", "1")])
+@pytest.mark.parametrize("n", [0, 4])
+def test_prefill_heads_only_the_positions_decoding_reads(lean_env, fused, n, monkeypatch):
+    """A prefill returns the targets of the prompt's last token and of the drafts alone (the LM
+    head on those positions only): bitwise the tail of the targets over every position, through
+    transformers' forward (logits_to_keep), the lean forward and the fused one."""
+    monkeypatch.setenv("JACOBI_EXT_LEAN", lean_env)
+    monkeypatch.setenv("JACOBI_EXT_FUSED", fused)
+    model = _model("qwen2", "sdpa", torch.float32, seed=6)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 101, (2, 11), generator=g)
+    pad = torch.tensor([2, 0])
+    drafts = torch.randint(0, 101, (2, n), generator=g) if n else None
+    raw = lambda logits, pos: torch.cat([logits, pos[..., None].to(logits.dtype)], -1)  # noqa: E731
+    got = {}
+    for every in (True, False):
+        rt = StaticRuntime(model, 2, 64, 16)
+        got[every] = rt.prefill(ids, pad, drafts, rule=raw, all_targets=every)
+        assert bool(rt._lean) == (lean_env == "1")
+    assert got[True].shape[1] == 11 + n and got[False].shape[1] == n + 1
+    assert torch.equal(got[False], got[True][:, 10:])  # logits and the positions the rule saw
+    rt = StaticRuntime(model, 2, 64, 16)
+    assert torch.equal(rt.prefill(ids, pad, drafts), got[True][:, 10:, :-1].argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -307,12 +307,15 @@ class LeanDecoder:
         return kt
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache,
+                 keep: int | None = None) -> torch.Tensor:  # fmt: skip
         """Logits [B, Q, vocab] of tokens ids [B, Q] at positions pos [B, Q], attending through
         `mask` (the attention function's format) to what the runtime's cache holds after this
-        step's K/V are written (at the runtime's write slots)."""
+        step's K/V are written (at the runtime's write slots). keep: only the last `keep`
+        positions' logits, [B, keep, vocab] (a prefill needs the last ones alone; the LM head
+        over a whole prompt cost ~20 % of its forward)."""
         if self.fused and all(hasattr(layer, "_rt") for layer in cache.layers):
-            return self._fused(ids, pos, mask, cache)
+            return self._head(self._fused(ids, pos, mask, cache), keep)
         inner = self.inner
         h = inner.embed_tokens.forward(ids)
         cos, sin = inner.rotary_emb.forward(h, pos)
@@ -333,11 +336,18 @@ class LeanDecoder:
             x = L.ln2.forward(h)
             g, u = L.gate_up(x).split((L.mlp_split, L.mlp_split), dim=-1)
             h = residual + L.down(L.act(g) * u)
-        return self.head(inner.norm.forward(h))
+        return self._head(inner.norm.forward(h), keep)
+
+    def _head(self, x: torch.Tensor, keep: int | None) -> torch.Tensor:
+        """The LM head on the normed hidden states x [B, Q, hidden], or on their last `keep`."""
+        if keep is not None and keep < x.shape[1]:
+            x = x[:, x.shape[1] - keep :].contiguous()
+        return self.head(x)
 
     def _fused(self, ids, pos, mask, cache) -> torch.Tensor:
         """The same forward on our fused CPU ops: per layer eight calls (norm with the residual
-        add, q/k/v, rotary + cache write + attention, o, norm, gate/up, silu * up, down)."""
+        add, q/k/v, rotary + cache write + attention, o, norm, gate/up, silu * up, down). Returns
+        the normed hidden states the LM head reads."""
         ops = torch.ops.jacobi_ext
         inner = self.inner
         if mask.dtype != torch.bool:  # eager attention's additive mask: 0 = visible
@@ -354,8 +364,7 @@ class LeanDecoder:
             layers = cache.layers[: len(self.plans)]
             kts = [self._layer_cache(c, p, h) for c, p in zip(layers, self.plans, strict=True)]
             keys, values = [c.keys for c in layers], [c.values for c in layers]
-            x = self.native.run(x, h, cos, sin, keys, values, kts, slots, attend, mask, ctx0)
-            return self.head(x)
+            return self.native.run(x, h, cos, sin, keys, values, kts, slots, attend, mask, ctx0)
         rope_attention, add_rms_norm, silu_mul = (
             ops.cpu_rope_attention.default,
             ops.cpu_add_rms_norm.default,
@@ -374,7 +383,7 @@ class LeanDecoder:
             gu = gu_fn(x, *gu_args)
             m = silu_mul(gu) if act_layer is None else self._act_mul(act_layer, gu)
             h, x = add_rms_norm(down_fn(m, *down_args), h, norm_w, norm_eps)
-        return self.head(x)
+        return x
 
     @staticmethod
     def _act_mul(L, gu: torch.Tensor) -> torch.Tensor:

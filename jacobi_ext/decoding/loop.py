@@ -116,8 +116,8 @@ def decode(
     _sync(dev)
     t0 = time.perf_counter()
     drafts = bs.drafts([s.sample_positions() for s in seqs]) if n > 1 else None
-    greedy = rt.prefill(ids, pad, drafts, bs.rule)
-    first = greedy[:, P - 1 : P - 1 + max(n, 1)]
+    greedy = rt.prefill(ids, pad, drafts, bs.rule)  # the prompt's last token's, the drafts'
+    first = greedy[:, : max(n, 1)]
     bs.start(first)
     first_host = first.tolist()
     for s in seqs:

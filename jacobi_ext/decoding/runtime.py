@@ -148,6 +148,8 @@ class StaticRuntime:
         dev = self.device
         self.cache = SlotCache(model.config, self.capacity, self)
         self._cache_arg = {cache_kwarg(model): self.cache}  # forward(**self._cache_arg)
+        # transformers' causal LMs compute the head on the last positions alone when asked
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Static inputs of a step (graphs read them in place: never rebind, only copy_ / fill_).
         self.ids = torch.zeros(batch, scratch, dtype=torch.long, device=dev)
         self.seg = torch.full((batch, scratch), -1, dtype=torch.long, device=dev)
@@ -182,32 +184,39 @@ class StaticRuntime:
             and (p.device, p.dtype) == (self.device, self.dtype)
         )
 
-    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask, prefill: bool = False):
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask, prefill: bool = False,
+                keep: int | None = None):  # fmt: skip
         """The model's forward as every runtime call makes it: our cache under the installed
         transformers' keyword, and on CPU the linears from packed weights (prepack.py: our
         kernel, whose rows do not depend on each other, or oneDNN's on AMX); for Llama-family
         models on our kernel, the lean forward (lean.py: the same logits, less Python). Its packed
         weights are checked against the model's at each prefill (weights do not change inside a
-        generate call; checking all of them at every step cost 0.8 ms of a 15 ms step)."""
+        generate call; checking all of them at every step cost 0.8 ms of a 15 ms step).
+        keep: the logits of the last `keep` positions only (None: all)."""
         if prefill or self._lean is None:
             self._lean = lean_decoder(self.model) or False
         lean = self._lean
         if lean:
-            return lean(ids, pos, mask, self.cache)
+            return lean(ids, pos, mask, self.cache, keep)
+        kw = dict(self._cache_arg)
+        if keep is not None and self._keeps_logits:
+            kw["logits_to_keep"] = keep
         with packed(self.model):
-            return self.model(
-                input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                **self._cache_arg,
-            ).logits  # fmt: skip
+            logits = self.model(
+                input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kw
+            ).logits
+        return logits if keep is None else logits[:, logits.shape[1] - keep :]
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, pad: torch.Tensor, drafts: torch.Tensor | None,
-                rule=None):  # fmt: skip
+                rule=None, all_targets: bool = False):  # fmt: skip
         """Forward the left-padded prompts ids [B, P] (pad[b] padding tokens first) and, for the
         parallel methods, draft tokens [B, n] after them (their K/V go to scratch, i.e. are not
-        kept). Returns the targets [B, P + n]: the argmax, or rule(logits, positions) (sampling:
-        jacobi_ext.decoding.sampling.Sampler)."""
+        kept). Returns the targets [B, n + 1] of the prompt's last token and the drafts: the
+        argmax, or rule(logits, positions) (sampling: jacobi_ext.decoding.sampling.Sampler).
+        Decoding needs no other; the LM head over every prompt position cost ~15-30 % of a
+        prefill (a 170-token prompt on the default model). all_targets=True: [B, P + n]."""
         B, P = ids.shape
         n = 0 if drafts is None else drafts.shape[1]
         if P > self.committed or n > self.scratch:
@@ -225,7 +234,10 @@ class StaticRuntime:
         self.write_slots = slots
         self.attend = self.scratch + P
         mask = for_backend(self.model, prefill_mask(pad, P, n, self.scratch), self.dtype)
-        logits = self._logits(x, pos, mask, prefill=True)
+        keep = None if all_targets else n + 1
+        logits = self._logits(x, pos, mask, prefill=True, keep=keep)
+        if keep is not None:
+            pos = pos[:, pos.shape[1] - keep :]
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
         return targets(logits) if rule is None else rule(logits, pos)
