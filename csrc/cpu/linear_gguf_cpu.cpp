@@ -652,48 +652,49 @@ inline void int8_panel_row_scalar(const uint8_t* panel, int64_t groups, int64_t 
 constexpr bool kInt8Vector = true;
 static_assert(kNR % 16 == 0, "the 8-bit tile takes 16 columns at a time");
 
-// A row's pairs of quantized values as _mm256_maddubs_epi16 takes them: per group, vector j
-// (0..7) holds (q[4j], q[4j+1]) 8 times in its low 128 bits and (q[4j+2], q[4j+3]) in its high.
-inline void int8_pairs(const int8_t* q, int64_t groups, uint8_t* xv) {
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int j = 0; j < 8; ++j) {
-      int16_t lo, hi;
-      std::memcpy(&lo, q + g * kInt8Group + 4 * j, 2);
-      std::memcpy(&hi, q + g * kInt8Group + 4 * j + 2, 2);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xv + (g * 8 + j) * 32),
-                          _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo)));
-    }
-  }
-}
-
-// int8_panel_row_scalar's arithmetic, 16 columns at a time, the row's pairs (q(k), q(k+1))
-// times the codes' (k, k+1) byte pairs per column with maddubs (unsigned x signed bytes, the two
-// products summed in 16 bits), then widened: the exact integer sum of each column, then the same
-// fused multiply-adds.
-//  - Q4_1: code rows 2j and 2j+1 of 16 columns in one vector, their nibbles split and
-//    interleaved; the 16-bit sums add up over the group's 8 vectors (each <= 8 * 2 * 15 * 127 =
-//    30480: no overflow) and are widened once.
-//  - Q8_0: code rows 4j .. 4j+3 interleaved into pairs; signed codes as |code| times q with the
-//    code's sign (a pair's sum <= 2 * 128 * 127 = 32512: no overflow), widened at each vector.
-// MR rows at once (each code vector split once for all of them): each row's operations are
-// exactly the one-row ones, so a row gets the same bits at any MR.
+// int8_panel_row_scalar's arithmetic, 16 columns at a time, with each column's four consecutive
+// codes (k, .., k+3) in one 32-bit lane (rearranged from the panel's rows once per tile, for all
+// its rows of x) times the row's four values there (one 32-bit broadcast): maddubs (unsigned x
+// signed bytes) sums each column's pairs in 16 bits, madd with ones adds a column's two pairs in
+// 32 bits. The exact integer sum of each column, then the same fused multiply-adds.
+//  - Q4_1: the 16-bit pair sums add up over the group's 8 steps of 4 k (each <= 8 * 2 * 15 * 127
+//    = 30480: no overflow) and are widened once per group.
+//  - Q8_0: signed codes as |code| times q with the code's sign (a pair's sum <= 2 * 128 * 127 =
+//    32512: no overflow), widened at each step.
+// The lanes hold the columns in the order [0-3 | 8-11] and [4-7 | 12-15] (the shuffles stay
+// inside 128-bit lanes); the scales are permuted alike and the outputs back at the end, so each
+// column gets exactly its own operations. MR rows at once: each row's operations are exactly the
+// one-row ones, so a row gets the same bits at any MR.
+//
+// Why this layout: with pairs of columns side by side (the first version) each step needed two
+// widenings of four shuffles per row, which bound the tile at several rows (a 16-row Q8_0 head
+// ran slower than the exact fp32 product).
 template <GgufType T, int MR>
 inline void int8_panel_rows(const uint8_t* panel, int64_t groups, int64_t gbytes,
-                            const uint8_t* xv, int64_t ldxv, const float* dx, const float* msx,
+                            const int8_t* q, int64_t ldq, const float* dx, const float* msx,
                             int64_t ldg, float* out) {
   constexpr int S = kNR / 16;
   constexpr bool kOffset = T == GgufType::q4_1;
-  __m256 acc[MR][S][2];
+  alignas(32) float acc[MR][S][2][8];  // per row and block: columns [0-3 | 8-11], [4-7 | 12-15]
   for (int r = 0; r < MR; ++r)
-    for (int s = 0; s < S; ++s) acc[r][s][0] = acc[r][s][1] = _mm256_setzero_ps();
+    for (int s = 0; s < S; ++s)
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(acc[r][s][h], _mm256_setzero_ps());
   const __m256i nib = _mm256_set1_epi8(0x0F);
-  // 16-bit lanes [a | b] (two halves of 8 columns) -> their sum in 32 bits per column
-  auto widen = [](__m256i v) {
-    return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(v)),
-                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(v, 1)));
+  const __m256i ones = _mm256_set1_epi16(1);
+  // row k of the block's 16 columns in both lanes
+  auto row16 = [](const uint8_t* codes, int k, int s) {
+    return _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kNR + 16 * s)));
   };
-  auto row16 = [&](const uint8_t* codes, int k, int s) {
-    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kNR + 16 * s));
+  // the byte pairs (row a, row b) of columns [0-7 | 8-15]
+  auto pairs = [](__m256i a, __m256i b) {
+    return _mm256_blend_epi32(_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b), 0xF0);
+  };
+  // the row's q(k) .. q(k+3) in every 32-bit lane
+  auto x4 = [&](int r, int64_t k) {
+    int32_t v;
+    std::memcpy(&v, q + r * ldq + k, 4);
+    return _mm256_set1_epi32(v);
   };
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = panel + g * gbytes;
@@ -702,70 +703,73 @@ inline void int8_panel_rows(const uint8_t* panel, int64_t groups, int64_t gbytes
       _mm_prefetch(reinterpret_cast<const char*>(grp + kPrefetchAhead + b), _MM_HINT_T0);
     }
     for (int s = 0; s < S; ++s) {
-      __m256i isum[MR][2];  // columns 16 s + [0, 8) and [8, 16)
+      __m256i isum[MR][2];
       if constexpr (kOffset) {
-        __m256i lo16[MR], hi16[MR];
-        for (int r = 0; r < MR; ++r) lo16[r] = hi16[r] = _mm256_setzero_si256();
+        __m256i sum16[MR][2];
+        for (int r = 0; r < MR; ++r) sum16[r][0] = sum16[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
-          const __m256i c = _mm256_set_m128i(row16(codes, 2 * j + 1, s), row16(codes, 2 * j, s));
-          const __m256i l = _mm256_and_si256(c, nib);
-          const __m256i h = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
-          const __m256i ul = _mm256_unpacklo_epi8(l, h), uh = _mm256_unpackhi_epi8(l, h);
+          // byte rows 2j (codes 4j | 4j+1 << 4) and 2j+1 (4j+2 | 4j+3 << 4), per column
+          const __m256i t = pairs(row16(codes, 2 * j, s), row16(codes, 2 * j + 1, s));
+          const __m256i l = _mm256_and_si256(t, nib);
+          const __m256i h = _mm256_and_si256(_mm256_srli_epi16(t, 4), nib);
+          const __m256i w0 = _mm256_unpacklo_epi8(l, h), w1 = _mm256_unpackhi_epi8(l, h);
           for (int r = 0; r < MR; ++r) {
-            const __m256i x = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(xv + r * ldxv + (g * 8 + j) * 32));
-            lo16[r] = _mm256_add_epi16(lo16[r], _mm256_maddubs_epi16(ul, x));
-            hi16[r] = _mm256_add_epi16(hi16[r], _mm256_maddubs_epi16(uh, x));
+            const __m256i x = x4(r, g * kInt8Group + 4 * j);
+            sum16[r][0] = _mm256_add_epi16(sum16[r][0], _mm256_maddubs_epi16(w0, x));
+            sum16[r][1] = _mm256_add_epi16(sum16[r][1], _mm256_maddubs_epi16(w1, x));
           }
         }
         for (int r = 0; r < MR; ++r) {
-          isum[r][0] = widen(lo16[r]);
-          isum[r][1] = widen(hi16[r]);
+          isum[r][0] = _mm256_madd_epi16(sum16[r][0], ones);
+          isum[r][1] = _mm256_madd_epi16(sum16[r][1], ones);
         }
       } else {
         for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
-          // [row 4j | row 4j+2] and [row 4j+1 | row 4j+3], interleaved: per column the pairs
-          // (4j, 4j+1) in the low half, (4j+2, 4j+3) in the high, as the row's pairs in xv
-          const __m256i c02 = _mm256_set_m128i(row16(codes, 4 * j + 2, s), row16(codes, 4 * j, s));
-          const __m256i c13 =
-              _mm256_set_m128i(row16(codes, 4 * j + 3, s), row16(codes, 4 * j + 1, s));
-          const __m256i ul = _mm256_unpacklo_epi8(c02, c13), uh = _mm256_unpackhi_epi8(c02, c13);
-          const __m256i al = _mm256_abs_epi8(ul), ah = _mm256_abs_epi8(uh);
+          const __m256i t01 = pairs(row16(codes, 4 * j, s), row16(codes, 4 * j + 1, s));
+          const __m256i t23 = pairs(row16(codes, 4 * j + 2, s), row16(codes, 4 * j + 3, s));
+          const __m256i w0 = _mm256_unpacklo_epi16(t01, t23);
+          const __m256i w1 = _mm256_unpackhi_epi16(t01, t23);
+          const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
           for (int r = 0; r < MR; ++r) {
-            const __m256i x = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(xv + r * ldxv + (g * 8 + j) * 32));
+            const __m256i x = x4(r, g * kInt8Group + 4 * j);
             isum[r][0] = _mm256_add_epi32(
-                isum[r][0], widen(_mm256_maddubs_epi16(al, _mm256_sign_epi8(x, ul))));
+                isum[r][0],
+                _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones));
             isum[r][1] = _mm256_add_epi32(
-                isum[r][1], widen(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(x, uh))));
+                isum[r][1],
+                _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w1)), ones));
           }
         }
       }
+      // the scales (and offsets) in the lanes' column order
+      auto lanes = [&](const uint8_t* p, __m256* v) {
+        const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m256 hi =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+        v[0] = _mm256_permute2f128_ps(lo, hi, 0x20);
+        v[1] = _mm256_permute2f128_ps(lo, hi, 0x31);
+      };
       __m256 d[2], m[2];
-      for (int half = 0; half < 2; ++half) {
-        const int c0 = 16 * s + 8 * half;
-        d[half] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 2 * c0)));
-        if constexpr (kOffset) {
-          m[half] = _mm256_cvtph_ps(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 2 * (kNR + c0))));
-        }
-      }
+      lanes(grp + 2 * 16 * s, d);
+      if constexpr (kOffset) lanes(grp + 2 * (kNR + 16 * s), m);
       for (int r = 0; r < MR; ++r) {
         const __m256 vdx = _mm256_set1_ps(dx[r * ldg + g]);
         const __m256 vmsx = _mm256_set1_ps(msx[r * ldg + g]);
-        for (int half = 0; half < 2; ++half) {
-          acc[r][s][half] = _mm256_fmadd_ps(_mm256_mul_ps(d[half], vdx),
-                                            _mm256_cvtepi32_ps(isum[r][half]), acc[r][s][half]);
-          if constexpr (kOffset) acc[r][s][half] = _mm256_fmadd_ps(m[half], vmsx, acc[r][s][half]);
+        for (int h = 0; h < 2; ++h) {
+          __m256 a = _mm256_load_ps(acc[r][s][h]);
+          a = _mm256_fmadd_ps(_mm256_mul_ps(d[h], vdx), _mm256_cvtepi32_ps(isum[r][h]), a);
+          if constexpr (kOffset) a = _mm256_fmadd_ps(m[h], vmsx, a);
+          _mm256_store_ps(acc[r][s][h], a);
         }
       }
     }
   }
   for (int r = 0; r < MR; ++r) {
     for (int s = 0; s < S; ++s) {
-      _mm256_storeu_ps(out + r * kNR + 16 * s, acc[r][s][0]);
-      _mm256_storeu_ps(out + r * kNR + 16 * s + 8, acc[r][s][1]);
+      const __m256 a = _mm256_load_ps(acc[r][s][0]), b = _mm256_load_ps(acc[r][s][1]);
+      _mm256_storeu_ps(out + r * kNR + 16 * s, _mm256_permute2f128_ps(a, b, 0x20));
+      _mm256_storeu_ps(out + r * kNR + 16 * s + 8, _mm256_permute2f128_ps(a, b, 0x31));
     }
   }
 }
@@ -774,21 +778,20 @@ constexpr int kInt8MR = 4;  // rows per tile
 
 template <GgufType T>
 inline void int8_panel_tile(int rows, const uint8_t* panel, int64_t groups, int64_t gbytes,
-                            const uint8_t* xv, int64_t ldxv, const float* dx, const float* msx,
+                            const int8_t* q, int64_t ldq, const float* dx, const float* msx,
                             int64_t ldg, float* out) {
   switch (rows) {
-    case 1: return int8_panel_rows<T, 1>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
-    case 2: return int8_panel_rows<T, 2>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
-    case 3: return int8_panel_rows<T, 3>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
-    default: return int8_panel_rows<T, 4>(panel, groups, gbytes, xv, ldxv, dx, msx, ldg, out);
+    case 1: return int8_panel_rows<T, 1>(panel, groups, gbytes, q, ldq, dx, msx, ldg, out);
+    case 2: return int8_panel_rows<T, 2>(panel, groups, gbytes, q, ldq, dx, msx, ldg, out);
+    case 3: return int8_panel_rows<T, 3>(panel, groups, gbytes, q, ldq, dx, msx, ldg, out);
+    default: return int8_panel_rows<T, 4>(panel, groups, gbytes, q, ldq, dx, msx, ldg, out);
   }
 }
 #else
 constexpr bool kInt8Vector = false;
-inline void int8_pairs(const int8_t*, int64_t, uint8_t*) {}
 constexpr int kInt8MR = 1;
 template <GgufType T>
-inline void int8_panel_tile(int, const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t,
+inline void int8_panel_tile(int, const uint8_t*, int64_t, int64_t, const int8_t*, int64_t,
                             const float*, const float*, int64_t, float*) {}
 #endif
 
@@ -805,22 +808,18 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
   // Every row quantized once, on the calling thread (M x K values: a few microseconds).
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> dx, msx;
-  thread_local std::vector<uint8_t> xv;
   q.resize(static_cast<size_t>(a.M * a.K));
   dx.resize(static_cast<size_t>(a.M * groups));
   msx.resize(static_cast<size_t>(a.M * groups));
-  if (kInt8Vector) xv.resize(static_cast<size_t>(a.M * groups * 256));
   const float* x = static_cast<const float*>(a.x);
   for (int64_t m = 0; m < a.M; ++m) {
     quantize_row(x + m * a.ldx, a.K, q.data() + m * a.K, dx.data() + m * groups,
                  msx.data() + m * groups);
-    if (kInt8Vector) int8_pairs(q.data() + m * a.K, groups, xv.data() + m * groups * 256);
   }
   const auto* packed = static_cast<const uint8_t*>(a.packed);
   // Pointers, not the vectors: in the workers a thread_local name is the worker's own (empty).
   const int8_t* qp = q.data();
   const float *dxp = dx.data(), *msxp = msx.data();
-  const uint8_t* xvp = xv.data();
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     alignas(64) float out[kInt8MR * kNR];
     alignas(64) float scratch[kMaxMR * kNR];
@@ -830,9 +829,8 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
       for (int64_t m0 = 0; m0 < a.M; m0 += kInt8MR) {  // each row's bits the same at any M
         const int rows = static_cast<int>(std::min<int64_t>(kInt8MR, a.M - m0));
         if (kInt8Vector) {
-          int8_panel_tile<T>(rows, packed + p * panel_bytes, groups, gbytes,
-                          xvp + m0 * groups * 256, groups * 256, dxp + m0 * groups,
-                          msxp + m0 * groups, groups, out);
+          int8_panel_tile<T>(rows, packed + p * panel_bytes, groups, gbytes, qp + m0 * a.K, a.K,
+                             dxp + m0 * groups, msxp + m0 * groups, groups, out);
         } else {
           int8_panel_row_scalar<T>(packed + p * panel_bytes, groups, gbytes, qp + m0 * a.K,
                                 dxp + m0 * groups, msxp + m0 * groups, out);
