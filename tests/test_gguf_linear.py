@@ -41,7 +41,7 @@ from gguf_fixtures import (  # noqa: E402
     write_tiny_model,
 )
 
-MS = (1, 2, 7, 13, 16, 33, 64)
+MS = (1, 2, 4, 7, 13, 16, 33, 64)  # 1-4: the 8-bit path straight from the panel; 7+: buffered
 NS = (1, 5, 33, 100)  # off every multiple of the panel width (16 / 32)
 BLOCKS = (1, 2, 3)  # blocks along K
 ISAS = ("baseline", "avx2", "avx512")
