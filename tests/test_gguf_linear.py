@@ -350,8 +350,9 @@ def test_model_on_codes_is_the_dequantized_model(tmp_path, tied, family):
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
 def test_embedding_rows_are_the_gguf_packages_values(qtype):
-    """GGUFEmbedding's rows (Q8_0 in torch, the others through `gguf`) are bitwise the `gguf`
-    package's dequantization, for ids in any shape with repeats; random bytes (finite scales)."""
+    """GGUFEmbedding's rows (Q8_0 natively: cpu_gguf_q8_0_rows, the others through `gguf`) are
+    bitwise the `gguf` package's dequantization, for ids in any shape with repeats; random bytes
+    (finite scales)."""
     from jacobi_ext.models.quantized import GGUFEmbedding
 
     g = np.random.default_rng(3)
@@ -366,6 +367,28 @@ def test_embedding_rows_are_the_gguf_packages_values(qtype):
     got = emb(ids)
     assert got.dtype == torch.float32 and got.shape == (2, 4, dim)
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32)))
+
+
+def test_q8_0_rows_op_every_scale_and_bad_input():
+    """cpu_gguf_q8_0_rows on every fp16 scale the file may hold (subnormal, inf, NaN: random
+    bytes) is the `gguf` package's value (NaN where it is NaN); ids out of range and rows that are
+    not whole blocks are errors that say so; the op's schema and fake kernel agree."""
+    g = np.random.default_rng(4)
+    raw = g.integers(0, 256, size=(300, 3 * 34), dtype=np.uint8)
+    ids = torch.from_numpy(g.integers(0, 300, size=(5, 7)))
+    got = ops.cpu_gguf_q8_0_rows(torch.from_numpy(raw), ids)
+    want = quants.dequantize(raw[ids.reshape(-1).numpy()], Q.Q8_0).reshape(5, 7, 96)
+    want = torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match=r"ids\[1\] = 300 is outside the 300 rows"):
+        ops.cpu_gguf_q8_0_rows(torch.from_numpy(raw), torch.tensor([3, 300]))
+    with pytest.raises(ValueError, match="whole Q8_0 blocks of 34 bytes"):
+        ops.cpu_gguf_q8_0_rows(torch.zeros(4, 35, dtype=torch.uint8), torch.tensor([0]))
+    finite = raw.copy()  # opcheck compares outputs without equal_nan
+    finite.reshape(300, 3, 34)[..., :2].view(np.float16)[...] = 0.25
+    torch.library.opcheck(
+        torch.ops.jacobi_ext.cpu_gguf_q8_0_rows.default, (torch.from_numpy(finite), ids)
+    )
 
 
 def test_decoding_on_codes_equals_ar_and_the_dequantized_model(tmp_path):

@@ -70,6 +70,29 @@ def test_lean_logits_match_transformers_forward(family, attn, dtype, monkeypatch
     torch.testing.assert_close(step_fused, step_hf, **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [32, 64, 48])
+def test_rotary_tables_are_the_models_rotary_bitwise(dtype, head_dim):
+    """The lean forward's cos / sin rows (tables made once, in pieces) are bitwise the model's
+    rotary embedding called on a step's positions, for every position of a long cache and for
+    steps of several sequences and tokens; a head size off 32 lanes calls the model's."""
+    model = tiny_llama(
+        vocab_size=101, hidden_size=2 * head_dim, num_layers=1, num_heads=2, num_kv_heads=1,
+    ).to(dtype)  # fmt: skip
+    with torch.inference_mode():
+        dec = lean.lean_decoder(model)
+        rope = model.model.rotary_emb
+        h = torch.zeros(1, 1, 2 * head_dim, dtype=dtype)
+        n = 1100  # several pieces, not a multiple of one
+        g = torch.Generator().manual_seed(0)
+        for pos in [torch.arange(n)[:, None], torch.randint(0, n, (3, 17), generator=g)]:
+            got = dec._cos_sin(h, pos, n)
+            want = rope.forward(h, pos)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == dtype and torch.equal(a, b)
+        assert (dec._rope is None) == (head_dim % 32 != 0)
+
+
 @pytest.mark.parametrize("lean_env,fused", [("0", "0"), ("1", "0"), ("1", "1")])
 @pytest.mark.parametrize("n", [0, 4])
 def test_prefill_heads_only_the_positions_decoding_reads(lean_env, fused, n, monkeypatch):

@@ -114,6 +114,9 @@ TORCH_LIBRARY(jacobi_ext, m) {
         "Tensor? bias=None, Tensor? lora_a=None, Tensor? lora_b=None, "
         "Tensor? lora_panel_r0=None, bool int8_activations=False) -> Tensor");
   m.def("cpu_linear_gguf_types() -> int[]");
+  // Rows ids of a Q8_0 matrix as the file stores it (uint8 [V, blocks * 34]), dequantized to
+  // float32 [*ids.shape, blocks * 32] bitwise as the `gguf` package does (a token embedding).
+  m.def("cpu_gguf_q8_0_rows(Tensor raw, Tensor ids) -> Tensor");
   // The small ops of a CPU decoding step, fused (csrc/cpu/decode_cpu.h), float32 or bfloat16,
   // each row computed alone (no dependence on the other rows of the call):
   // attention of q [B, Hq, Q, D] over k, v [B, Hkv, W, D] (Hq % Hkv == 0) where mask [B, 1, Q, W]

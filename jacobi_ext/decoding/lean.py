@@ -235,6 +235,7 @@ class LeanDecoder:
         self.impl = impl
         self.fused = True
         self.native = None  # refresh: the layers as one LeanLayers where they can be
+        self._rope = None  # _cos_sin's tables: ((dtype, device), cos, sin)
 
     def current(self) -> bool:
         """Whether the model's modules are still the ones this decoder packed."""
@@ -344,6 +345,37 @@ class LeanDecoder:
             x = x[:, x.shape[1] - keep :].contiguous()
         return self.head(x)
 
+    #: rotary embeddings whose frequencies never change with the positions seen
+    STATIC_ROPE = ("default", "linear", "llama3")
+    ROPE_PIECE = 128  # positions per piece of the tables
+
+    def _cos_sin(self, h: torch.Tensor, pos: torch.Tensor, positions: int):
+        """cos, sin [B, Q, D] of positions pos (all < `positions`), as the model's rotary
+        embedding computes them: rows of tables it made once per dtype and size (its call is ten
+        small tensor ops, ~30 us a step). The same bits: it is elementwise (each position times
+        each frequency, then cos, sin and the scaling), and the tables are made in pieces of 128
+        positions, each one vectorised pass on one thread as a step's own call is (one tensor of
+        every position would be split among threads at points where a scalar tail may differ in
+        the last bit; tests/test_lean_forward.py compares every position). Rotary embeddings whose
+        frequencies depend on the positions seen, and head sizes off 32 lanes, call it."""
+        rope = self.inner.rotary_emb
+        D = self.layers[0].attn.head_dim
+        if getattr(rope, "rope_type", None) not in self.STATIC_ROPE or D % 32:
+            return rope.forward(h, pos)
+        tab = self._rope
+        if tab is None or tab[0] != (h.dtype, h.device) or tab[1].shape[0] < positions:
+            n = -(-positions // self.ROPE_PIECE) * self.ROPE_PIECE
+            pieces = [
+                rope.forward(h[:1, :1], torch.arange(i, i + self.ROPE_PIECE, device=h.device)[None])
+                for i in range(0, n, self.ROPE_PIECE)
+            ]
+            tab = self._rope = (
+                (h.dtype, h.device),
+                torch.cat([c[0] for c, _ in pieces]),
+                torch.cat([s[0] for _, s in pieces]),
+            )
+        return tab[1][pos], tab[2][pos]
+
     def _fused(self, ids, pos, mask, cache) -> torch.Tensor:
         """The same forward on our fused CPU ops: per layer eight calls (norm with the residual
         add, q/k/v, rotary + cache write + attention, o, norm, gate/up, silu * up, down). Returns
@@ -353,9 +385,9 @@ class LeanDecoder:
         if mask.dtype != torch.bool:  # eager attention's additive mask: 0 = visible
             mask = mask == 0
         h = inner.embed_tokens.forward(ids)
-        cos, sin = inner.rotary_emb.forward(h, pos)
-        B, Q = ids.shape
         rt = cache.layers[0]._rt  # the runtime: where this step's K/V go, how far to attend
+        cos, sin = self._cos_sin(h, pos, rt.capacity)
+        B, Q = ids.shape
         # context in slots [scratch, attend), the step's tokens in [0, scratch): sums by position
         slots, attend, ctx0 = rt.write_slots, rt.attend, rt.scratch
         first = self.layers[0].ln1

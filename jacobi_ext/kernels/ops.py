@@ -421,6 +421,13 @@ def _cpu_linear_gguf_fake(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.register_fake("jacobi_ext::cpu_gguf_q8_0_rows")
+def _cpu_gguf_q8_0_rows_fake(raw, ids):
+    if raw.dim() != 2 or raw.shape[1] % 34:
+        raise ValueError(f"raw must be [rows, blocks * 34] Q8_0 blocks, got {tuple(raw.shape)}")
+    return raw.new_empty((*ids.shape, raw.shape[1] // 34 * 32), dtype=torch.float32)
+
+
 #: The portable kernel of each device type: what block_attention_fwd/bwd run for kernel=None or
 #: "auto" (the ops never read the environment: jacobi_ext/kernels/attention.py decides the rest).
 PORTABLE_KERNELS = {"cpu": "cpu", "cuda": "sm80"}
