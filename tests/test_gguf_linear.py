@@ -391,6 +391,75 @@ def test_q8_0_rows_op_every_scale_and_bad_input():
     )
 
 
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_scan_reads_the_header_as_gguf_does(tmp_path, alignment):
+    """scan_gguf (the header alone, metadata values skipped) gives exactly what gguf's own reader
+    gives of the tensors and the architecture: a file with metadata of every kind (strings,
+    arrays of strings and of numbers, nested arrays), tensors of every kernel type, fp32 / fp16
+    ones and a type the kernels do not read, a custom alignment; a file that is not GGUF is an
+    error."""
+    from gguf import GGUFWriter
+
+    from jacobi_ext.models.quantized import _scan_with_reader, scan_gguf
+
+    g = np.random.default_rng(5)
+    path = tmp_path / "meta.gguf"
+    w = GGUFWriter(str(path), "qwen2")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", [f"tok{i} \u00fc" for i in range(3000)])
+    w.add_array("tokenizer.ggml.scores", [float(i) for i in range(300)])
+    w.add_array("nested", [[1, 2, 3], [4, 5]])
+    w.add_uint64("a.u64", 7)
+    w.add_bool("a.bool", True)
+    w.add_float64("a.f64", 0.5)
+    for i, qtype in enumerate([Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0]):
+        block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+        w.add_tensor(f"t{i}", random_rows(qtype, 3 + i, 2 * block, g), raw_dtype=qtype)
+    w.add_tensor("norm", g.normal(size=(7,)).astype(np.float32))
+    w.add_tensor("half", g.normal(size=(5, 3)).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got, want = scan_gguf(path), _scan_with_reader(path)
+    assert got == want and got[0] == "qwen2" and len(got[1]) == 9
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(ValueError):
+        scan_gguf(tmp_path / "not.gguf")
+
+
+@pytest.mark.slow
+def test_config_and_tokenizer_come_back_from_the_cache(tmp_path, monkeypatch):
+    """A GGUF file's transformers config and tokenizer, parsed once and then read from the
+    cache, are the parsed ones: the same config, the same ids for text and for the chat
+    template, the same special tokens; a damaged cache is parsed again."""
+    from jacobi_ext.models import default_model_file
+    from jacobi_ext.models.quantized import _meta_dir, config_and_tokenizer
+
+    monkeypatch.setenv("JACOBI_EXT_CACHE", str(tmp_path))
+    path = default_model_file()
+    cfg, tok = config_and_tokenizer(path)  # parsed, then saved
+    assert (_meta_dir(path) / "tokenizer_config.json").is_file()
+    cfg2, tok2 = config_and_tokenizer(path)  # from the cache
+    assert cfg2.to_dict() == cfg.to_dict()
+    text = "def f(x):\n    return x  # \u00fc \u4e2d\u6587\t<|im_end|> end"
+    msgs = [{"role": "user", "content": text}]
+    for t in (tok, tok2):
+        assert t.eos_token == "<|im_end|>"
+    assert tok2(text).input_ids == tok(text).input_ids
+    assert tok2.apply_chat_template(msgs, add_generation_prompt=True) == tok.apply_chat_template(
+        msgs, add_generation_prompt=True
+    )
+    assert (tok2.eos_token_id, tok2.bos_token_id, len(tok2)) == (
+        tok.eos_token_id, tok.bos_token_id, len(tok),
+    )  # fmt: skip
+    (_meta_dir(path) / "config.json").write_text("{not json")
+    cfg3, tok3 = config_and_tokenizer(path)
+    assert cfg3.to_dict() == cfg.to_dict() and tok3(text).input_ids == tok(text).input_ids
+
+
 def test_decoding_on_codes_equals_ar_and_the_dequantized_model(tmp_path):
     from jacobi_ext import generate
 

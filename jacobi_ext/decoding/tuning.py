@@ -28,18 +28,12 @@ from pathlib import Path
 
 import torch
 
+from ..cache import cache_dir
 from . import prepack
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BLOCK_SIZES = (4, 8, 16, 32, 64)
 PRIOR_RHO = 0.6  # optimistic: a distilled model's effective acceptance on code is about this
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("JACOBI_EXT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jacobi_ext"
-    )
-    return Path(root)
 
 
 def cpu_name() -> str:

@@ -30,7 +30,11 @@ model dequantized (`load_model(..., dequantize=True)`).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..cache import cache_dir
 from ..kernels.ops import GGUF_TYPE_NAMES as KERNEL_TYPE_NAMES
 from ..kernels.ops import gguf_kernel_type_names as kernel_type_names
 from ..kernels.ops import gguf_kernel_types as kernel_types
@@ -294,10 +299,109 @@ class _Tensor:
         return np.frombuffer(buf, dtype=self.dtype).reshape(self.shape).copy()
 
 
+# GGUF metadata value types: fixed sizes (bytes) of the scalar ones; 8 = string, 9 = array.
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_ITEM = {0: np.float32, 1: np.float16, 16: np.int8, 17: np.int16, 18: np.int32,
+              27: np.int64, 28: np.float64}  # fmt: skip
+
+
 def scan_gguf(path: str | Path) -> tuple[str, list[_Tensor]]:
-    """The file's architecture name and its tensors' records. The parsed metadata (for a 49k-token
-    vocabulary ~140 MB of Python objects) is dropped before this returns: do this first when
-    loading, and what it frees is reused by the tokenizer's own parse."""
+    """The file's architecture name and its tensors' records (what `gguf.GGUFReader` gives of
+    them: tests compare), read from the header alone: its metadata values are skipped, not parsed
+    (GGUFReader builds a numpy view per vocabulary string, ~4 s a load for a 49k-token vocabulary
+    on a 2-core CPU; this takes ~0.1 s). A file that is not little-endian GGUF v2 / v3 is read
+    with GGUFReader."""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quant_shape_to_byte_shape
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        buf = f.read(1 << 20)
+        magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
+        if magic != 0x46554747 or version not in (2, 3):
+            return _scan_with_reader(path)
+        pos = 24
+
+        def need(n: int) -> None:  # the header is longer than what was read so far
+            nonlocal buf
+            while pos + n > len(buf):
+                more = f.read(max(1 << 20, n))
+                if not more:
+                    raise ValueError(f"{path}: the GGUF header ends early")
+                buf += more
+
+        def string() -> str:
+            nonlocal pos
+            need(8)
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            need(8 + n)
+            pos += 8 + n
+            return buf[pos - n : pos].decode("utf-8", errors="replace")
+
+        def skip(vtype: int) -> None:
+            nonlocal pos
+            if vtype in _GGUF_SCALAR:
+                pos += _GGUF_SCALAR[vtype]
+            elif vtype == 8:
+                need(8)
+                pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+            elif vtype == 9:
+                need(12)
+                etype, count = struct.unpack_from("<IQ", buf, pos)
+                pos += 12
+                if etype in _GGUF_SCALAR:
+                    pos += count * _GGUF_SCALAR[etype]
+                else:
+                    for _ in range(count):
+                        skip(etype)
+            else:
+                raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+
+        arch, alignment = None, 32
+        for _ in range(n_kv):
+            key = string()
+            need(4)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if key == "general.architecture" and vtype == 8:
+                arch = string()
+            elif key == "general.alignment" and vtype == 4:
+                need(4)
+                (alignment,) = struct.unpack_from("<I", buf, pos)
+                pos += 4
+            else:
+                skip(vtype)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            need(4)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            need(4 + 8 * n_dims + 12)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            ttype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, dims, ttype, offset))
+    if arch is None:
+        raise ValueError(f"{path} names no general.architecture")
+    start = -(-pos // alignment) * alignment
+    tensors = []
+    for name, dims, ttype, offset in infos:
+        qtype = GGMLQuantizationType(ttype)
+        block, size = GGML_QUANT_SIZES[qtype]
+        n = int(np.prod(dims))
+        shape = tuple(reversed(dims))
+        dtype = _GGUF_ITEM.get(ttype)
+        if dtype is None:
+            dtype, shape = np.uint8, quant_shape_to_byte_shape(shape, qtype)
+        tensors.append(
+            _Tensor(name, qtype, start + offset, n * size // block, tuple(shape), np.dtype(dtype))
+        )
+    return arch, tensors
+
+
+def _scan_with_reader(path: Path) -> tuple[str, list[_Tensor]]:
+    """scan_gguf through gguf's own reader (every metadata value parsed, then dropped)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -474,15 +578,13 @@ def _bias(m: nn.Linear) -> torch.Tensor | None:
 def load_gguf(path: str | Path, attn_implementation: str = "sdpa"):
     """A causal LM that decodes from the GGUF file's codes (see the module docstring), and its
     tokenizer; no fp32 copy of the quantized weights is ever made."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    src, extra = str(path.parent), {"gguf_file": path.name}
-    scan = scan_gguf(path)  # first: the tokenizer's parse reuses the memory it frees
-    tokenizer = AutoTokenizer.from_pretrained(src, **extra)
-    config = AutoConfig.from_pretrained(src, **extra)
+    scan = scan_gguf(path)
+    config, tokenizer = config_and_tokenizer(path)
     model = build_on_codes(config, path, attn_implementation=attn_implementation, scan=scan)
     model.generation_config = GenerationConfig.from_model_config(config)
     model.config._name_or_path = str(path)
@@ -491,6 +593,49 @@ def load_gguf(path: str | Path, attn_implementation: str = "sdpa"):
         tokenizer.pad_token = tokenizer.eos_token
     gc.collect()  # the metadata parsed by the tokenizer and config loaders
     return model, tokenizer
+
+
+def _meta_dir(path: Path) -> Path:
+    """The cache folder of a GGUF file's config and tokenizer: the file (path, size, mtime) as
+    transformers (its version) converts it."""
+    import transformers
+
+    st = path.stat()
+    raw = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return cache_dir() / "gguf" / hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def config_and_tokenizer(path: str | Path):
+    """transformers' config and tokenizer of a GGUF file. Each of its two loaders parses the whole
+    file's metadata (a 49k-token vocabulary and its merges: ~4-5 s each on a 2-core CPU), so both
+    are saved to the cache (jacobi_ext/cache.py) the first time and read from there after
+    (~0.3 s); a cache that cannot be written or read is parsed again."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = Path(path)
+    meta = _meta_dir(path)
+    src, extra = str(path.parent), {"gguf_file": path.name}
+    if (meta / "config.json").is_file() and (meta / "tokenizer_config.json").is_file():
+        try:
+            config = AutoConfig.from_pretrained(meta)
+            tokenizer = AutoTokenizer.from_pretrained(meta)
+            config._name_or_path = tokenizer.name_or_path = src  # as if parsed from the file
+            return config, tokenizer
+        except (OSError, ValueError):
+            pass  # damaged: parse the file again (and leave the folder as it is)
+    tokenizer = AutoTokenizer.from_pretrained(src, **extra)
+    config = AutoConfig.from_pretrained(src, **extra)
+    tmp = None
+    try:  # written aside, then renamed: a reader never sees half a folder
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=meta.parent, prefix=".tmp-"))
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, meta)
+    except OSError:  # read-only, or another process was first: nothing lost
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return config, tokenizer
 
 
 def build_on_codes(config, path: str | Path, attn_implementation: str = "sdpa", scan=None):
