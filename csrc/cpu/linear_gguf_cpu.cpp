@@ -665,19 +665,21 @@ static_assert(kNR % 16 == 0, "the 8-bit tile takes 16 columns at a time");
 // inside 128-bit lanes); the scales are permuted alike and the outputs back at the end, so each
 // column gets exactly its own operations.
 //
-// Per panel the groups go in order, and each group's codes are rearranged once into a buffer in
-// L1 that every row of the call then reads, its fp32 accumulators in memory between groups: a
-// row's operations are exactly the one-row ones, so its bits do not depend on M. Why this shape:
-// with pairs of columns side by side (the first version) each step needed two widenings of four
-// shuffles per row, and rearranging the codes inside the row loop kept more vectors live than
+// Per panel the groups go in order, each row's fp32 accumulators in memory between groups. A
+// call of up to 4 rows (int8_panel_rows) rearranges each step in registers and uses it at once;
+// more rows (int8_panel) rearrange each group once into a buffer in L1 that every row tile
+// reads. Either way a row's operations are exactly the one-row ones (the same int8_step,
+// int8_step_rows and int8_group_done), so its bits do not depend on M. Why this shape: with
+// pairs of columns side by side (the first version) each step needed two widenings of four
+// shuffles per row, and rearranging inside the row loop at 4 rows kept more vectors live than
 // AVX2 has registers (a 16-row Q8_0 head ran slower than the exact fp32 product).
 template <GgufType T>
 constexpr int kInt8Vecs = T == GgufType::q4_1 ? 2 : 4;  // rearranged vectors per step of 4 k
 
-// A group's codes of 16 columns (block s) rearranged: per step j, w[j][0..1] the codes in the
-// lanes' order, for Q8_0 w[j][2..3] their absolute values.
+// Step j (codes 4j .. 4j+3) of a group's 16 columns (block s), rearranged: w[0..1] the codes in
+// the lanes' order, for Q8_0 w[2..3] their absolute values.
 template <GgufType T>
-inline void int8_rearrange(const uint8_t* codes, int s, __m256i (*w)[kInt8Vecs<T>]) {
+inline void int8_step(const uint8_t* codes, int j, int s, __m256i* w) {
   // row k of the block's 16 columns in both lanes
   auto row16 = [&](int k) {
     return _mm256_broadcastsi128_si256(
@@ -687,190 +689,139 @@ inline void int8_rearrange(const uint8_t* codes, int s, __m256i (*w)[kInt8Vecs<T
   auto pairs = [](__m256i a, __m256i b) {
     return _mm256_blend_epi32(_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b), 0xF0);
   };
-  for (int j = 0; j < 8; ++j) {
-    if constexpr (T == GgufType::q4_1) {
-      // byte rows 2j (codes 4j | 4j+1 << 4) and 2j+1 (4j+2 | 4j+3 << 4), per column
-      const __m256i nib = _mm256_set1_epi8(0x0F);
-      const __m256i t = pairs(row16(2 * j), row16(2 * j + 1));
-      const __m256i l = _mm256_and_si256(t, nib);
-      const __m256i h = _mm256_and_si256(_mm256_srli_epi16(t, 4), nib);
-      w[j][0] = _mm256_unpacklo_epi8(l, h);
-      w[j][1] = _mm256_unpackhi_epi8(l, h);
-    } else {
-      const __m256i t01 = pairs(row16(4 * j), row16(4 * j + 1));
-      const __m256i t23 = pairs(row16(4 * j + 2), row16(4 * j + 3));
-      w[j][0] = _mm256_unpacklo_epi16(t01, t23);
-      w[j][1] = _mm256_unpackhi_epi16(t01, t23);
-      w[j][2] = _mm256_abs_epi8(w[j][0]);
-      w[j][3] = _mm256_abs_epi8(w[j][1]);
+  if constexpr (T == GgufType::q4_1) {
+    // byte rows 2j (codes 4j | 4j+1 << 4) and 2j+1 (4j+2 | 4j+3 << 4), per column
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    const __m256i t = pairs(row16(2 * j), row16(2 * j + 1));
+    const __m256i l = _mm256_and_si256(t, nib);
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(t, 4), nib);
+    w[0] = _mm256_unpacklo_epi8(l, h);
+    w[1] = _mm256_unpackhi_epi8(l, h);
+  } else {
+    const __m256i t01 = pairs(row16(4 * j), row16(4 * j + 1));
+    const __m256i t23 = pairs(row16(4 * j + 2), row16(4 * j + 3));
+    w[0] = _mm256_unpacklo_epi16(t01, t23);
+    w[1] = _mm256_unpackhi_epi16(t01, t23);
+    w[2] = _mm256_abs_epi8(w[0]);
+    w[3] = _mm256_abs_epi8(w[1]);
+  }
+}
+
+// MR rows' integer sums of a group, carried across its steps: Q4_1's in 16 bits (widened by
+// int8_sums), Q8_0's in 32.
+template <int MR>
+struct Int8Sums {
+  __m256i v[MR][2];
+  Int8Sums() {
+    for (int r = 0; r < MR; ++r) v[r][0] = v[r][1] = _mm256_setzero_si256();
+  }
+};
+
+// One step (rearranged codes w, int8_step) for MR rows: q points at each row's group values,
+// rows ldq apart.
+template <GgufType T, int MR>
+inline void int8_step_rows(const __m256i* w, const int8_t* q, int64_t ldq, int j,
+                           Int8Sums<MR>& acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < MR; ++r) {
+    int32_t v;  // the row's q(4j) .. q(4j+3) in every 32-bit lane
+    std::memcpy(&v, q + r * ldq + 4 * j, 4);
+    const __m256i x = _mm256_set1_epi32(v);
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (T == GgufType::q4_1) {
+        acc.v[r][h] = _mm256_add_epi16(acc.v[r][h], _mm256_maddubs_epi16(w[h], x));
+      } else {
+        const __m256i p = _mm256_maddubs_epi16(w[2 + h], _mm256_sign_epi8(x, w[h]));
+        acc.v[r][h] = _mm256_add_epi32(acc.v[r][h], _mm256_madd_epi16(p, ones));
+      }
     }
   }
 }
 
-// MR rows (q: their group's values, rows ldq apart) times one rearranged group: acc (rows kNR
-// apart, this block's 16 columns in the lanes' order) = fma(d * dx, isum, acc) (+ fma(m, msx)).
+// A group's sums done: acc[r] (row r's 16 columns of this block in the lanes' order, at
+// acc + r * ld) = fma(d * dx, isum, acc) (+ fma(m, msx, acc) for Q4_1); dx, msx rows ldg apart.
 template <GgufType T, int MR>
-inline void int8_group_rows(const __m256i (*w)[kInt8Vecs<T>], const int8_t* q, int64_t ldq,
-                            const float* dx, const float* msx, int64_t ldg, const __m256* d,
-                            const __m256* m, float* acc) {
+inline void int8_group_done(Int8Sums<MR>& sums, const __m256* d, const __m256* m,
+                            const float* dx, const float* msx, int64_t ldg, float* acc,
+                            int64_t ld) {
   const __m256i ones = _mm256_set1_epi16(1);
-  auto x4 = [&](int r, int j) {  // the row's q(4j) .. q(4j+3) in every 32-bit lane
-    int32_t v;
-    std::memcpy(&v, q + r * ldq + 4 * j, 4);
-    return _mm256_set1_epi32(v);
-  };
-  __m256i isum[MR][2];
-  if constexpr (T == GgufType::q4_1) {
-    __m256i sum16[MR][2];
-    for (int r = 0; r < MR; ++r) sum16[r][0] = sum16[r][1] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      for (int r = 0; r < MR; ++r) {
-        const __m256i x = x4(r, j);
-        sum16[r][0] = _mm256_add_epi16(sum16[r][0], _mm256_maddubs_epi16(w[j][0], x));
-        sum16[r][1] = _mm256_add_epi16(sum16[r][1], _mm256_maddubs_epi16(w[j][1], x));
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      isum[r][0] = _mm256_madd_epi16(sum16[r][0], ones);
-      isum[r][1] = _mm256_madd_epi16(sum16[r][1], ones);
-    }
-  } else {
-    for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      for (int r = 0; r < MR; ++r) {
-        const __m256i x = x4(r, j);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i p = _mm256_maddubs_epi16(w[j][2 + h], _mm256_sign_epi8(x, w[j][h]));
-          isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(p, ones));
-        }
-      }
-    }
-  }
   for (int r = 0; r < MR; ++r) {
     const __m256 vdx = _mm256_set1_ps(dx[r * ldg]);
     const __m256 vmsx = _mm256_set1_ps(msx[r * ldg]);
     for (int h = 0; h < 2; ++h) {
-      float* o = acc + r * kNR + 8 * h;
+      __m256i isum = sums.v[r][h];
+      if constexpr (T == GgufType::q4_1) isum = _mm256_madd_epi16(isum, ones);
+      float* o = acc + r * ld + 8 * h;
       __m256 v = _mm256_loadu_ps(o);
-      v = _mm256_fmadd_ps(_mm256_mul_ps(d[h], vdx), _mm256_cvtepi32_ps(isum[r][h]), v);
+      v = _mm256_fmadd_ps(_mm256_mul_ps(d[h], vdx), _mm256_cvtepi32_ps(isum), v);
       if constexpr (T == GgufType::q4_1) v = _mm256_fmadd_ps(m[h], vmsx, v);
       _mm256_storeu_ps(o, v);
     }
   }
 }
 
+// The fp16 scales (or offsets) of 16 columns at p, in the lanes' order.
+inline void int8_lanes(const uint8_t* p, __m256* v) {
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  v[0] = _mm256_permute2f128_ps(lo, hi, 0x20);
+  v[1] = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
+
+// A group's scales (and offsets) of block s, in the lanes' order.
+template <GgufType T>
+inline void int8_scales(const uint8_t* grp, int s, __m256* d, __m256* m) {
+  int8_lanes(grp + 2 * 16 * s, d);
+  if constexpr (T == GgufType::q4_1) int8_lanes(grp + 2 * (kNR + 16 * s), m);
+}
+
+// rows of kNR outputs at out (ld apart), from the lanes' order back to the columns'.
+inline void int8_unpermute(float* out, int64_t rows, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int s = 0; s < kNR / 16; ++s) {
+      float* o = out + r * ld + 16 * s;
+      const __m256 a = _mm256_loadu_ps(o), b = _mm256_loadu_ps(o + 8);
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(a, b, 0x20));
+      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+  }
+}
+
+inline void prefetch_group(const uint8_t* grp, int64_t gbytes) {
+  for (int64_t b = 0; b < gbytes; b += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(grp + kPrefetchAhead + b), _MM_HINT_T0);
+  }
+}
+
 constexpr int kInt8MR = 4;  // rows per register tile
 constexpr int64_t kInt8DirectM = kInt8MR;  // calls of at most this many rows: int8_panel_tile
 
-// The same for a call of at most kInt8MR rows (a decoding step), straight from the panel: each
-// step's codes rearranged in registers and used at once, the accumulators in registers. At 1-4
-// rows this is 1.1-1.4x faster than going through the buffer (its stores and reloads, the
-// zeroing, the final permutation), measured in one process; beyond, the buffer wins (it
-// rearranges each group once for all rows; a 160-row Q8_0 head 1.4x faster). The same
-// operations per row, so the same bits.
+// A call of at most kInt8MR rows (a decoding step), straight from the panel: each step's codes
+// rearranged in registers and used at once, the sums in registers. At 1-4 rows this is
+// 1.1-1.4x faster than int8_panel's buffer (its stores and reloads, the zeroing, the final
+// permutation), measured in one process; beyond, the buffer wins (it rearranges each group once
+// for all rows; a 160-row Q8_0 head 1.4x faster). The same operations per row, so the same bits.
 template <GgufType T, int MR>
 inline void int8_panel_rows(const uint8_t* panel, int64_t groups, int64_t gbytes,
                             const int8_t* q, int64_t ldq, const float* dx, const float* msx,
                             int64_t ldg, float* out) {
-  constexpr int S = kNR / 16;
-  constexpr bool kOffset = T == GgufType::q4_1;
-  alignas(32) float acc[MR][S][2][8];  // per row and block: columns [0-3 | 8-11], [4-7 | 12-15]
-  for (int r = 0; r < MR; ++r)
-    for (int s = 0; s < S; ++s)
-      for (int h = 0; h < 2; ++h) _mm256_store_ps(acc[r][s][h], _mm256_setzero_ps());
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  // row k of the block's 16 columns in both lanes
-  auto row16 = [](const uint8_t* codes, int k, int s) {
-    return _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kNR + 16 * s)));
-  };
-  // the byte pairs (row a, row b) of columns [0-7 | 8-15]
-  auto pairs = [](__m256i a, __m256i b) {
-    return _mm256_blend_epi32(_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b), 0xF0);
-  };
-  // the row's q(k) .. q(k+3) in every 32-bit lane
-  auto x4 = [&](int r, int64_t k) {
-    int32_t v;
-    std::memcpy(&v, q + r * ldq + k, 4);
-    return _mm256_set1_epi32(v);
-  };
+  std::fill(out, out + MR * kNR, 0.f);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = panel + g * gbytes;
-    const uint8_t* codes = grp + int8_header<T>();
-    for (int64_t b = 0; b < gbytes; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(grp + kPrefetchAhead + b), _MM_HINT_T0);
-    }
-    for (int s = 0; s < S; ++s) {
-      __m256i isum[MR][2];
-      if constexpr (kOffset) {
-        __m256i sum16[MR][2];
-        for (int r = 0; r < MR; ++r) sum16[r][0] = sum16[r][1] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          // byte rows 2j (codes 4j | 4j+1 << 4) and 2j+1 (4j+2 | 4j+3 << 4), per column
-          const __m256i t = pairs(row16(codes, 2 * j, s), row16(codes, 2 * j + 1, s));
-          const __m256i l = _mm256_and_si256(t, nib);
-          const __m256i h = _mm256_and_si256(_mm256_srli_epi16(t, 4), nib);
-          const __m256i w0 = _mm256_unpacklo_epi8(l, h), w1 = _mm256_unpackhi_epi8(l, h);
-          for (int r = 0; r < MR; ++r) {
-            const __m256i x = x4(r, g * kInt8Group + 4 * j);
-            sum16[r][0] = _mm256_add_epi16(sum16[r][0], _mm256_maddubs_epi16(w0, x));
-            sum16[r][1] = _mm256_add_epi16(sum16[r][1], _mm256_maddubs_epi16(w1, x));
-          }
-        }
-        for (int r = 0; r < MR; ++r) {
-          isum[r][0] = _mm256_madd_epi16(sum16[r][0], ones);
-          isum[r][1] = _mm256_madd_epi16(sum16[r][1], ones);
-        }
-      } else {
-        for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          const __m256i t01 = pairs(row16(codes, 4 * j, s), row16(codes, 4 * j + 1, s));
-          const __m256i t23 = pairs(row16(codes, 4 * j + 2, s), row16(codes, 4 * j + 3, s));
-          const __m256i w0 = _mm256_unpacklo_epi16(t01, t23);
-          const __m256i w1 = _mm256_unpackhi_epi16(t01, t23);
-          const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-          for (int r = 0; r < MR; ++r) {
-            const __m256i x = x4(r, g * kInt8Group + 4 * j);
-            isum[r][0] = _mm256_add_epi32(
-                isum[r][0],
-                _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones));
-            isum[r][1] = _mm256_add_epi32(
-                isum[r][1],
-                _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w1)), ones));
-          }
-        }
+    prefetch_group(grp, gbytes);
+    for (int s = 0; s < kNR / 16; ++s) {
+      Int8Sums<MR> sums;
+      for (int j = 0; j < 8; ++j) {
+        __m256i w[kInt8Vecs<T>];
+        int8_step<T>(grp + int8_header<T>(), j, s, w);
+        int8_step_rows<T, MR>(w, q + g * kInt8Group, ldq, j, sums);
       }
-      // the scales (and offsets) in the lanes' column order
-      auto lanes = [&](const uint8_t* p, __m256* v) {
-        const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-        const __m256 hi =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-        v[0] = _mm256_permute2f128_ps(lo, hi, 0x20);
-        v[1] = _mm256_permute2f128_ps(lo, hi, 0x31);
-      };
       __m256 d[2], m[2];
-      lanes(grp + 2 * 16 * s, d);
-      if constexpr (kOffset) lanes(grp + 2 * (kNR + 16 * s), m);
-      for (int r = 0; r < MR; ++r) {
-        const __m256 vdx = _mm256_set1_ps(dx[r * ldg + g]);
-        const __m256 vmsx = _mm256_set1_ps(msx[r * ldg + g]);
-        for (int h = 0; h < 2; ++h) {
-          __m256 a = _mm256_load_ps(acc[r][s][h]);
-          a = _mm256_fmadd_ps(_mm256_mul_ps(d[h], vdx), _mm256_cvtepi32_ps(isum[r][h]), a);
-          if constexpr (kOffset) a = _mm256_fmadd_ps(m[h], vmsx, a);
-          _mm256_store_ps(acc[r][s][h], a);
-        }
-      }
+      int8_scales<T>(grp, s, d, m);
+      int8_group_done<T, MR>(sums, d, m, dx + g, msx + g, ldg, out + 16 * s, kNR);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    for (int s = 0; s < S; ++s) {
-      const __m256 a = _mm256_load_ps(acc[r][s][0]), b = _mm256_load_ps(acc[r][s][1]);
-      _mm256_storeu_ps(out + r * kNR + 16 * s, _mm256_permute2f128_ps(a, b, 0x20));
-      _mm256_storeu_ps(out + r * kNR + 16 * s + 8, _mm256_permute2f128_ps(a, b, 0x31));
-    }
-  }
+  int8_unpermute(out, MR, kNR);
 }
 
 template <GgufType T>
@@ -885,52 +836,45 @@ inline void int8_panel_tile(int rows, const uint8_t* panel, int64_t groups, int6
   }
 }
 
-// One panel times all M rows of x (quantized: q [M, ldq], dx / msx [M, ldg]) into out [M, kNR].
+// Rows m0 .. m0 + MR of int8_panel's group g (block s) from its rearranged steps w.
+template <GgufType T, int MR>
+inline void int8_buffered_rows(const __m256i (*w)[kInt8Vecs<T>], const int8_t* q, int64_t ldq,
+                               const __m256* d, const __m256* m, const float* dx,
+                               const float* msx, int64_t ldg, float* out) {
+  Int8Sums<MR> sums;
+  for (int j = 0; j < 8; ++j) int8_step_rows<T, MR>(w[j], q, ldq, j, sums);
+  int8_group_done<T, MR>(sums, d, m, dx, msx, ldg, out, kNR);
+}
+
+// One panel times all M rows of x (quantized: q [M, ldq], dx / msx [M, ldg]) into out [M, kNR]:
+// per group, its codes rearranged once into a buffer in L1 that every row tile reads.
 template <GgufType T>
 inline void int8_panel(const uint8_t* panel, int64_t groups, int64_t gbytes, int64_t M,
                        const int8_t* q, int64_t ldq, const float* dx, const float* msx,
                        int64_t ldg, float* out) {
-  constexpr int S = kNR / 16;
   std::fill(out, out + M * kNR, 0.f);
-  // the fp16 scales (offsets) of 16 columns in the lanes' order
-  auto lanes = [](const uint8_t* p, __m256* v) {
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-    v[0] = _mm256_permute2f128_ps(lo, hi, 0x20);
-    v[1] = _mm256_permute2f128_ps(lo, hi, 0x31);
-  };
   __m256i w[8][kInt8Vecs<T>];
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = panel + g * gbytes;
-    for (int64_t b = 0; b < gbytes; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(grp + kPrefetchAhead + b), _MM_HINT_T0);
-    }
-    for (int s = 0; s < S; ++s) {
-      int8_rearrange<T>(grp + int8_header<T>(), s, w);
+    prefetch_group(grp, gbytes);
+    for (int s = 0; s < kNR / 16; ++s) {
+      for (int j = 0; j < 8; ++j) int8_step<T>(grp + int8_header<T>(), j, s, w[j]);
       __m256 d[2], m[2];
-      lanes(grp + 2 * 16 * s, d);
-      if constexpr (T == GgufType::q4_1) lanes(grp + 2 * (kNR + 16 * s), m);
+      int8_scales<T>(grp, s, d, m);
       for (int64_t m0 = 0; m0 < M; m0 += kInt8MR) {
         const int8_t* qg = q + m0 * ldq + g * kInt8Group;
         const float *dxg = dx + m0 * ldg + g, *msxg = msx + m0 * ldg + g;
         float* o = out + m0 * kNR + 16 * s;
         switch (std::min<int64_t>(kInt8MR, M - m0)) {
-          case 1: int8_group_rows<T, 1>(w, qg, ldq, dxg, msxg, ldg, d, m, o); break;
-          case 2: int8_group_rows<T, 2>(w, qg, ldq, dxg, msxg, ldg, d, m, o); break;
-          case 3: int8_group_rows<T, 3>(w, qg, ldq, dxg, msxg, ldg, d, m, o); break;
-          default: int8_group_rows<T, 4>(w, qg, ldq, dxg, msxg, ldg, d, m, o);
+          case 1: int8_buffered_rows<T, 1>(w, qg, ldq, d, m, dxg, msxg, ldg, o); break;
+          case 2: int8_buffered_rows<T, 2>(w, qg, ldq, d, m, dxg, msxg, ldg, o); break;
+          case 3: int8_buffered_rows<T, 3>(w, qg, ldq, d, m, dxg, msxg, ldg, o); break;
+          default: int8_buffered_rows<T, 4>(w, qg, ldq, d, m, dxg, msxg, ldg, o);
         }
       }
     }
   }
-  for (int64_t r = 0; r < M; ++r) {  // the lanes' order back to the columns'
-    for (int s = 0; s < S; ++s) {
-      float* o = out + r * kNR + 16 * s;
-      const __m256 a = _mm256_loadu_ps(o), b = _mm256_loadu_ps(o + 8);
-      _mm256_storeu_ps(o, _mm256_permute2f128_ps(a, b, 0x20));
-      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(a, b, 0x31));
-    }
-  }
+  int8_unpermute(out, M, kNR);
 }
 #else
 constexpr bool kInt8Vector = false;
