@@ -377,7 +377,8 @@ def test_q8_0_rows_op_every_scale_and_bad_input():
     raw = g.integers(0, 256, size=(300, 3 * 34), dtype=np.uint8)
     ids = torch.from_numpy(g.integers(0, 300, size=(5, 7)))
     got = ops.cpu_gguf_q8_0_rows(torch.from_numpy(raw), ids)
-    want = quants.dequantize(raw[ids.reshape(-1).numpy()], Q.Q8_0).reshape(5, 7, 96)
+    with np.errstate(invalid="ignore"):  # inf scales times zero codes: NaN, as ours
+        want = quants.dequantize(raw[ids.reshape(-1).numpy()], Q.Q8_0).reshape(5, 7, 96)
     want = torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match=r"ids\[1\] = 300 is outside the 300 rows"):
