@@ -708,7 +708,7 @@ inline void int8_step(const uint8_t* codes, int j, int s, __m256i* w) {
 }
 
 // MR rows' integer sums of a group, carried across its steps: Q4_1's in 16 bits (widened by
-// int8_sums), Q8_0's in 32.
+// int8_group_done), Q8_0's in 32.
 template <int MR>
 struct Int8Sums {
   __m256i v[MR][2];
@@ -794,11 +794,10 @@ inline void prefetch_group(const uint8_t* grp, int64_t gbytes) {
 }
 
 constexpr int kInt8MR = 4;  // rows per register tile
-constexpr int64_t kInt8DirectM = kInt8MR;  // calls of at most this many rows: int8_panel_tile
 
 // A call of at most kInt8MR rows (a decoding step), straight from the panel: each step's codes
 // rearranged in registers and used at once, the sums in registers. At 1-4 rows this is
-// 1.1-1.4x faster than int8_panel's buffer (its stores and reloads, the zeroing, the final
+// 1.1-1.4x faster than int8_panel_buffered (its stores and reloads, the zeroing, the final
 // permutation), measured in one process; beyond, the buffer wins (it rearranges each group once
 // for all rows; a 160-row Q8_0 head 1.4x faster). The same operations per row, so the same bits.
 template <GgufType T, int MR>
@@ -846,12 +845,12 @@ inline void int8_buffered_rows(const __m256i (*w)[kInt8Vecs<T>], const int8_t* q
   int8_group_done<T, MR>(sums, d, m, dx, msx, ldg, out, kNR);
 }
 
-// One panel times all M rows of x (quantized: q [M, ldq], dx / msx [M, ldg]) into out [M, kNR]:
-// per group, its codes rearranged once into a buffer in L1 that every row tile reads.
+// int8_panel beyond kInt8MR rows: per group, its codes rearranged once into a buffer in L1 that
+// every row tile reads.
 template <GgufType T>
-inline void int8_panel(const uint8_t* panel, int64_t groups, int64_t gbytes, int64_t M,
-                       const int8_t* q, int64_t ldq, const float* dx, const float* msx,
-                       int64_t ldg, float* out) {
+inline void int8_panel_buffered(const uint8_t* panel, int64_t groups, int64_t gbytes,
+                                int64_t M, const int8_t* q, int64_t ldq, const float* dx,
+                                const float* msx, int64_t ldg, float* out) {
   std::fill(out, out + M * kNR, 0.f);
   __m256i w[8][kInt8Vecs<T>];
   for (int64_t g = 0; g < groups; ++g) {
@@ -876,12 +875,20 @@ inline void int8_panel(const uint8_t* panel, int64_t groups, int64_t gbytes, int
   }
   int8_unpermute(out, M, kNR);
 }
+
+// One panel times all M rows of x (quantized: q [M, ldq], dx / msx [M, ldg]) into out [M, kNR].
+template <GgufType T>
+inline void int8_panel(const uint8_t* panel, int64_t groups, int64_t gbytes, int64_t M,
+                       const int8_t* q, int64_t ldq, const float* dx, const float* msx,
+                       int64_t ldg, float* out) {
+  if (M <= kInt8MR) {
+    return int8_panel_tile<T>(static_cast<int>(M), panel, groups, gbytes, q, ldq, dx, msx, ldg,
+                              out);
+  }
+  int8_panel_buffered<T>(panel, groups, gbytes, M, q, ldq, dx, msx, ldg, out);
+}
 #else
 constexpr bool kInt8Vector = false;
-constexpr int64_t kInt8DirectM = 0;
-template <GgufType T>
-inline void int8_panel_tile(int, const uint8_t*, int64_t, int64_t, const int8_t*, int64_t,
-                            const float*, const float*, int64_t, float*) {}
 template <GgufType T>
 inline void int8_panel(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, int64_t,
                        const float*, const float*, int64_t, float*) {}
@@ -926,10 +933,7 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
       const int64_t n0 = p * kNR;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
       const uint8_t* panel = packed + p * panel_bytes;
-      if (kInt8Vector && a.M <= kInt8DirectM) {
-        int8_panel_tile<T>(static_cast<int>(a.M), panel, groups, gbytes, qp, a.K, dxp, msxp,
-                           groups, out);
-      } else if (kInt8Vector) {
+      if (kInt8Vector) {
         int8_panel<T>(panel, groups, gbytes, a.M, qp, a.K, dxp, msxp, groups, out);
       } else {
         for (int64_t m = 0; m < a.M; ++m) {

@@ -125,7 +125,12 @@ def _load_model(name_or_path, dtype, device, attn_implementation, verbose, dequa
             )
         return model, tokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, **extra)
+        if gguf_path is not None:  # the file's tokenizer from the cache (its parse: ~5 s)
+            from .quantized import config_and_tokenizer
+
+            tokenizer = config_and_tokenizer(gguf_path)[1]
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(src, **extra)
         with _gguf_packing_note_held() as held:
             model = AutoModelForCausalLM.from_pretrained(src, **kwargs, **extra)
         held.release_if(any(type(m).__name__.lower().startswith("gguf") for m in model.modules()))
