@@ -50,6 +50,8 @@ def _run(method, model, prompts, max_new, timing=None):
             kw = {
                 "ar": dict(method="ar"),
                 "jacobi": dict(method="jacobi", block_size=16),
+                "jacobi-32": dict(method="jacobi", block_size=32),
+                "jacobi-64": dict(method="jacobi", block_size=64),
                 "jacobi-tuned": dict(method="jacobi"),
                 "multiblock": dict(method="multiblock"),
             }[base]
@@ -75,6 +77,8 @@ METHODS = [
     "hf-prompt-lookup",
     "ar",
     "jacobi",
+    "jacobi-32",
+    "jacobi-64",
     "jacobi-tuned",
     "multiblock",
     "ar+compile",

@@ -387,6 +387,11 @@ def test_wheelhouse_parts_assemble_only_when_complete(tmp_path):
     res = gpu_carry.assemble(stash, site)
     assert res["missing"] == [] and len(res["installed"]) == 2
     assert (site / "bigpkg" / "blob.bin").read_bytes() == big
+    # With a wheelhouse, each whole wheel is kept there too (pip --no-index --find-links).
+    house = tmp_path / "house"
+    res = gpu_carry.assemble(stash, tmp_path / "site2", house)
+    assert sorted(p.name for p in house.iterdir()) == sorted(w.name for w in wheels)
+    assert (house / wheels[1].name).read_bytes() == wheels[1].read_bytes()
     # A damaged piece is refused, not installed.
     (site / ".installed-bigpkg-0.1-py3-none-any.whl").unlink()
     piece = next(stash.glob("bigpkg-*.001"))

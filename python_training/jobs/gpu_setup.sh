@@ -28,7 +28,8 @@ if [ -d "$ROOT/.gpu/state" ]; then
   rm -rf "$ENV/state" && cp -r "$ROOT/.gpu/state" "$ENV/state"
 fi
 set +e
-"$PY" "$ROOT/python_training/jobs/gpu_carry.py" assemble --stash "$ENV/stash" --site "$ENV/site"
+"$PY" "$ROOT/python_training/jobs/gpu_carry.py" assemble --stash "$ENV/stash" --site "$ENV/site" \
+  --wheelhouse "$ENV/wheelhouse"
 missing=$?
 set -e
 export PYTHONPATH="$ROOT:$ENV/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -36,7 +37,10 @@ export PYTHONPATH="$ROOT:$ENV/site${PYTHONPATH:+:$PYTHONPATH}"
 # The extension: rebuilt only when its sources or the torch it is built against change.
 src_hash=$( (cd "$ROOT" && find csrc CMakeLists.txt pyproject.toml -type f -print0 | sort -z \
   | xargs -0 sha256sum; "$PY" -c 'import torch; print(torch.__version__)') | sha256sum | cut -c1-16)
-if [ -d "$ENV/site/cutlass_library" ] && ! [ -f "$ENV/built-$src_hash" ]; then
+# JF_GPU_INSTALL=readme: no in-place build; bench/gpu_session.sh installs jacobi_ext the README's
+# way (pip, every kernel, sm_80 and sm_90a) from the wheelhouse kept in $ENV/wheelhouse.
+if [ "${JF_GPU_INSTALL:-}" != readme ] && [ -d "$ENV/site/cutlass_library" ] \
+  && ! [ -f "$ENV/built-$src_hash" ]; then
   echo "== building jacobi_ext (CUDA, sm_90a, bf16 kernels) against torch $("$PY" -c 'import torch; print(torch.__version__)')"
   rm -rf "$ENV/wheel"
   (cd "$ROOT" && JACOBI_EXT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$PY" -m pip wheel -q \
