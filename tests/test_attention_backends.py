@@ -267,16 +267,18 @@ def test_measured_table_picks_a_backend_on_cuda(monkeypatch):
     jacobi_attention(q, k, k, JacobiLayout(0, 16, 2))
     jacobi_attention(q, k, k, JacobiLayout(0, 16, 2, "clean_context"))
     jacobi_attention(q, k, k, JacobiLayout(0, 16, 2), backend="sm80")
-    assert calls == ["streams", "sm80", "sm80"]
+    # The clean_context call: the table's backend cannot run it, the capability's default does.
+    assert calls == ["streams", "sm90" if A.SM90_IS_DEFAULT else "sm80", "sm80"]
 
 
 # ---- the policy as a pure function (no GPU needed) ---------------------------------------------
 CUDA_FITS = ("sm80", "sm90", "flex", "streams")  # a compiled head dim, a two-stream layout
 
 
-def test_sm90_is_not_the_default_yet():
-    # Flipped by the commit that records a GPU run passing every sm_90a attention test.
-    assert A.SM90_IS_DEFAULT is False
+def test_sm90_is_the_default_on_hopper():
+    # Set by the commit that records a GPU run passing every sm_90a attention test
+    # (docs/results/h200-2026-11-28).
+    assert A.SM90_IS_DEFAULT is True
 
 
 @pytest.mark.parametrize("sm90_default", [False, True])
@@ -341,11 +343,14 @@ def test_op_kernel_follows_the_policy_on_the_cpu(monkeypatch):
         A.op_kernel(q)
 
 
-@pytest.mark.parametrize("env,want", [(None, "sm80"), ("sm90", "sm90"), ("streams", "sm80")])
+@pytest.mark.parametrize("env,want", [(None, None), ("sm90", "sm90"), ("streams", None)])
 @pytest.mark.parametrize("capability", [8, 9])
 def test_op_kernel_on_cuda_without_a_gpu(monkeypatch, env, want, capability):
     """block_attention's kernel: the variable where it names a CUDA kernel, else the default
-    (sm80 until SM90_IS_DEFAULT; the measured table needs a variant and does not apply)."""
+    (sm90 on capability 9 with SM90_IS_DEFAULT, else sm80; the measured table needs a variant
+    and does not apply)."""
+    if want is None:
+        want = "sm90" if A.SM90_IS_DEFAULT and capability == 9 else "sm80"
     if env is not None:
         monkeypatch.setenv("JACOBI_ATTN_KERNEL", env)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
@@ -459,7 +464,7 @@ def test_opcheck_with_a_kernel_argument():
 def test_cuda_raw_op_runs_sm80_and_the_policy_names_sm90(monkeypatch):
     """A raw op call with kernel=None runs the sm_80 kernel on every GPU, whatever
     JACOBI_ATTN_KERNEL says; the Python policy (op_kernel, what block_attention passes) follows
-    the variable, and its default is sm80 until SM90_IS_DEFAULT flips."""
+    the variable, and its default is sm90 on Hopper (SM90_IS_DEFAULT), sm80 elsewhere."""
     from jacobi_ext.kernels import _native
 
     q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)

@@ -4,8 +4,8 @@ float64 dense reference, and the backward against the sm_80 backward.
 GPU only (marked `gpu`: each test runs in a child process under a timeout, tests/gpu_isolation.py,
 so a hung mbarrier fails one test); every test also skips on a device that is not compute
 capability 9.x, or in a build without the sm_90a forward for the dtype and head dim. The kernel is
-asked for explicitly (kernel='sm90'), whatever `auto` picks
-(jacobi_ext.kernels.attention.SM90_IS_DEFAULT stays False until these pass on a GPU). The CPU-side
+asked for explicitly (kernel='sm90'), whatever `auto` picks (on Hopper `auto` picks it too since
+these passed on an H200, docs/results/h200-2026-11-28: SM90_IS_DEFAULT). The CPU-side
 pieces (stream order, tile lists, online softmax, register views) are tested without a GPU in
 tests/test_sm90_layouts.py.
 """

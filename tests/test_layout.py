@@ -210,3 +210,20 @@ def test_all_small_layouts_are_consistent():
         for variant, w in [("noisy_context", None), ("clean_context", None), ("windowed", 1)]:
             got = JacobiLayout(P, n, T, variant, w).dense_mask()
             assert torch.equal(got, spec_mask(P, n, T, variant, w)), (P, n, T, variant, w)
+
+
+def test_block_table_is_one_object_per_device():
+    """The kernels cache the sm_90a tile lists on the table object (kernels/attention.py): the
+    layout hands out the same table for a device every time, not a fresh copy per call (which
+    built the tile lists again on the host at every attention call)."""
+    layout = JacobiLayout(16, 8, 3, "clean_context")
+    for device in ("cpu", "meta"):
+        t = layout.block_table(device)
+        assert layout.block_table(device) is t and t.device.type == device
+        assert t.to(device) is t
+    assert layout.block_table() is layout.block_table("cpu")
+    # Equal layouts share it (training packs a new layout object per sequence).
+    assert JacobiLayout(16, 8, 3, "clean_context").block_table("meta") is layout.block_table("meta")
+    assert JacobiLayout(16, 8, 3).block_table() is not layout.block_table()
+    meta = layout.block_table("meta")
+    assert meta.seq_len == layout.seq_len and meta.block_start.shape == (1 + 1 + 2 * 3,)

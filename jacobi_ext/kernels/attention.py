@@ -12,10 +12,10 @@ Backends (``jacobi_attention(..., backend=...)``; the same names in the environm
 ``JACOBI_ATTN_KERNEL``, read at every call, so that a GPU run can compare them without code
 changes; an explicit ``backend`` argument wins over the variable):
 
-- ``auto`` (default): the compiled kernel of q's device (``cpu`` on CPU, ``sm80`` on CUDA), or
-  FlexAttention for a CUDA head dim without a kernel; on CUDA, a backend that a GPU run measured
-  fastest for the variant and head dim (``MEASURED_FASTEST``); ``sm90`` on compute capability 9
-  only once ``SM90_IS_DEFAULT`` is set;
+- ``auto`` (default): the compiled kernel of q's device (``cpu`` on CPU, ``sm90`` on compute
+  capability 9, ``sm80`` on other GPUs), or FlexAttention for a CUDA head dim without a kernel;
+  on CUDA, a backend that a GPU run measured fastest for the variant and head dim
+  (``MEASURED_FASTEST``);
 - ``cpu``: the CPU kernel;
 - ``sm80``: the sm_80 CUDA kernel (A100, and the fallback everywhere);
 - ``sm90``: the sm_90a CUDA kernel on compute capability 9.x; elsewhere, or where no sm_90a
@@ -64,13 +64,14 @@ SM90_TILE = 128
 #: (bf16, fwd+bwd). ``auto`` takes it on CUDA where it fits; elsewhere ``auto`` keeps the compiled
 #: kernel. Hopper, noisy_context, head dim 128 (7B shape Hq 28 / Hkv 4, S 4k and 16k): the two
 #: causal streams beat the sm80 kernel 2.3x / 3.4x on an H100 and 2.6x / 3.5x on an H200
-#: (docs/results/h100-2026-11-26, h200-2026-11-26), and the sm90 forward with the sm80 backward
-#: is no match for them either (its backward is the sm80 one).
+#: (docs/results/h100-2026-11-26, h200-2026-11-26), and the sm90 kernel, forward and backward,
+#: ran 0.97x / 0.78x of them on an H200 (docs/results/h200-2026-11-28).
 MEASURED_FASTEST: dict[tuple[int, str, int], str] = {(9, "noisy_context", 128): "streams"}
 #: Whether ``auto`` runs the sm_90a kernel on compute capability 9 (where MEASURED_FASTEST names
-#: nothing): not until a GPU run has passed every sm_90a attention test (docs/sm90_attention.md,
-#: "GPU checklist"). Flip it in the commit that records those figures under docs/results/.
-SM90_IS_DEFAULT = False
+#: nothing). Set since an H200 run (docs/results/h200-2026-11-28) passed every sm_90a attention
+#: test (forward, backward in both dQ modes, every GPU attention test with sm90 as the kernel),
+#: where the kernel ran fwd+bwd 2.1x / 2.8x faster than the sm_80 one (7B shape, 4k / 16k).
+SM90_IS_DEFAULT = True
 #: The backends that are compiled kernels of the ops (the names the ops take).
 KERNELS = ("cpu", "sm80", "sm90")
 

@@ -13,6 +13,7 @@ Python through ``torch.ops.jacobi_ext.jf_block_table``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -23,6 +24,12 @@ from . import ops as _ops  # noqa: F401  (registers the fake kernels)
 from ._native import ops
 
 VARIANTS: dict[str, int] = {"noisy_context": 0, "clean_context": 1, "windowed": 2}
+# Block tables per (layout's values, device), shared by equal layouts: training packs a new
+# JacobiLayout per sequence, and the sm_90a tile lists cached on a table (kernels/attention.py)
+# take ~10-60 ms of host time to build at 4k-16k tokens. LRU, a few KB per table on the host
+# and its tile lists (<= ~0.5 MB at 16k tokens) on the GPU.
+_TABLES: OrderedDict = OrderedDict()
+_TABLES_KEPT = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +63,8 @@ class BlockTable:
 
     def to(self, device: torch.device | str) -> BlockTable:
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # "cuda" is "cuda:i"
         if device == self.device:
             return self
         return BlockTable(*(t.to(device) for t in self.tensors()), seq_len=self.seq_len)
@@ -193,7 +202,23 @@ class JacobiLayout:
         return torch.where(i < P, i, resp)
 
     def block_table(self, device: torch.device | str | None = None) -> BlockTable:
-        """The kernels' table in the natural (packed) token order, from ``jf_block_table``."""
+        """The kernels' table in the natural (packed) token order, from ``jf_block_table``;
+        one object per device, shared by equal layouts (``_TABLES``): the sm_90a tile lists are
+        cached on it (kernels/attention.py), and a fresh copy per call built them again on the
+        host at every call (an H200 run, 2026-11-28: jacobi_attention with sm90 at 4-6x the op's
+        time)."""
+        device = torch.device(device if device is not None else "cpu")
+        key = (self.prompt_len, self.block_size, self.num_blocks, self.variant, self.window,
+               str(device))  # fmt: skip
+        table = _TABLES.get(key)
+        if table is None:
+            table = _TABLES[key] = self._natural_table().to(device)
+            while len(_TABLES) > _TABLES_KEPT:
+                _TABLES.popitem(last=False)
+        _TABLES.move_to_end(key)
+        return table
+
+    def _natural_table(self) -> BlockTable:
         if "table" not in self._cache:
             t = ops.jf_block_table(
                 self.prompt_len,
@@ -203,7 +228,7 @@ class JacobiLayout:
                 self.window or 0,
             )
             self._cache["table"] = BlockTable(*t)
-        return self._cache["table"].to(device if device is not None else "cpu")
+        return self._cache["table"]
 
     def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """BoolTensor [seq_len, seq_len], True where query (row) may attend key (column)."""
