@@ -60,7 +60,8 @@ def jf_noisy_context(S: int):
 def sm90_lists(q, table, kernel):
     """The sm_90a tile lists as jacobi_attention gets them (built once, cached on the table; None
     when another kernel runs), for the forward and, as autograd passes them on, the backward:
-    without them the op builds them on the host at every call (~29 ms at 16k on one CPU core),
+    without them the op builds them on the host at every call (~29 ms at 16k on one CPU core then,
+    ~7 ms since the masks are built a block segment at a time),
     which the first H200 run (2026-11-26) timed instead of the kernel."""
     from jacobi_ext.kernels.attention import _sm90_tile_lists
 

@@ -202,6 +202,42 @@ JACOBI_HD uint8_t plan_classify_rect(const BlockTable& t, const int32_t* order,
   return any_hidden ? uint8_t(kTilePartial) : uint8_t(kTileFull);
 }
 
+// The visible columns of permuted query row p among permuted columns [c0, c1), as bits: bit
+// (c - c0) % 32 of words[(c - c0) / 32] is set iff visible_permuted holds for (p, c); the words
+// must start zeroed. Walks the column range one permuted block at a time, as plan_classify_rect
+// does (a same-block segment is causal on offsets, another block all or nothing): O(blocks in the
+// range) per row instead of a token lookup per column.
+JACOBI_HD void plan_row_mask(const BlockTable& t, const int32_t* order, const int32_t* pstart,
+                             int32_t seq_len, int32_t p, int32_t c0, int32_t c1, uint32_t* words) {
+  const int32_t nb = t.num_blocks;
+  const int32_t covered = pstart[nb];
+  if (p >= seq_len || p >= covered) return;  // no such row, or an uncovered token: sees nothing
+  int32_t cend = c1 < seq_len ? c1 : seq_len;
+  cend = cend < covered ? cend : covered;  // uncovered columns are hidden from everyone
+  if (c0 >= cend) return;
+  const int32_t qi = plan_block_index(pstart, nb, p);
+  const int32_t qb = order[qi], q_off = p - pstart[qi];
+  for (int32_t ki = plan_block_index(pstart, nb, c0); ki < nb && pstart[ki] < cend; ++ki) {
+    if (pstart[ki + 1] <= pstart[ki]) continue;  // empty block
+    const int32_t ka = pstart[ki] > c0 ? pstart[ki] : c0;
+    const int32_t ke = pstart[ki + 1] < cend ? pstart[ki + 1] : cend;
+    const int32_t kb = order[ki];
+    int32_t hi = ke;  // visible columns: [ka, hi)
+    if (kb == qb) {
+      const int32_t last = pstart[ki] + q_off + 1;  // k offset <= q offset
+      hi = last < ke ? last : ke;
+    } else if (!(kb < qb && block_visible_bsearch(t, qb, kb))) {
+      continue;
+    }
+    for (int32_t c = ka - c0; c < hi - c0;) {
+      const int32_t w = c >> 5, b = c & 31;
+      const int32_t n = (hi - c0 - c) < (32 - b) ? (hi - c0 - c) : (32 - b);
+      words[w] |= (n == 32 ? ~0u : ((1u << n) - 1u)) << b;
+      c += n;
+    }
+  }
+}
+
 // Class of the (query tile i, key tile j) pair at kPlanTile granularity (the sm_80 kernels).
 JACOBI_HD uint8_t plan_classify_tile(const BlockTable& t, const int32_t* order,
                                      const int32_t* pstart, int32_t seq_len, int32_t i,

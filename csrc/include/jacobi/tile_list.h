@@ -90,19 +90,10 @@ JACOBI_HD void tile_mask(const BlockTable& t, StreamOrder so, int32_t seq_len, i
                          int32_t tile_n, int32_t i, int32_t j, uint32_t* words) {
   const int32_t wpr = mask_words(tile_n);
   for (int32_t r = 0; r < tile_m; ++r) {
-    const int32_t p = i * tile_m + r;
-    PermutedToken qt{-1, -1};
-    if (p < seq_len) qt = plan_token(t, so.order, so.pstart, p);
-    for (int32_t w = 0; w < wpr; ++w) {
-      uint32_t bits = 0;
-      for (int32_t b = 0; b < 32 && p < seq_len; ++b) {
-        const int32_t c = j * tile_n + w * 32 + b;
-        if (c >= seq_len) break;
-        const PermutedToken kt = plan_token(t, so.order, so.pstart, c);
-        if (visible_permuted(t, qt.token, qt.block, kt.token, kt.block)) bits |= 1u << b;
-      }
-      words[int64_t(r) * wpr + w] = bits;
-    }
+    uint32_t* row = words + int64_t(r) * wpr;
+    for (int32_t w = 0; w < wpr; ++w) row[w] = 0;
+    plan_row_mask(t, so.order, so.pstart, seq_len, i * tile_m + r, j * tile_n, (j + 1) * tile_n,
+                  row);
   }
 }
 
