@@ -189,6 +189,9 @@ except ValueError as e:
         JACOBI_BENCH_METHODS="hf-greedy,ar,$m" "${BENCH[@]}" bench/bench_decoding.py \
         -k test_decoding --benchmark-json="$RES/decoding_${m//+/_}.json"
     done
+    # The README's main command as a new user runs it (its second half: the install is above),
+    # from outside the clone; on this machine's CPU, as the README's default is.
+    step 120 readme-demo bash -c 'cd / && jacobi-forcing demo'
     ;;
   *)
     echo "unknown stage $stage (attention, attention-bench, kernels, decoding)" >&2
