@@ -32,6 +32,14 @@ _TABLES: OrderedDict = OrderedDict()
 _TABLES_KEPT = 64
 
 
+def _resolved(device: torch.device | str) -> torch.device:
+    """``device`` as tensors report theirs: "cuda" is "cuda:<current device>"."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass(frozen=True, eq=False)
 class BlockTable:
     """A block-causal visibility table.
@@ -62,9 +70,7 @@ class BlockTable:
         return self.block_start.device
 
     def to(self, device: torch.device | str) -> BlockTable:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())  # "cuda" is "cuda:i"
+        device = _resolved(device)
         if device == self.device:
             return self
         return BlockTable(*(t.to(device) for t in self.tensors()), seq_len=self.seq_len)
@@ -207,28 +213,23 @@ class JacobiLayout:
         cached on it (kernels/attention.py), and a fresh copy per call built them again on the
         host at every call (an H200 run, 2026-11-28: jacobi_attention with sm90 at 4-6x the op's
         time)."""
-        device = torch.device(device if device is not None else "cpu")
+        device = _resolved(device if device is not None else "cpu")
         key = (self.prompt_len, self.block_size, self.num_blocks, self.variant, self.window,
                str(device))  # fmt: skip
         table = _TABLES.get(key)
         if table is None:
-            table = _TABLES[key] = self._natural_table().to(device)
+            if device.type == "cpu":
+                table = BlockTable(*ops.jf_block_table(
+                    self.prompt_len, self.block_size, self.num_blocks, VARIANTS[self.variant],
+                    self.window or 0,
+                ))  # fmt: skip
+            else:
+                table = self.block_table("cpu").to(device)
+            _TABLES[key] = table
             while len(_TABLES) > _TABLES_KEPT:
                 _TABLES.popitem(last=False)
         _TABLES.move_to_end(key)
         return table
-
-    def _natural_table(self) -> BlockTable:
-        if "table" not in self._cache:
-            t = ops.jf_block_table(
-                self.prompt_len,
-                self.block_size,
-                self.num_blocks,
-                VARIANTS[self.variant],
-                self.window or 0,
-            )
-            self._cache["table"] = BlockTable(*t)
-        return self._cache["table"]
 
     def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """BoolTensor [seq_len, seq_len], True where query (row) may attend key (column)."""

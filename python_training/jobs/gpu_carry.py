@@ -131,6 +131,7 @@ def assemble(stash: Path, site: Path, wheelhouse: Path | None = None) -> dict:
     ``wheelhouse``, each whole wheel is also kept there, for ``pip install --no-index
     --find-links WHEELHOUSE`` (an install as the README does it, offline)."""
     stash, site = Path(stash), Path(site)
+    wheelhouse = Path(wheelhouse) if wheelhouse is not None else None
     mf = stash / MANIFEST
     if not mf.exists():
         return {"installed": [], "missing": ["p1 (no manifest yet)"]}
@@ -156,8 +157,8 @@ def assemble(stash: Path, site: Path, wheelhouse: Path | None = None) -> dict:
                        check=True)  # fmt: skip
         stamp.write_text(e["sha256"] + "\n")
         if wheelhouse is not None:
-            Path(wheelhouse).mkdir(parents=True, exist_ok=True)
-            whole.replace(Path(wheelhouse) / whole.name)
+            wheelhouse.mkdir(parents=True, exist_ok=True)
+            whole.replace(wheelhouse / whole.name)
         else:
             whole.unlink()
         done.append(e["name"])

@@ -140,14 +140,6 @@ JACOBI_HD PermutedToken plan_token(const BlockTable& t, const int32_t* order, co
   return {t.block_start[b] + (p - pstart[i]), b};
 }
 
-// Token-level visibility in permuted coordinates, given the (token, block) of both sides.
-JACOBI_HD bool visible_permuted(const BlockTable& t, int32_t q_tok, int32_t qb, int32_t k_tok,
-                                int32_t kb) {
-  if (qb < 0 || kb < 0) return false;
-  if (qb == kb) return k_tok <= q_tok;
-  return kb < qb && block_visible_bsearch(t, qb, kb);
-}
-
 // Class of the rectangle of permuted rows [r0, r0 + rows) x columns [c0, c0 + cols). Rows at or
 // past seq_len do not exist (never stored) and are ignored; columns past seq_len are invisible, so
 // a rectangle that overhangs the end is partial unless it is empty.
@@ -203,10 +195,11 @@ JACOBI_HD uint8_t plan_classify_rect(const BlockTable& t, const int32_t* order,
 }
 
 // The visible columns of permuted query row p among permuted columns [c0, c1), as bits: bit
-// (c - c0) % 32 of words[(c - c0) / 32] is set iff visible_permuted holds for (p, c); the words
+// (c - c0) % 32 of words[(c - c0) / 32] is set iff p may attend c (the table's rule in permuted
+// coordinates: tokens outside every block see and are seen by nothing; inside one block, key
+// offset <= query offset; across blocks, the key block listed for the query block); the words
 // must start zeroed. Walks the column range one permuted block at a time, as plan_classify_rect
-// does (a same-block segment is causal on offsets, another block all or nothing): O(blocks in the
-// range) per row instead of a token lookup per column.
+// does: O(blocks in the range) per row, not a token lookup per column.
 JACOBI_HD void plan_row_mask(const BlockTable& t, const int32_t* order, const int32_t* pstart,
                              int32_t seq_len, int32_t p, int32_t c0, int32_t c1, uint32_t* words) {
   const int32_t nb = t.num_blocks;
