@@ -227,34 +227,46 @@ def test_int8_activations(tmp_path):
         ops.cpu_linear_gguf(torch.randn(1, 32), q4_0, int(Q.Q4_0), 4, int8_activations=True)
 
 
-def int8_this_process(expected_isa: str, tmp: str, out: str) -> None:
+def int8_this_process(expected_isa: str, tile: str, tmp: str, out: str) -> None:
     import jacobi_ext
+    from jacobi_ext.kernels._native import CPU_INT8_TILE
 
-    assert jacobi_ext.CPU_ISA == expected_isa, (jacobi_ext.CPU_ISA, expected_isa)
+    assert (jacobi_ext.CPU_ISA, CPU_INT8_TILE) == (expected_isa, tile)
     torch.save(check_int8(Path(tmp)), out)
 
 
 def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
     """The integer sums are exact and the float steps the same fused multiply-adds in the same
-    order on every ISA: the scalar loop and the vector tiles give the same bits."""
+    order on every ISA: the scalar loop and the vector tiles (AVX2's maddubs; AVX512-VNNI's
+    vpdpbusd where the CPU has it, and the AVX2 tile in the AVX-512 build without it) give the
+    same bits."""
+    tiles = {"baseline": "scalar", "avx2": "avx2", "avx512": "avx2"}
+    runs = [(isa, tiles[isa], {}) for isa in ISAS[: ISAS.index(best_isa) + 1]]
+    cpuinfo = Path("/proc/cpuinfo")
+    has_vnni = best_isa == "avx512" and cpuinfo.exists() and "avx512_vnni" in cpuinfo.read_text()
+    if has_vnni:  # the AVX-512 build runs the VNNI tile; without it (env), the AVX2 one
+        runs[-1] = ("avx512", "avx512-vnni", {})
+        runs.append(("avx512", "avx2", {"JACOBI_EXT_CPU_VNNI": "0"}))
     got = {}
-    for isa in ISAS[: ISAS.index(best_isa) + 1]:
-        out = tmp_path / f"{isa}.pt"
+    for isa, tile, extra in runs:
+        name = f"{isa}-{tile}"
+        out = tmp_path / f"{name}.pt"
         code = (
             f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
             "from test_gguf_linear import int8_this_process\n"
-            f"int8_this_process({isa!r}, {str(tmp_path / isa)!r}, {str(out)!r})\n"
+            f"int8_this_process({isa!r}, {tile!r}, {str(tmp_path / name)!r}, {str(out)!r})\n"
         )
-        env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
+        env = {k: v for k, v in os.environ.items() if k != "JACOBI_EXT_CPU_VNNI"}
+        env.update(JACOBI_EXT_CPU_ISA=isa, **extra)
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=env, cwd=tmp_path)  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]
-        got[isa] = torch.load(out)
-    base = got["baseline"]
-    for isa, outs in got.items():
+        got[name] = torch.load(out)
+    base = got["baseline-scalar"]
+    for name, outs in got.items():
         assert outs.keys() == base.keys()
         for k in base:
-            assert torch.equal(outs[k], base[k]), (isa, k)
+            assert torch.equal(outs[k], base[k]), (name, k)
 
 
 @pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
@@ -645,8 +657,8 @@ def test_grouped_lora_panels_read_their_own_columns_bitwise():
         got = ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), r0)
         assert torch.equal(got, want), M
     with pytest.raises(ValueError, match="outside x A"):
-        bad = r0.clone()
-        bad[-1] = 3 * r
+        bad = r0.clone()  # past x A^T's columns, its padding included (A packed in panels of nr)
+        bad[-1] = -(-3 * r // nr) * nr - r + 1
         ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), bad)
     with pytest.raises(ValueError, match="lora_panel_r0 must be"):
         ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), r0[:-1])

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -894,6 +895,148 @@ inline void int8_panel(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*,
                        const float*, const float*, int64_t, float*) {}
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// ---- The 8-bit tile on AVX512-VNNI (vpdpbusd), chosen at run time where the CPU has it --------
+//
+// Why: on a CPU with VNNI one vpdpbusd multiplies 64 unsigned code bytes by 64 signed x bytes and
+// adds each column's four products to its 32-bit sum: what maddubs + madd + add do above in three
+// instructions on half the lanes. A 16-token step spent ~3/4 of its time in the 8-bit linears on
+// an AVX-512 EPYC (compute-bound there, not reading-bound), as did the prefill.
+//
+// The same integer sums (exact, whatever the order) and then the same fused multiply-adds per
+// column and group as int8_panel_row_scalar: the same bits as every other ISA
+// (tests/test_gguf_linear.py compares them). The packed layout is the one every path reads
+// (linear_gguf_cpu.h); each group's codes are rearranged once per call into one 32-bit lane per
+// column (16 columns a vector), four codes a lane:
+//  - Q4_1: byte rows 4t .. 4t+3 hold k 8t .. 8t+7 as (k even | k odd << 4), so lane bytes' low
+//    nibbles are k 8t, 8t+2, 8t+4, 8t+6 and the high ones k 8t+1, .. 8t+7; x is arranged to match
+//    once per row (vnni_arrange_row);
+//  - Q8_0: byte rows 4j .. 4j+3 are k 4j .. 4j+3; vpdpbusd takes unsigned codes, so each code is
+//    stored plus 128 (flipping its top bit) and 128 times the group's sum of x taken off first.
+#define JACOBI_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// Whether the CPU has AVX512-VNNI, unless JACOBI_EXT_CPU_VNNI=0 turns the tile off (the same
+// bits either way: to compare the two tiles on one machine, and for the tests). Cached.
+bool cpu_has_avx512_vnni() {
+  static const bool has = [] {
+    const char* env = std::getenv("JACOBI_EXT_CPU_VNNI");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  return has;
+}
+
+// One row of quantized x (q, K values) as the VNNI tile reads it: qa (Q4_1: each 8 k as
+// k 0, 2, 4, 6, 1, 3, 5, 7; Q8_0: as is) and, for Q8_0, xs[g] = the sum of group g's values.
+template <GgufType T>
+inline void vnni_arrange_row(const int8_t* q, int64_t K, int8_t* qa, int32_t* xs) {
+  for (int64_t g = 0; g < K / kInt8Group; ++g) {
+    const int8_t* qg = q + g * kInt8Group;
+    int8_t* ag = qa + g * kInt8Group;
+    if constexpr (T == GgufType::q4_1) {
+      for (int t = 0; t < kInt8Group / 8; ++t)
+        for (int i = 0; i < 4; ++i) {
+          ag[8 * t + i] = qg[8 * t + 2 * i];
+          ag[8 * t + 4 + i] = qg[8 * t + 2 * i + 1];
+        }
+    } else {
+      int32_t sum = 0;
+      for (int k = 0; k < kInt8Group; ++k) {
+        ag[k] = qg[k];
+        sum += qg[k];
+      }
+      xs[g] = sum;
+    }
+  }
+}
+
+// A group's codes of columns 16 s .. 16 s + 15, one lane per column: w[j] pairs with x bytes
+// 4j .. 4j+3 of the arranged row (see above).
+template <GgufType T>
+JACOBI_VNNI_TARGET inline void vnni_codes(const uint8_t* codes, int s, __m512i* w) {
+  auto row = [&](int r) {
+    return _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * kNR + 16 * s)));
+  };
+  auto lanes = [&](int r) {  // byte rows r .. r+3 of each column in its lane
+    const __m512i b = _mm512_slli_epi32(row(r + 1), 8), c = _mm512_slli_epi32(row(r + 2), 16);
+    return _mm512_or_si512(_mm512_ternarylogic_epi32(row(r), b, c, 0xFE),
+                           _mm512_slli_epi32(row(r + 3), 24));
+  };
+  if constexpr (T == GgufType::q4_1) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = lanes(4 * t);
+      w[2 * t] = _mm512_and_si512(v, nib);
+      w[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
+    }
+  } else {
+    const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(lanes(4 * j), top);
+  }
+}
+
+// int8_panel on VNNI: one panel (kNR = 32 columns) times all M rows (arranged: qa [M, ldq], Q8_0
+// sums xs [M, ldg]) into out [M, kNR]. Per group the codes are rearranged once, for every row.
+template <GgufType T>
+JACOBI_VNNI_TARGET void int8_panel_vnni(const uint8_t* panel, int64_t groups, int64_t gbytes,
+                                        int64_t M, const int8_t* qa, int64_t ldq,
+                                        const int32_t* xs, const float* dx, const float* msx,
+                                        int64_t ldg, float* out) {
+  static_assert(kNR == 32, "the VNNI tile takes a panel as two vectors of 16 columns");
+  std::fill(out, out + M * kNR, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* grp = panel + g * gbytes;
+    prefetch_group(grp, gbytes);
+    __m512i w[2][8];
+    vnni_codes<T>(grp + int8_header<T>(), 0, w[0]);
+    vnni_codes<T>(grp + int8_header<T>(), 1, w[1]);
+    __m512 d[2], m[2];
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * h)));
+      if constexpr (T == GgufType::q4_1) {
+        m[h] = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 2 * kNR + 32 * h)));
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) {
+      const int8_t* xg = qa + r * ldq + g * kInt8Group;
+      // two chains per half (even and odd steps), added at the end: exact integers
+      __m512i acc[2][2];
+      const __m512i init = T == GgufType::q8_0 ? _mm512_set1_epi32(-128 * xs[r * ldg + g])
+                                               : _mm512_setzero_si512();
+      acc[0][0] = acc[1][0] = init;
+      acc[0][1] = acc[1][1] = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        int32_t v;
+        std::memcpy(&v, xg + 4 * j, 4);
+        const __m512i x = _mm512_set1_epi32(v);
+        acc[0][j & 1] = _mm512_dpbusd_epi32(acc[0][j & 1], w[0][j], x);
+        acc[1][j & 1] = _mm512_dpbusd_epi32(acc[1][j & 1], w[1][j], x);
+      }
+      const __m512 vdx = _mm512_set1_ps(dx[r * ldg + g]);
+      const __m512 vmsx = _mm512_set1_ps(msx[r * ldg + g]);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i isum = _mm512_add_epi32(acc[h][0], acc[h][1]);
+        float* o = out + r * kNR + 16 * h;
+        __m512 v = _mm512_loadu_ps(o);
+        v = _mm512_fmadd_ps(_mm512_mul_ps(d[h], vdx), _mm512_cvtepi32_ps(isum), v);
+        if constexpr (T == GgufType::q4_1) v = _mm512_fmadd_ps(m[h], vmsx, v);
+        _mm512_storeu_ps(o, v);
+      }
+    }
+  }
+}
+#else
+inline bool cpu_has_avx512_vnni() { return false; }
+template <GgufType T>
+inline void vnni_arrange_row(const int8_t*, int64_t, int8_t*, int32_t*) {}
+template <GgufType T>
+inline void int8_panel_vnni(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, int64_t,
+                            const int32_t*, const float*, const float*, int64_t, float*) {}
+#endif
+
 template <GgufType T>
 void run_int8(const LinearArgs& a, const GgufLora& lo) {
   lora_t(a, lo);
@@ -915,9 +1058,22 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
     quantize_row(x + m * a.ldx, a.K, q.data() + m * a.K, dx.data() + m * groups,
                  msx.data() + m * groups);
   }
+  // The VNNI tile reads x arranged to its lanes (and Q8_0's group sums): once per call too.
+  const bool vnni = cpu_has_avx512_vnni();
+  thread_local std::vector<int8_t> qa;
+  thread_local std::vector<int32_t> xs;
+  if (vnni) {
+    qa.resize(q.size());
+    xs.resize(dx.size());
+    for (int64_t m = 0; m < a.M; ++m) {
+      vnni_arrange_row<T>(q.data() + m * a.K, a.K, qa.data() + m * a.K, xs.data() + m * groups);
+    }
+  }
   const auto* packed = static_cast<const uint8_t*>(a.packed);
   // Pointers, not the vectors: in the workers a thread_local name is the worker's own (empty).
   const int8_t* qp = q.data();
+  const int8_t* qap = qa.data();
+  const int32_t* xsp = xs.data();
   const float *dxp = dx.data(), *msxp = msx.data();
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     constexpr int64_t kSmallM = 16;  // rows whose outputs fit the stack buffer
@@ -933,7 +1089,9 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
       const int64_t n0 = p * kNR;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
       const uint8_t* panel = packed + p * panel_bytes;
-      if (kInt8Vector) {
+      if (vnni) {
+        int8_panel_vnni<T>(panel, groups, gbytes, a.M, qap, a.K, xsp, dxp, msxp, groups, out);
+      } else if (kInt8Vector) {
         int8_panel<T>(panel, groups, gbytes, a.M, qp, a.K, dxp, msxp, groups, out);
       } else {
         for (int64_t m = 0; m < a.M; ++m) {
@@ -1009,6 +1167,11 @@ void linear_gguf(GgufType type, const LinearArgs& a, const GgufLora& lora) {
     case GgufType::q5_k: return run<GgufType::q5_k>(a, lora);
     case GgufType::q6_k: return run<GgufType::q6_k>(a, lora);
   }
+}
+
+const char* linear_gguf_int8_tile() {
+  if (cpu_has_avx512_vnni()) return "avx512-vnni";
+  return kInt8Vector ? "avx2" : "scalar";
 }
 
 void linear_gguf_int8(GgufType type, const LinearArgs& a, const GgufLora& lora) {

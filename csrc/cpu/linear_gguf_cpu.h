@@ -131,3 +131,6 @@ JACOBI_DECLARE_CPU_KERNEL(void linear_gguf(::jacobi::cpu::GgufType type,
 JACOBI_DECLARE_CPU_KERNEL(void linear_gguf_int8(::jacobi::cpu::GgufType type,
                                                 const ::jacobi::cpu::LinearArgs& args,
                                                 const ::jacobi::cpu::GgufLora& lora))
+// The tile linear_gguf_int8 runs in this variant on this CPU: "avx512-vnni" (vpdpbusd; where
+// the CPU has AVX512-VNNI, unless JACOBI_EXT_CPU_VNNI=0), "avx2" (maddubs) or "scalar".
+JACOBI_DECLARE_CPU_KERNEL(const char* linear_gguf_int8_tile())

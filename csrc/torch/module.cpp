@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "cpu/isa.h"
+#include "cpu/linear_gguf_cpu.h"
 
 TORCH_LIBRARY(jacobi_ext, m) {
   // Training attention over a block-causal layout (visibility: csrc/include/jacobi/block_table.h).
@@ -180,6 +181,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* PyInit__C() {
 #endif
   try {
     PyModule_AddStringConstant(mod, "cpu_isa", jacobi::cpu::isa_name(jacobi::cpu::active_isa()));
+    PyModule_AddStringConstant(mod, "cpu_int8_tile", JACOBI_CPU_DISPATCH(linear_gguf_int8_tile));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
     Py_DECREF(mod);
