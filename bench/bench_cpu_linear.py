@@ -136,7 +136,7 @@ def test_linear(benchmark, peaks, dtype, rows):
 GGUF_TYPES = {"Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
-@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("rows", [1, 16, 128])
 @pytest.mark.parametrize("qtype", list(GGUF_TYPES))
 def test_gguf_linear(benchmark, qtype, rows):
     """The GGUF linear (cpu_linear_gguf) on codes beyond any cache, against the read bandwidth of
@@ -179,9 +179,16 @@ def test_gguf_linear(benchmark, qtype, rows):
         for p in dense:
             ops.cpu_linear(x, p, out_f)
 
+    def codes_int8():  # 8-bit activations (Q4_1, Q8_0): the tile this CPU runs
+        for p in packed:
+            ops.cpu_linear_gguf(x, p, t_id, out_f, int8_activations=True)
+
     nbytes = sum(p.numel() for p in packed)
     buf = torch.randn(nbytes // 4)
-    t = _interleaved({"codes": codes, "fp32": fp32, "read": lambda: buf.sum()})
+    fns = {"codes": codes, "fp32": fp32, "read": lambda: buf.sum()}
+    if t_id in (3, 8):
+        fns["int8"] = codes_int8
+    t = _interleaved(fns)
     read_gbps = nbytes / t["read"] / 1e9
     benchmark.pedantic(codes, rounds=1, iterations=1)
     benchmark.extra_info.update(
@@ -192,6 +199,14 @@ def test_gguf_linear(benchmark, qtype, rows):
         codes_share_of_read_bw=round(nbytes / t["codes"] / 1e9 / read_gbps, 3),
         codes_vs_fp32=round(t["fp32"] / t["codes"], 2), threads=torch.get_num_threads(),
     )  # fmt: skip
+    if "int8" in t:
+        from jacobi_ext.kernels._native import CPU_INT8_TILE
+
+        benchmark.extra_info.update(
+            int8_ms=round(t["int8"] * 1e3, 3), int8_tile=CPU_INT8_TILE,
+            int8_gbps=round(nbytes / t["int8"] / 1e9, 1),
+            int8_vs_codes=round(t["codes"] / t["int8"], 2),
+        )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

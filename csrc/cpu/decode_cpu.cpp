@@ -82,9 +82,17 @@ inline void score_tile(const float* q, int64_t D, const float* kt, int64_t v, fl
     for (int t = 0; t < T; ++t) acc[r][t].store(s + r * lds + (v + t) * kVL);
 }
 
-// Key vectors per score tile for R rows: R T chains within the vector registers (16 on AVX2).
+// Key (or feature) vectors per tile for R rows: R T chains, T loads and a broadcast within the
+// vector registers: 16 on AVX2; 32 with AVX-512, where T = 4 covers a head of 64 features at
+// once and 8 rows take 2 (at 16 query rows a step, p V ran ~11 loads per 8 multiply-adds at
+// T = 1).
+#if defined(CPU_CAPABILITY_AVX512)
+template <int R>
+constexpr int kScoreT = R <= 6 ? 4 : 2;
+#else
 template <int R>
 constexpr int kScoreT = R == 1 ? 6 : R == 2 ? 4 : R == 3 ? 3 : R <= 5 ? 2 : 1;
+#endif
 
 // score_tile over key vectors [v0, v1) (of kVL keys each), T at a time, the rest one by one.
 template <int R>
