@@ -530,8 +530,9 @@ constexpr int64_t int8_header() {
 }
 
 // One group of 32 values of a row of x quantized: q = nearbyint(x * (127 / amax)) in
-// [-127, 127], dx = amax / 127, msx = dx * sum(q). A group with a non-finite value gets q = 0 and
-// dx = msx = NaN (its outputs NaN, as the float product's); a group so small that 127 / amax
+// [-127, 127], dx = amax / 127, msx = dx * sum(q), qsum = sum(q) (the exact integer, which the
+// VNNI tile needs too). A group with a non-finite value gets q = 0, qsum = 0 and dx = msx = NaN
+// (its outputs NaN, as the float product's); a group so small that 127 / amax
 // overflows (amax < ~3.7e-37) gets q = 0 (its terms are below fp32's reach anyway).
 inline float int8_scale(float amax) {
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -539,7 +540,8 @@ inline float int8_scale(float amax) {
 }
 
 // Plain scalar code; the vector variant below gives the same bytes.
-inline void quantize_group_scalar(const float* xg, int8_t* qg, float* dx, float* msx) {
+inline void quantize_group_scalar(const float* xg, int8_t* qg, float* dx, float* msx,
+                                  int32_t* qsum) {
   float amax = 0.f;
   bool finite = true;
   for (int k = 0; k < kInt8Group; ++k) {
@@ -549,6 +551,7 @@ inline void quantize_group_scalar(const float* xg, int8_t* qg, float* dx, float*
   if (!finite) {
     std::fill(qg, qg + kInt8Group, int8_t{0});
     *dx = *msx = std::numeric_limits<float>::quiet_NaN();
+    *qsum = 0;
     return;
   }
   const float inv = int8_scale(amax);
@@ -560,13 +563,14 @@ inline void quantize_group_scalar(const float* xg, int8_t* qg, float* dx, float*
   }
   *dx = amax / 127.f;
   *msx = *dx * static_cast<float>(sum);
+  *qsum = sum;
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // quantize_group_scalar with 8 lanes: the same max, the same product x * inv rounded to fp32,
 // rounded to the nearest integer, ties to even (nearbyint's mode), clamped; the integer sum exact.
 // Groups with a non-finite value go to the scalar code.
-inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx) {
+inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx, int32_t* qsum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i exp = _mm256_set1_epi32(0x7f800000);
   __m256 v[4], amax8 = _mm256_setzero_ps();
@@ -581,7 +585,7 @@ inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx) {
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
   const float amax = _mm_cvtss_f32(m4);
-  if (special != 0) return quantize_group_scalar(xg, qg, dx, msx);
+  if (special != 0) return quantize_group_scalar(xg, qg, dx, msx, qsum);
   const float inv = int8_scale(amax);
   const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   __m256i iv[4], sum8 = _mm256_setzero_si256();
@@ -599,18 +603,20 @@ inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx) {
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
   *dx = amax / 127.f;
-  *msx = *dx * static_cast<float>(_mm_cvtsi128_si32(s4));
+  *qsum = _mm_cvtsi128_si32(s4);
+  *msx = *dx * static_cast<float>(*qsum);
 }
 #else
-inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx) {
-  quantize_group_scalar(xg, qg, dx, msx);
+inline void quantize_group(const float* xg, int8_t* qg, float* dx, float* msx, int32_t* qsum) {
+  quantize_group_scalar(xg, qg, dx, msx, qsum);
 }
 #endif
 
 // One row of x quantized per group of 32 k (quantize_group).
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* msx) {
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* msx,
+                         int32_t* qsum) {
   for (int64_t g = 0; g < K / kInt8Group; ++g) {
-    quantize_group(x + g * kInt8Group, q + g * kInt8Group, dx + g, msx + g);
+    quantize_group(x + g * kInt8Group, q + g * kInt8Group, dx + g, msx + g, qsum + g);
   }
 }
 
@@ -911,8 +917,9 @@ inline void int8_panel(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*,
 //  - Q4_1: byte rows 4t .. 4t+3 hold k 8t .. 8t+7 as (k even | k odd << 4), so lane bytes' low
 //    nibbles are k 8t, 8t+2, 8t+4, 8t+6 and the high ones k 8t+1, .. 8t+7; x is arranged to match
 //    once per row (vnni_arrange_row);
-//  - Q8_0: byte rows 4j .. 4j+3 are k 4j .. 4j+3; vpdpbusd takes unsigned codes, so each code is
-//    stored plus 128 (flipping its top bit) and 128 times the group's sum of x taken off first.
+//  - Q8_0: byte rows 4j .. 4j+3 are k 4j .. 4j+3, x read as quantized; vpdpbusd takes unsigned
+//    codes, so each code is taken plus 128 (flipping its top bit) and 128 times the group's sum
+//    of x (quantize_group's qsum) taken off first.
 #define JACOBI_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // Whether the CPU has AVX512-VNNI, unless JACOBI_EXT_CPU_VNNI=0 turns the tile off (the same
@@ -927,28 +934,14 @@ bool cpu_has_avx512_vnni() {
   return has;
 }
 
-// One row of quantized x (q, K values) as the VNNI tile reads it: qa (Q4_1: each 8 k as
-// k 0, 2, 4, 6, 1, 3, 5, 7; Q8_0: as is) and, for Q8_0, xs[g] = the sum of group g's values.
-template <GgufType T>
-inline void vnni_arrange_row(const int8_t* q, int64_t K, int8_t* qa, int32_t* xs) {
-  for (int64_t g = 0; g < K / kInt8Group; ++g) {
-    const int8_t* qg = q + g * kInt8Group;
-    int8_t* ag = qa + g * kInt8Group;
-    if constexpr (T == GgufType::q4_1) {
-      for (int t = 0; t < kInt8Group / 8; ++t)
-        for (int i = 0; i < 4; ++i) {
-          ag[8 * t + i] = qg[8 * t + 2 * i];
-          ag[8 * t + 4 + i] = qg[8 * t + 2 * i + 1];
-        }
-    } else {
-      int32_t sum = 0;
-      for (int k = 0; k < kInt8Group; ++k) {
-        ag[k] = qg[k];
-        sum += qg[k];
-      }
-      xs[g] = sum;
+// One row of Q4_1's quantized x (q, K values) as the VNNI tile reads it: each 8 k as
+// k 0, 2, 4, 6, 1, 3, 5, 7 (the nibbles' order in a lane).
+inline void vnni_arrange_row(const int8_t* q, int64_t K, int8_t* qa) {
+  for (int64_t g8 = 0; g8 < K; g8 += 8)
+    for (int i = 0; i < 4; ++i) {
+      qa[g8 + i] = q[g8 + 2 * i];
+      qa[g8 + 4 + i] = q[g8 + 2 * i + 1];
     }
-  }
 }
 
 // A group's codes of columns 16 s .. 16 s + 15, one lane per column: w[j] pairs with x bytes
@@ -977,12 +970,13 @@ JACOBI_VNNI_TARGET inline void vnni_codes(const uint8_t* codes, int s, __m512i* 
   }
 }
 
-// int8_panel on VNNI: one panel (kNR = 32 columns) times all M rows (arranged: qa [M, ldq], Q8_0
-// sums xs [M, ldg]) into out [M, kNR]. Per group the codes are rearranged once, for every row.
+// int8_panel on VNNI: one panel (kNR = 32 columns) times all M rows (qa [M, ldq]: Q4_1's
+// arranged, Q8_0's as quantized; Q8_0's group sums qsum [M, ldg]) into out [M, kNR]. Per group
+// the codes are rearranged once, for every row.
 template <GgufType T>
 JACOBI_VNNI_TARGET void int8_panel_vnni(const uint8_t* panel, int64_t groups, int64_t gbytes,
                                         int64_t M, const int8_t* qa, int64_t ldq,
-                                        const int32_t* xs, const float* dx, const float* msx,
+                                        const int32_t* qsum, const float* dx, const float* msx,
                                         int64_t ldg, float* out) {
   static_assert(kNR == 32, "the VNNI tile takes a panel as two vectors of 16 columns");
   std::fill(out, out + M * kNR, 0.f);
@@ -1004,7 +998,7 @@ JACOBI_VNNI_TARGET void int8_panel_vnni(const uint8_t* panel, int64_t groups, in
       const int8_t* xg = qa + r * ldq + g * kInt8Group;
       // two chains per half (even and odd steps), added at the end: exact integers
       __m512i acc[2][2];
-      const __m512i init = T == GgufType::q8_0 ? _mm512_set1_epi32(-128 * xs[r * ldg + g])
+      const __m512i init = T == GgufType::q8_0 ? _mm512_set1_epi32(-128 * qsum[r * ldg + g])
                                                : _mm512_setzero_si512();
       acc[0][0] = acc[1][0] = init;
       acc[0][1] = acc[1][1] = _mm512_setzero_si512();
@@ -1030,8 +1024,7 @@ JACOBI_VNNI_TARGET void int8_panel_vnni(const uint8_t* panel, int64_t groups, in
 }
 #else
 inline bool cpu_has_avx512_vnni() { return false; }
-template <GgufType T>
-inline void vnni_arrange_row(const int8_t*, int64_t, int8_t*, int32_t*) {}
+inline void vnni_arrange_row(const int8_t*, int64_t, int8_t*) {}
 template <GgufType T>
 inline void int8_panel_vnni(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, int64_t,
                             const int32_t*, const float*, const float*, int64_t, float*) {}
@@ -1050,30 +1043,30 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
   // Every row quantized once, on the calling thread (M x K values: a few microseconds).
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> dx, msx;
+  thread_local std::vector<int32_t> qsum;
   q.resize(static_cast<size_t>(a.M * a.K));
   dx.resize(static_cast<size_t>(a.M * groups));
   msx.resize(static_cast<size_t>(a.M * groups));
+  qsum.resize(static_cast<size_t>(a.M * groups));
   const float* x = static_cast<const float*>(a.x);
   for (int64_t m = 0; m < a.M; ++m) {
     quantize_row(x + m * a.ldx, a.K, q.data() + m * a.K, dx.data() + m * groups,
-                 msx.data() + m * groups);
+                 msx.data() + m * groups, qsum.data() + m * groups);
   }
-  // The VNNI tile reads x arranged to its lanes (and Q8_0's group sums): once per call too.
+  // The VNNI tile reads Q4_1's x arranged to its lanes: once per call too.
   const bool vnni = cpu_has_avx512_vnni();
   thread_local std::vector<int8_t> qa;
-  thread_local std::vector<int32_t> xs;
-  if (vnni) {
+  if (vnni && T == GgufType::q4_1) {
     qa.resize(q.size());
-    xs.resize(dx.size());
     for (int64_t m = 0; m < a.M; ++m) {
-      vnni_arrange_row<T>(q.data() + m * a.K, a.K, qa.data() + m * a.K, xs.data() + m * groups);
+      vnni_arrange_row(q.data() + m * a.K, a.K, qa.data() + m * a.K);
     }
   }
   const auto* packed = static_cast<const uint8_t*>(a.packed);
   // Pointers, not the vectors: in the workers a thread_local name is the worker's own (empty).
   const int8_t* qp = q.data();
-  const int8_t* qap = qa.data();
-  const int32_t* xsp = xs.data();
+  const int8_t* qvp = T == GgufType::q4_1 ? qa.data() : qp;  // what the VNNI tile reads
+  const int32_t* qsump = qsum.data();
   const float *dxp = dx.data(), *msxp = msx.data();
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     constexpr int64_t kSmallM = 16;  // rows whose outputs fit the stack buffer
@@ -1090,7 +1083,7 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
       const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
       const uint8_t* panel = packed + p * panel_bytes;
       if (vnni) {
-        int8_panel_vnni<T>(panel, groups, gbytes, a.M, qap, a.K, xsp, dxp, msxp, groups, out);
+        int8_panel_vnni<T>(panel, groups, gbytes, a.M, qvp, a.K, qsump, dxp, msxp, groups, out);
       } else if (kInt8Vector) {
         int8_panel<T>(panel, groups, gbytes, a.M, qp, a.K, dxp, msxp, groups, out);
       } else {
