@@ -1,7 +1,8 @@
 """cpu_decode_attention, the CPU decoding step's attention (csrc/cpu/decode_cpu.cpp): against a
 dense float64 reference on random shapes, GQA groups, masks and dtypes; and the property the
 lossless methods rest on, that a query row's output is the same bits whatever other rows share
-the call (the kernel schedules few rows by key and feature ranges, many rows by row chunks)."""
+the call (the kernel schedules few rows by key ranges, then small row chunks; many rows by row
+chunks)."""
 
 from __future__ import annotations
 

@@ -187,9 +187,9 @@ inline void pv(int rows, const float* pt, const float* v, int64_t ldv, int64_t W
   }
 }
 
-// A row of scores (sr[0, ldk), masks m[0, W)) -> its softmax in place: masked slots and the
-// padding [W, ldk) exactly 0. Returns false (and zeros) where the row sees no slot.
-inline bool softmax_row(float* sr, const bool* m, int64_t W, int64_t ldk, int64_t first) {
+// A row of scores (sr[0, ldk), masks m[0, W)) -> exp(score - the row's max) in place, masked
+// slots and the padding [W, ldk) exactly 0. Returns false (and zeros) where the row sees no slot.
+inline bool exp_row(float* sr, const bool* m, int64_t W, int64_t ldk) {
   float mx = kNegInf;
   for (int64_t j = 0; j < W; ++j) {
     if (!m[j]) sr[j] = kNegInf;
@@ -202,14 +202,23 @@ inline bool softmax_row(float* sr, const bool* m, int64_t W, int64_t ldk, int64_
   }
   const Vec vmx(mx);
   for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) - vmx).exp_u20().store(sr + j);
-  // The sum in position order (masked slots add exact zeros), one chain: the same bits
-  // wherever the cache keeps the row's keys.
-  float sum = 0.f;
-  for (int64_t o = 0; o < W; ++o) sum += sr[slot_by_position(o, W, first)];
-  const float inv = 1.f / sum;
-  const Vec vinv(inv);
-  for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) * vinv).store(sr + j);
   return true;
+}
+
+// The softmax of `rows` rows whose exp_row values come transposed, pt[j][r] (kRows apart, lanes
+// past `rows` and rows that see no slot 0): each row's sum in position order, one chain per row
+// (kRows chains side by side, one lane each: the same bits as a row summed alone, wherever the
+// cache keeps its keys), then every value times 1 / sum (0 for a row that sees no slot).
+inline void normalize_rows(float* pt, int64_t W, int64_t first, const bool* any, int rows) {
+  float sum[kRows] = {};
+  for (int64_t o = 0; o < W; ++o) {
+    const float* pj = pt + slot_by_position(o, W, first) * kRows;
+    for (int r = 0; r < kRows; ++r) sum[r] += pj[r];
+  }
+  float inv[kRows] = {};
+  for (int r = 0; r < rows; ++r) inv[r] = any[r] ? 1.f / sum[r] : 0.f;
+  for (int64_t j = 0; j < W; ++j)
+    for (int r = 0; r < kRows; ++r) pt[j * kRows + r] *= inv[r];
 }
 
 // The attention of DecodeAttnArgs, with each query row given by load_q(b, h, i, dst): dst[0, D)
@@ -221,8 +230,8 @@ inline bool softmax_row(float* sr, const bool* m, int64_t W, int64_t ldk, int64_
 //  - many query rows (a wide step, a batch): one unit of work per (batch, kv head, kRows rows),
 //    scores, softmax and p V together;
 //  - few (a one- or few-token step: at one token 3 units of a GQA model for 2 threads, each
-//    waiting on its own chains): scores per (batch, kv head, range of keys) into shared rows,
-//    then softmax and p V per (batch, kv head, range of output features).
+//    waiting on its own chains): the queries loaded once, scores per (batch, kv head, range of
+//    keys) into shared rows, then softmax and p V per (batch, kv head, chunk of rows).
 template <typename T, typename LoadQ>
 void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   const int64_t G = a.Hq / a.Hkv, D = a.D, W = a.W, Q = a.Q;
@@ -297,16 +306,19 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
       for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
     }
   };
-  // Softmax of rows r0 .. r0 + rows of group g in s (rows ldk apart), in place, and the
-  // probabilities transposed into pt (pt[j][r], kRows apart) for pv.
+  // Softmax of rows r0 .. r0 + rows of group g, their scores in s (rows ldk apart, clobbered),
+  // into pt transposed (pt[j][r], kRows apart) for pv.
   auto softmax_rows = [&](int64_t g, int64_t r0, int rows, float* s, bool* any, float* pt) {
     const int64_t b = g / a.Hkv;
     for (int r = 0; r < rows; ++r) {
       const int64_t i = (r0 + r) % Q;
-      any[r] = softmax_row(s + r * ldk, a.mask + (b * Q + i) * W, W, ldk, a.first);
+      any[r] = exp_row(s + r * ldk, a.mask + (b * Q + i) * W, W, ldk);
     }
-    for (int64_t j = 0; j < W; ++j)
+    for (int64_t j = 0; j < W; ++j) {
       for (int r = 0; r < rows; ++r) pt[j * kRows + r] = s[r * ldk + j];
+      for (int r = rows; r < kRows; ++r) pt[j * kRows + r] = 0.f;
+    }
+    normalize_rows(pt, W, a.first, any, rows);
   };
   // Output features [d0, d1) of rows r0 .. r0 + rows of group g from of (rows D apart).
   auto store_rows = [&](int64_t g, int64_t r0, int rows, const float* of, const bool* any,
@@ -321,41 +333,44 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   const int64_t threads = at::get_num_threads();
   const int64_t key_vectors = ldk / kVL;
   if (decode_attention_few_rows(a.B, a.Hkv, a.Hq, Q, threads)) {
+    // Every query row loaded (rotated, scaled) once, on this thread: a few dozen rows.
+    float* shared_q = shared_s + groups * rows_per_group * ldk;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t r0 = 0; r0 < rows_per_group; r0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
+        load_rows(g, r0, rows, shared_q + (g * rows_per_group + r0) * D);
+      }
+    }
     // Scores: per (group, range of key vectors), every row of the group.
     const int64_t kv_per_unit = std::max<int64_t>(1, 64 / kVL);
     const int64_t ranges = (key_vectors + kv_per_unit - 1) / kv_per_unit;
     at::parallel_for(0, groups * ranges, 1, [&](int64_t u0, int64_t u1) {
-      float* qf = tmp_all + at::get_thread_num() * tmp_per_thread + kRows * ldk;
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t g = u / ranges, v0 = (u % ranges) * kv_per_unit;
         const int64_t v1 = std::min(key_vectors, v0 + kv_per_unit);
         for (int64_t r0 = 0; r0 < rows_per_group; r0 += kRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
-          load_rows(g, r0, rows, qf);
-          scores(rows, qf, D, group_kt(g), v0, v1, shared_s + (g * rows_per_group + r0) * ldk,
-                 ldk);
+          const int64_t at = g * rows_per_group + r0;
+          scores(rows, shared_q + at * D, D, group_kt(g), v0, v1, shared_s + at * ldk, ldk);
         }
       }
     });
-    // Softmax (each unit its own copy of the group's rows) and p V: per (group, features).
-    const int64_t dchunk = 4 * kVL;
-    const int64_t dranges = (D + dchunk - 1) / dchunk;
-    at::parallel_for(0, groups * dranges, 1, [&](int64_t u0, int64_t u1) {
-      float* s = tmp_all + at::get_thread_num() * tmp_per_thread;
-      float* of = s + kRows * ldk + kRows * D;
+    // Softmax and p V: per (group, chunk of rows), each row's softmax once; chunks small enough
+    // for ~4 units a thread (at one token of a GQA group of 3 kv heads: 9 units of one row).
+    const int64_t per_group = std::max<int64_t>(1, (4 * threads + groups - 1) / groups);
+    const int64_t rchunk = std::min<int64_t>(
+        kRows, std::max<int64_t>(1, (rows_per_group + per_group - 1) / per_group));
+    const int64_t rchunks = (rows_per_group + rchunk - 1) / rchunk;
+    at::parallel_for(0, groups * rchunks, 1, [&](int64_t u0, int64_t u1) {
+      float* of = tmp_all + at::get_thread_num() * tmp_per_thread + kRows * ldk + kRows * D;
       float* pt = of + kRows * D;
       for (int64_t u = u0; u < u1; ++u) {
-        const int64_t g = u / dranges, d0 = (u % dranges) * dchunk;
-        const int64_t d1 = std::min(D, d0 + dchunk);
-        for (int64_t r0 = 0; r0 < rows_per_group; r0 += kRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
-          std::copy(shared_s + (g * rows_per_group + r0) * ldk,
-                    shared_s + (g * rows_per_group + r0 + rows) * ldk, s);
-          bool any[kRows];
-          softmax_rows(g, r0, rows, s, any, pt);
-          pv(rows, pt, v_rows(g), ldv, W, a.first, D, d0, d1, of);
-          store_rows(g, r0, rows, of, any, d0, d1);
-        }
+        const int64_t g = u / rchunks, r0 = (u % rchunks) * rchunk;
+        const int rows = static_cast<int>(std::min<int64_t>(rchunk, rows_per_group - r0));
+        bool any[kRows];
+        softmax_rows(g, r0, rows, shared_s + (g * rows_per_group + r0) * ldk, any, pt);
+        pv(rows, pt, v_rows(g), ldv, W, a.first, D, 0, D, of);
+        store_rows(g, r0, rows, of, any, 0, D);
       }
     });
     return;
@@ -387,10 +402,17 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
 template <typename T>
 inline void rotate_row(const T* x, const T* cos, const T* sin, int64_t D, T* dst) {
   const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) {
-    const T rh = d < half ? static_cast<T>(-to_f(x[d + half])) : x[d - half];
+  // The two halves apart (rotate_half: -x[d + half], then x[d - half]): loops without a branch,
+  // which the compiler vectorises; the same roundings per element.
+  for (int64_t d = 0; d < half; ++d) {
+    const T rh = static_cast<T>(-to_f(x[d + half]));
     const T a = static_cast<T>(to_f(x[d]) * to_f(cos[d]));
     const T b = static_cast<T>(to_f(rh) * to_f(sin[d]));
+    dst[d] = static_cast<T>(to_f(a) + to_f(b));
+  }
+  for (int64_t d = half; d < D; ++d) {
+    const T a = static_cast<T>(to_f(x[d]) * to_f(cos[d]));
+    const T b = static_cast<T>(to_f(x[d - half]) * to_f(sin[d]));
     dst[d] = static_cast<T>(to_f(a) + to_f(b));
   }
 }

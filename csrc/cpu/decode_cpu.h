@@ -65,11 +65,12 @@ inline bool decode_attention_few_rows(int64_t B, int64_t Hkv, int64_t Hq, int64_
 
 // fp32 scratch (floats) decode_attention needs: Kt and V per (batch, kv head), per thread the
 // scores of kDecodeRows rows (and their probabilities transposed), their queries and outputs,
-// and with few rows every row's scores.
+// and with few rows every row's scores and query.
 inline int64_t decode_attention_scratch_floats(int64_t B, int64_t Hkv, int64_t Hq, int64_t Q,
                                                int64_t W, int64_t D, int64_t threads) {
   const int64_t ldk = (W + kKeyPad - 1) / kKeyPad * kKeyPad;
-  const int64_t shared = decode_attention_few_rows(B, Hkv, Hq, Q, threads) ? B * Hq * Q * ldk : 0;
+  const int64_t shared =
+      decode_attention_few_rows(B, Hkv, Hq, Q, threads) ? B * Hq * Q * (ldk + D) : 0;
   return B * Hkv * (D * ldk + W * D) + threads * (2 * kDecodeRows * ldk + 2 * kDecodeRows * D) +
          shared;
 }
