@@ -269,23 +269,31 @@ def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
             assert torch.equal(outs[k], base[k]), (name, k)
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_1, Q.Q6_K), ids=lambda q: q.name)
-def test_lora_inside_the_call_is_the_lora_beside_it(qtype):
+@pytest.mark.parametrize(
+    "qtype, int8",
+    [(Q.Q4_1, False), (Q.Q6_K, False), (Q.Q4_1, True), (Q.Q8_0, True)],
+    ids=["Q4_1", "Q6_K", "Q4_1-int8", "Q8_0-int8"],
+)
+def test_lora_inside_the_call_is_the_lora_beside_it(qtype, int8):
     """cpu_linear_gguf's lora_a / lora_b: bitwise (x W^T + b) + (x A^T) B^T computed as three
-    calls, for one M tile and several."""
+    calls, for one M tile and several, A of one panel and several, and outputs enough for the
+    threads to split the call (A's panels computed in the product's parallel pass)."""
     rng = np.random.default_rng(2)
     g = torch.Generator().manual_seed(2)
-    N, K, r = 70, 512, 5
-    packed = ops.cpu_linear_gguf_pack([torch.from_numpy(random_rows(qtype, N, K, rng))], int(qtype))
-    a = ops.cpu_linear_pack(torch.randn(r, K, generator=g))
-    b = ops.cpu_linear_pack(torch.randn(N, r, generator=g))
-    bias = torch.randn(N, generator=g)
-    for M in (1, 3, 13, 64):
-        x = torch.randn(M, K, generator=g)
-        want = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias) + ops.cpu_linear(
-            ops.cpu_linear(x, a, r), b, N
+    K = 512
+    for N, r in ((70, 5), (600, 40)):
+        packed = ops.cpu_linear_gguf_pack(
+            [torch.from_numpy(random_rows(qtype, N, K, rng))], int(qtype)
         )
-        assert torch.equal(ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a, b), want), M
+        a = ops.cpu_linear_pack(torch.randn(r, K, generator=g))
+        b = ops.cpu_linear_pack(torch.randn(N, r, generator=g))
+        bias = torch.randn(N, generator=g)
+        for M in (1, 3, 13, 64):
+            x = torch.randn(M, K, generator=g)
+            base = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, int8_activations=int8)
+            want = base + ops.cpu_linear(ops.cpu_linear(x, a, r), b, N)
+            got = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a, b, int8_activations=int8)
+            assert torch.equal(got, want), (N, r, M)
     with pytest.raises(ValueError, match="go together"):
         ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a, None)
 

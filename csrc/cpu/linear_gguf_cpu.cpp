@@ -13,6 +13,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -423,34 +424,85 @@ inline void add_lora(const GgufLora& lo, const LinearArgs& a, int64_t p, int row
   add_lora<float>(lo, a, p, rows, m0, scratch);
 }
 
-// t = x A^T into lo.t, every row of x: the fp32 kernel's tile on each panel of A.
+// Panel p of t = x A^T into lo.t, every row of x: the fp32 kernel's tile on that panel of A.
 template <typename W>
-inline void lora_t_of(const LinearArgs& a, const GgufLora& lo) {
-  const W* ap = static_cast<const W*>(lo.a_packed);
+inline void lora_t_panel_of(const LinearArgs& a, const GgufLora& lo, int64_t p) {
+  const W* ap = static_cast<const W*>(lo.a_packed) + p * a.K * kNR;
   const float* x = static_cast<const float*>(a.x);
-  at::parallel_for(0, lo.ldt / kNR, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float out[kMaxMR * kNR];
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t m0 = 0; m0 < a.M; m0 += kMaxMR) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxMR, a.M - m0));
-        tile_f32_rows<false>(rows, x + m0 * a.ldx, a.ldx, ap + p * a.K * kNR, a.K, out);
-        for (int m = 0; m < rows; ++m)
-          std::memcpy(lo.t + (m0 + m) * lo.ldt + p * kNR, out + m * kNR, kNR * sizeof(float));
-      }
-    }
-  });
+  alignas(64) float out[kMaxMR * kNR];
+  for (int64_t m0 = 0; m0 < a.M; m0 += kMaxMR) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxMR, a.M - m0));
+    tile_f32_rows<false>(rows, x + m0 * a.ldx, a.ldx, ap, a.K, out);
+    for (int m = 0; m < rows; ++m)
+      std::memcpy(lo.t + (m0 + m) * lo.ldt + p * kNR, out + m * kNR, kNR * sizeof(float));
+  }
 }
 
-// lora_t_of in the factors' dtype; nothing without a LoRA.
-inline void lora_t(const LinearArgs& a, const GgufLora& lo) {
-  if (lo.t == nullptr) return;
-  if (lo.bf16) return lora_t_of<c10::BFloat16>(a, lo);
-  lora_t_of<float>(a, lo);
+inline void lora_t_panel(const LinearArgs& a, const GgufLora& lo, int64_t p) {
+  if (lo.bf16) return lora_t_panel_of<c10::BFloat16>(a, lo, p);
+  lora_t_panel_of<float>(a, lo, p);
+}
+
+// y += t B^T on panels [p0, p1) (every row).
+inline void add_lora_panels(const GgufLora& lo, const LinearArgs& a, int64_t p0, int64_t p1) {
+  alignas(64) float scratch[kMaxMR * kNR];
+  for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t m0 = 0; m0 < a.M; m0 += kMaxMR) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxMR, a.M - m0));
+      add_lora(lo, a, p, rows, m0, scratch);
+    }
+  }
+}
+
+// The panel loop of a GGUF linear, with its LoRA (if any). body(u0, u1) computes y = x W^T (+
+// bias) for units [u0, u1) of `units` (a unit: unit_bytes of codes, `per_unit` panels), split
+// over the threads with `grain`. With a LoRA all of it runs in one parallel pass: t = x A^T by
+// the first units (A's panels placed before the product's, each weighing its bytes in units;
+// where A ran in a pass of its own, one thread read a 37-98 KB panel of A while the other
+// waited), then each thread's product, then, once every panel of t is written (a count of them),
+// y += t B^T on the thread's own panels. Every thread computes its panels of t before it waits on
+// anything, and with OpenMP every chunk has a thread of its own, all running: no thread waits on
+// one that waits. (With another threading backend: B in a pass after.) Each output is the same
+// sums in the same order as when its LoRA term was added right after its panel's product: the
+// same bits.
+template <typename Body>
+inline void panel_loop(const LinearArgs& a, const GgufLora& lo, int64_t units, int64_t per_unit,
+                       int64_t unit_bytes, int64_t grain, const Body& body) {
+  if (lo.t == nullptr) return at::parallel_for(0, units, grain, body);
+  const int64_t a_panels = lo.ldt / kNR;
+  const int64_t a_bytes = a.K * kNR * (lo.bf16 ? 2 : 4);
+  const int64_t w = std::max<int64_t>(1, a_bytes / std::max<int64_t>(unit_bytes, 1));
+  const int64_t lead = a_panels * w;  // A's panel i: unit i w (the units after it: nothing)
+  const int64_t panels = (a.N + kNR - 1) / kNR;
+#if AT_PARALLEL_OPENMP
+  constexpr bool kInPass = true;
+#else
+  constexpr bool kInPass = false;
+#endif
+  std::atomic<int64_t> t_done{0};
+  at::parallel_for(0, lead + units, grain, [&](int64_t u0, int64_t u1) {
+    for (int64_t i = (u0 + w - 1) / w; i * w < std::min(u1, lead); ++i) {
+      lora_t_panel(a, lo, i);
+      t_done.fetch_add(1, std::memory_order_release);
+    }
+    if (u1 <= lead) return;
+    const int64_t b0 = std::max(u0, lead) - lead, b1 = u1 - lead;
+    body(b0, b1);
+    if (!kInPass) return;
+    while (t_done.load(std::memory_order_acquire) < a_panels) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    }
+    add_lora_panels(lo, a, b0 * per_unit, std::min(panels, b1 * per_unit));
+  });
+  if (!kInPass) {
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { add_lora_panels(lo, a, p0, p1); });
+  }
 }
 
 template <GgufType T>
 void run(const LinearArgs& a, const GgufLora& lo) {
-  lora_t(a, lo);
   using Tr = Traits<T>;
   constexpr GgufFormat f = Tr::kF;
   const int64_t panels = (a.N + kNR - 1) / kNR;
@@ -467,7 +519,9 @@ void run(const LinearArgs& a, const GgufLora& lo) {
     // One row: panels in pairs (codes_tile's P = 2), each thread's range starting on a pair.
     const bool pairs = a.M == 1;
     const int64_t units = pairs ? (panels + 1) / 2 : panels;
-    at::parallel_for(0, units, pairs ? (grain + 1) / 2 : grain, [&](int64_t u0, int64_t u1) {
+    const int64_t unit_bytes = pairs ? 2 * panel_bytes : panel_bytes;
+    panel_loop(a, lo, units, pairs ? 2 : 1, unit_bytes, pairs ? (grain + 1) / 2 : grain,
+               [&](int64_t u0, int64_t u1) {
       alignas(64) float out[2 * kMaxMR * kNR];
       const int rows = static_cast<int>(a.M);
       const auto* packed = static_cast<const uint8_t*>(a.packed);
@@ -484,13 +538,12 @@ void run(const LinearArgs& a, const GgufLora& lo) {
           const int64_t n0 = (p + q) * kNR;
           const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
           write_tile<float>(out + q * rows * kNR, rows, cols, a, 0, n0);
-          if (lo.t != nullptr) add_lora(lo, a, p + q, rows, 0, out + q * rows * kNR);
         }
       }
     });
     return;
   }
-  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+  panel_loop(a, lo, panels, 1, panel_bytes, grain, [&](int64_t p0, int64_t p1) {
     alignas(64) float buf[kChunkK * kNR];
     std::vector<float> acc(static_cast<size_t>(a.M) * kNR);
     for (int64_t p = p0; p < p1; ++p) {
@@ -512,7 +565,6 @@ void run(const LinearArgs& a, const GgufLora& lo) {
       for (int64_t m0 = 0; m0 < a.M; m0 += mr) {
         const int rows = static_cast<int>(std::min<int64_t>(mr, a.M - m0));
         write_tile<float>(acc.data() + m0 * kNR, rows, cols, a, m0, n0);
-        if (lo.t != nullptr) add_lora(lo, a, p, rows, m0, buf);
       }
     }
   });
@@ -1032,7 +1084,6 @@ inline void int8_panel_vnni(const uint8_t*, int64_t, int64_t, int64_t, const int
 
 template <GgufType T>
 void run_int8(const LinearArgs& a, const GgufLora& lo) {
-  lora_t(a, lo);
   constexpr GgufFormat f = Traits<T>::kF;
   const int64_t panels = (a.N + kNR - 1) / kNR;
   const int64_t groups = a.K / f.group_k;
@@ -1068,10 +1119,9 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
   const int8_t* qvp = T == GgufType::q4_1 ? qa.data() : qp;  // what the VNNI tile reads
   const int32_t* qsump = qsum.data();
   const float *dxp = dx.data(), *msxp = msx.data();
-  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+  panel_loop(a, lo, panels, 1, panel_bytes, grain, [&](int64_t p0, int64_t p1) {
     constexpr int64_t kSmallM = 16;  // rows whose outputs fit the stack buffer
     alignas(64) float small[kSmallM * kNR];
-    alignas(64) float scratch[kMaxMR * kNR];
     std::vector<float> big;
     float* out = small;
     if (a.M > kSmallM) {
@@ -1095,7 +1145,6 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
       for (int64_t m0 = 0; m0 < a.M; m0 += kMaxMR) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxMR, a.M - m0));
         write_tile<float>(out + m0 * kNR, rows, cols, a, m0, n0);
-        if (lo.t != nullptr) add_lora(lo, a, p, rows, m0, scratch);
       }
     }
   });
