@@ -269,6 +269,36 @@ def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
             assert torch.equal(outs[k], base[k]), (name, k)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_int8_prefill_rows_are_the_rows_alone_at_any_thread_count(qtype):
+    """A prefill's hundreds of rows on 8-bit activations: their quantizing is split among the
+    threads (a step's few rows stay on the calling thread); each row is the same bits as that row
+    alone, at 1, 2 and 3 threads, and matches the float64 formula."""
+    rng = np.random.default_rng(5)
+    g = torch.Generator().manual_seed(5)
+    N, K, M = 70, 256, 300  # 300 x 256 values: several rows' worth of quantizing per thread
+    raw = random_rows(qtype, N, K, rng)
+    packed = ops.cpu_linear_gguf_pack([torch.from_numpy(raw)], int(qtype))
+    codes, d, m = INT8_FIELDS[qtype](raw, N, K)
+    x = torch.randn(M, K, generator=g)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(ops.cpu_linear_gguf(x, packed, int(qtype), N, int8_activations=True))
+        alone = [ops.cpu_linear_gguf(x[i : i + 1], packed, int(qtype), N, int8_activations=True)
+                 for i in (0, 151, M - 1)]  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    for y in outs:
+        assert torch.equal(y, outs[0])
+        for i, one in zip((0, 151, M - 1), alone, strict=True):
+            assert torch.equal(y[i], one[0]), i
+    torch.testing.assert_close(outs[0].double(), int8_reference(x, codes, d, m), rtol=1e-5,
+                               atol=1e-4)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "qtype, int8",
     [(Q.Q4_1, False), (Q.Q6_K, False), (Q.Q4_1, True), (Q.Q8_0, True)],

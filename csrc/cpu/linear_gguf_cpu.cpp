@@ -989,10 +989,16 @@ bool cpu_has_avx512_vnni() {
 // One row of Q4_1's quantized x (q, K values) as the VNNI tile reads it: each 8 k as
 // k 0, 2, 4, 6, 1, 3, 5, 7 (the nibbles' order in a lane).
 inline void vnni_arrange_row(const int8_t* q, int64_t K, int8_t* qa) {
-  for (int64_t g8 = 0; g8 < K; g8 += 8)
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {  // K is a multiple of 32 (whole groups)
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + k), _mm_shuffle_epi8(v, order));
+  }
+  for (; k < K; k += 8)
     for (int i = 0; i < 4; ++i) {
-      qa[g8 + i] = q[g8 + 2 * i];
-      qa[g8 + 4 + i] = q[g8 + 2 * i + 1];
+      qa[k + i] = q[k + 2 * i];
+      qa[k + 4 + i] = q[k + 2 * i + 1];
     }
 }
 
@@ -1091,34 +1097,36 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
   const int64_t panel_bytes = groups * gbytes;
   const int64_t grain =
       std::max<int64_t>(1, kMinBytesPerThread / std::max<int64_t>(panel_bytes, 1));
-  // Every row quantized once, on the calling thread (M x K values: a few microseconds).
-  thread_local std::vector<int8_t> q;
+  // Every row quantized once, and for the VNNI tile Q4_1's rows arranged to its lanes: a step's
+  // few rows on the calling thread (a few microseconds), a prefill's hundreds split among the
+  // threads (on the calling thread alone the other waited through them). Each row alone: the
+  // same bytes either way.
+  const bool vnni = cpu_has_avx512_vnni();
+  const bool arrange = vnni && T == GgufType::q4_1;
+  thread_local std::vector<int8_t> q, qa;
   thread_local std::vector<float> dx, msx;
   thread_local std::vector<int32_t> qsum;
   q.resize(static_cast<size_t>(a.M * a.K));
+  if (arrange) qa.resize(q.size());
   dx.resize(static_cast<size_t>(a.M * groups));
   msx.resize(static_cast<size_t>(a.M * groups));
   qsum.resize(static_cast<size_t>(a.M * groups));
-  const float* x = static_cast<const float*>(a.x);
-  for (int64_t m = 0; m < a.M; ++m) {
-    quantize_row(x + m * a.ldx, a.K, q.data() + m * a.K, dx.data() + m * groups,
-                 msx.data() + m * groups, qsum.data() + m * groups);
-  }
-  // The VNNI tile reads Q4_1's x arranged to its lanes: once per call too.
-  const bool vnni = cpu_has_avx512_vnni();
-  thread_local std::vector<int8_t> qa;
-  if (vnni && T == GgufType::q4_1) {
-    qa.resize(q.size());
-    for (int64_t m = 0; m < a.M; ++m) {
-      vnni_arrange_row(q.data() + m * a.K, a.K, qa.data() + m * a.K);
-    }
-  }
-  const auto* packed = static_cast<const uint8_t*>(a.packed);
   // Pointers, not the vectors: in the workers a thread_local name is the worker's own (empty).
-  const int8_t* qp = q.data();
-  const int8_t* qvp = T == GgufType::q4_1 ? qa.data() : qp;  // what the VNNI tile reads
-  const int32_t* qsump = qsum.data();
-  const float *dxp = dx.data(), *msxp = msx.data();
+  int8_t* qp = q.data();
+  int8_t* qap = qa.data();
+  int32_t* qsump = qsum.data();
+  float *dxp = dx.data(), *msxp = msx.data();
+  const float* x = static_cast<const float*>(a.x);
+  constexpr int64_t kQuantizeGrain = 16384;  // values a thread quantizes at least
+  at::parallel_for(0, a.M, std::max<int64_t>(1, kQuantizeGrain / a.K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row(x + m * a.ldx, a.K, qp + m * a.K, dxp + m * groups, msxp + m * groups,
+                   qsump + m * groups);
+      if (arrange) vnni_arrange_row(qp + m * a.K, a.K, qap + m * a.K);
+    }
+  });
+  const auto* packed = static_cast<const uint8_t*>(a.packed);
+  const int8_t* qvp = arrange ? qap : qp;  // what the VNNI tile reads
   panel_loop(a, lo, panels, 1, panel_bytes, grain, [&](int64_t p0, int64_t p1) {
     constexpr int64_t kSmallM = 16;  // rows whose outputs fit the stack buffer
     alignas(64) float small[kSmallM * kNR];
