@@ -130,3 +130,45 @@ def test_a_row_is_the_same_bits_wherever_its_keys_sit(seed, threads):
     finally:
         torch.set_num_threads(before)
     assert not outJ.isnan().any()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_prefill_row_is_the_same_bits_as_the_row_alone(seed, threads):
+    """A prefill's rows: causal over the prompt (row i sees prompt slots first .. first + i),
+    then drafts that see the whole prompt and their block's earlier drafts in the scratch slots
+    before it, and a row that sees nothing. Many rows are scheduled by row chunks, each over
+    the slots its rows may see (later chunks see more; they are dealt from both ends): every row
+    equals the same row computed alone over every slot, bit for bit, matches the dense
+    reference, and never reads V where no row of its chunk looks (NaN there)."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, G, D = 1 + seed % 2, 3, 3, [16, 64, 24][seed]
+    first, P, n = 5, 37 + 13 * seed, 3  # scratch slots, prompt, drafts
+    W, Q = first + P, P + n
+    q = torch.randn(B, Hkv * G, Q, D, generator=g)
+    k = torch.randn(B, Hkv, W, D, generator=g)
+    v = torch.randn(B, Hkv, W, D, generator=g)
+    mask = torch.zeros(B, 1, Q, W, dtype=torch.bool)
+    for i in range(P):
+        mask[:, :, i, first : first + i + 1] = True
+    for d in range(n):
+        mask[:, :, P + d, first:] = True
+        mask[:, :, P + d, : d + 1] = True
+    mask[:, :, 2] = False  # sees nothing: zeros
+    v[:, :, first + P // 2 + 8 :] = float("nan")  # no row of the first chunks looks there
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        wide = op(q[:, :, : P // 2], k, v, mask[:, :, : P // 2], D**-0.5)
+        assert not wide.isnan().any()
+        v[:, :, first + P // 2 + 8 :] = torch.randn(B, Hkv, W - first - P // 2 - 8, D, generator=g)
+        wide = op(q, k, v, mask, D**-0.5)
+        for i in range(Q):
+            alone = op(q[:, :, i : i + 1].contiguous(), k, v, mask[:, :, i : i + 1], D**-0.5)
+            assert torch.equal(alone[:, 0], wide[:, i]), i
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(wide[:, 2], torch.zeros_like(wide[:, 2]))
+    torch.testing.assert_close(
+        wide.double(), _reference(q, k, v, mask, D**-0.5), atol=2e-5, rtol=1e-5
+    )

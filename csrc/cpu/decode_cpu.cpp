@@ -118,20 +118,25 @@ inline void scores(int rows, const float* q, int64_t D, const float* kt, int64_t
   }
 }
 
-// out[r][d0, d0 + T kVL) = sum_j p[r][j] * V[j][same] (rows of V ldv apart), j in slot order,
-// only where p > 0 (masked slots are 0, and their V may hold anything). The probabilities come
-// transposed, pt[j][r] (kRows apart): one compare tells whether every row sees slot j (the
-// common case: the multiply-adds run unconditionally), else each row is asked on its own. T
-// feature vectors side by side for more independent chains, as score_tile; n < kVL: one partial
-// vector (T = 1).
-// The slot of the o-th of W slots in position order (DecodeAttnArgs::first): [first, W), then
-// [0, first). The one statement of that order, for the softmax sum and p V.
-inline int64_t slot_by_position(int64_t o, int64_t W, int64_t first) {
-  return o < W - first ? first + o : o - (W - first);
-}
+// The slots a chunk of query rows may see: [lo, hi), outside which every row's mask is false (a
+// prefill's causal rows see a prefix of the prompt). The softmax sum and p V walk them in position
+// order (DecodeAttnArgs::first: slots [first, W), then [0, first)), i.e. [max(lo, first), hi),
+// then [lo, min(hi, first)): the one statement of that order. Skipping the slots no row sees
+// leaves every sum the same bits: each would add an exact 0 (p V skips zero probabilities).
+struct SlotRange {
+  int64_t lo, hi, first;
+  int64_t part_begin(int i) const { return i == 0 ? std::max(lo, first) : lo; }
+  int64_t part_end(int i) const { return i == 0 ? hi : std::min(hi, first); }
+};
 
+// out[r][d0, d0 + T kVL) = sum_j p[r][j] * V[j][same] (rows of V ldv apart), j over the slots of
+// sr in position order, only where p > 0 (masked slots are 0, and their V may hold anything). The
+// probabilities come transposed, pt[j][r] (kRows apart): one compare tells whether every row sees
+// slot j (the common case: the multiply-adds run unconditionally), else each row is asked on its
+// own. T feature vectors side by side for more independent chains, as score_tile; n < kVL: one
+// partial vector (T = 1).
 template <int R, int T>
-inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+inline void pv_tile(const float* pt, const float* v, int64_t ldv, const SlotRange& sr,
                     int64_t D, int64_t d0, int64_t n, float* out) {
   constexpr int kAll = (1 << R) - 1;
   Vec acc[R][T];
@@ -139,19 +144,20 @@ inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int
   for (int r = 0; r < R; ++r)
     JACOBI_UNROLL
     for (int t = 0; t < T; ++t) acc[r][t] = Vec(0.f);
-  for (int64_t o = 0; o < W; ++o) {
-    const int64_t j = slot_by_position(o, W, first);
-    Vec vv[T];
-    JACOBI_UNROLL
-    for (int t = 0; t < T; ++t) vv[t] = Vec::loadu(v + j * ldv + d0 + t * kVL, T == 1 ? n : kVL);
-    const float* pj = pt + j * kRows;
-    const bool every = (Vec::loadu(pj, kRows).zero_mask() & kAll) == 0;
-    JACOBI_UNROLL
-    for (int r = 0; r < R; ++r) {
-      if (every || pj[r] != 0.f) {
-        const Vec pv(pj[r]);
-        JACOBI_UNROLL
-        for (int t = 0; t < T; ++t) acc[r][t] = at::vec::fmadd(pv, vv[t], acc[r][t]);
+  for (int part = 0; part < 2; ++part) {
+    for (int64_t j = sr.part_begin(part), j1 = sr.part_end(part); j < j1; ++j) {
+      Vec vv[T];
+      JACOBI_UNROLL
+      for (int t = 0; t < T; ++t) vv[t] = Vec::loadu(v + j * ldv + d0 + t * kVL, T == 1 ? n : kVL);
+      const float* pj = pt + j * kRows;
+      const bool every = (Vec::loadu(pj, kRows).zero_mask() & kAll) == 0;
+      JACOBI_UNROLL
+      for (int r = 0; r < R; ++r) {
+        if (every || pj[r] != 0.f) {
+          const Vec pv(pj[r]);
+          JACOBI_UNROLL
+          for (int t = 0; t < T; ++t) acc[r][t] = at::vec::fmadd(pv, vv[t], acc[r][t]);
+        }
       }
     }
   }
@@ -162,63 +168,86 @@ inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int
 }
 
 template <int R>
-inline void pv_range(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+inline void pv_range(const float* pt, const float* v, int64_t ldv, const SlotRange& sr,
                      int64_t D, int64_t d0, int64_t d1, float* out) {
   constexpr int T = kScoreT<R>;
   int64_t d = d0;
-  for (; d + T * kVL <= d1; d += T * kVL) pv_tile<R, T>(pt, v, ldv, W, first, D, d, kVL, out);
+  for (; d + T * kVL <= d1; d += T * kVL) pv_tile<R, T>(pt, v, ldv, sr, D, d, kVL, out);
   for (; d < d1; d += kVL) {
-    pv_tile<R, 1>(pt, v, ldv, W, first, D, d, std::min<int64_t>(kVL, d1 - d), out);
+    pv_tile<R, 1>(pt, v, ldv, sr, D, d, std::min<int64_t>(kVL, d1 - d), out);
   }
 }
 
 // out rows = p V over features [d0, d1), from the probabilities transposed (pt[j][r]).
-inline void pv(int rows, const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+inline void pv(int rows, const float* pt, const float* v, int64_t ldv, const SlotRange& sr,
                int64_t D, int64_t d0, int64_t d1, float* out) {
   switch (rows) {
-    case 8: return pv_range<8>(pt, v, ldv, W, first, D, d0, d1, out);
-    case 7: return pv_range<7>(pt, v, ldv, W, first, D, d0, d1, out);
-    case 6: return pv_range<6>(pt, v, ldv, W, first, D, d0, d1, out);
-    case 5: return pv_range<5>(pt, v, ldv, W, first, D, d0, d1, out);
-    case 4: return pv_range<4>(pt, v, ldv, W, first, D, d0, d1, out);
-    case 3: return pv_range<3>(pt, v, ldv, W, first, D, d0, d1, out);
-    case 2: return pv_range<2>(pt, v, ldv, W, first, D, d0, d1, out);
-    default: return pv_range<1>(pt, v, ldv, W, first, D, d0, d1, out);
+    case 8: return pv_range<8>(pt, v, ldv, sr, D, d0, d1, out);
+    case 7: return pv_range<7>(pt, v, ldv, sr, D, d0, d1, out);
+    case 6: return pv_range<6>(pt, v, ldv, sr, D, d0, d1, out);
+    case 5: return pv_range<5>(pt, v, ldv, sr, D, d0, d1, out);
+    case 4: return pv_range<4>(pt, v, ldv, sr, D, d0, d1, out);
+    case 3: return pv_range<3>(pt, v, ldv, sr, D, d0, d1, out);
+    case 2: return pv_range<2>(pt, v, ldv, sr, D, d0, d1, out);
+    default: return pv_range<1>(pt, v, ldv, sr, D, d0, d1, out);
   }
 }
 
-// A row of scores (sr[0, ldk), masks m[0, W)) -> exp(score - the row's max) in place, masked
-// slots and the padding [W, ldk) exactly 0. Returns false (and zeros) where the row sees no slot.
-inline bool exp_row(float* sr, const bool* m, int64_t W, int64_t ldk) {
+// A row of scores over slots [lo, hi) (masks m) -> exp(score - the row's max) in place, masked
+// slots exactly 0 (slots outside [lo, hi) are neither read nor written). Returns false (and
+// zeros) where the row sees no slot.
+inline bool exp_row(float* sr, const bool* m, int64_t lo, int64_t hi) {
   float mx = kNegInf;
-  for (int64_t j = 0; j < W; ++j) {
+  for (int64_t j = lo; j < hi; ++j) {
     if (!m[j]) sr[j] = kNegInf;
     mx = std::max(mx, sr[j]);
   }
-  for (int64_t j = W; j < ldk; ++j) sr[j] = kNegInf;
   if (mx == kNegInf) {
-    std::fill(sr, sr + ldk, 0.f);
+    std::fill(sr + lo, sr + std::max(lo, hi), 0.f);
     return false;
   }
   const Vec vmx(mx);
-  for (int64_t j = 0; j < ldk; j += kVL) (Vec::loadu(sr + j) - vmx).exp_u20().store(sr + j);
+  for (int64_t j = lo; j < hi; j += kVL) {
+    const int c = static_cast<int>(std::min<int64_t>(kVL, hi - j));
+    (Vec::loadu(sr + j, c) - vmx).exp_u20().store(sr + j, c);
+  }
   return true;
 }
 
 // The softmax of `rows` rows whose exp_row values come transposed, pt[j][r] (kRows apart, lanes
-// past `rows` and rows that see no slot 0): each row's sum in position order, one chain per row
-// (kRows chains side by side, one lane each: the same bits as a row summed alone, wherever the
-// cache keeps its keys), then every value times 1 / sum (0 for a row that sees no slot).
-inline void normalize_rows(float* pt, int64_t W, int64_t first, const bool* any, int rows) {
+// past `rows` and rows that see no slot 0), over the slots of sr: each row's sum in position
+// order, one chain per row (kRows chains side by side, one lane each: the same bits as a row
+// summed alone, wherever the cache keeps its keys), then every value times 1 / sum (0 for a row
+// that sees no slot).
+inline void normalize_rows(float* pt, const SlotRange& sr, const bool* any, int rows) {
   float sum[kRows] = {};
-  for (int64_t o = 0; o < W; ++o) {
-    const float* pj = pt + slot_by_position(o, W, first) * kRows;
-    for (int r = 0; r < kRows; ++r) sum[r] += pj[r];
+  for (int part = 0; part < 2; ++part) {
+    for (int64_t j = sr.part_begin(part), j1 = sr.part_end(part); j < j1; ++j) {
+      const float* pj = pt + j * kRows;
+      for (int r = 0; r < kRows; ++r) sum[r] += pj[r];
+    }
   }
   float inv[kRows] = {};
   for (int r = 0; r < rows; ++r) inv[r] = any[r] ? 1.f / sum[r] : 0.f;
-  for (int64_t j = 0; j < W; ++j)
+  for (int64_t j = sr.lo; j < sr.hi; ++j)
     for (int r = 0; r < kRows; ++r) pt[j * kRows + r] *= inv[r];
+}
+
+// The slots rows r0 .. r0 + rows of a group (of batch b) may see (query row r: position
+// (r0 + r) % Q, its mask row mask + (b Q + position) W): from the first to the last slot any of
+// them sees (none: empty).
+inline SlotRange visible_slots(const bool* mask, int64_t b, int64_t Q, int64_t W, int64_t first,
+                               int64_t r0, int rows) {
+  int64_t lo = W, hi = 0;
+  for (int r = 0; r < rows; ++r) {
+    const bool* m = mask + (b * Q + (r0 + r) % Q) * W;
+    int64_t j = 0;
+    while (j < lo && !m[j]) ++j;
+    lo = j;
+    for (j = W; j > hi && !m[j - 1];) --j;
+    hi = j;
+  }
+  return lo < hi ? SlotRange{lo, hi, first} : SlotRange{0, 0, first};
 }
 
 // The attention of DecodeAttnArgs, with each query row given by load_q(b, h, i, dst): dst[0, D)
@@ -308,17 +337,19 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   };
   // Softmax of rows r0 .. r0 + rows of group g, their scores in s (rows ldk apart, clobbered),
   // into pt transposed (pt[j][r], kRows apart) for pv.
-  auto softmax_rows = [&](int64_t g, int64_t r0, int rows, float* s, bool* any, float* pt) {
+  // Only the slots of sr are read (and written in pt).
+  auto softmax_rows = [&](int64_t g, int64_t r0, int rows, const SlotRange& sr, float* s,
+                          bool* any, float* pt) {
     const int64_t b = g / a.Hkv;
     for (int r = 0; r < rows; ++r) {
       const int64_t i = (r0 + r) % Q;
-      any[r] = exp_row(s + r * ldk, a.mask + (b * Q + i) * W, W, ldk);
+      any[r] = exp_row(s + r * ldk, a.mask + (b * Q + i) * W, sr.lo, sr.hi);
     }
-    for (int64_t j = 0; j < W; ++j) {
+    for (int64_t j = sr.lo; j < sr.hi; ++j) {
       for (int r = 0; r < rows; ++r) pt[j * kRows + r] = s[r * ldk + j];
       for (int r = rows; r < kRows; ++r) pt[j * kRows + r] = 0.f;
     }
-    normalize_rows(pt, W, a.first, any, rows);
+    normalize_rows(pt, sr, any, rows);
   };
   // Output features [d0, d1) of rows r0 .. r0 + rows of group g from of (rows D apart).
   auto store_rows = [&](int64_t g, int64_t r0, int rows, const float* of, const bool* any,
@@ -333,6 +364,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   const int64_t threads = at::get_num_threads();
   const int64_t key_vectors = ldk / kVL;
   if (decode_attention_few_rows(a.B, a.Hkv, a.Hq, Q, threads)) {
+    const SlotRange every_slot{0, W, a.first};  // (a step's few rows see the whole context)
     // Every query row loaded (rotated, scaled) once, on this thread: a few dozen rows.
     float* shared_q = shared_s + groups * rows_per_group * ldk;
     for (int64_t g = 0; g < groups; ++g) {
@@ -368,14 +400,19 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
         const int64_t g = u / rchunks, r0 = (u % rchunks) * rchunk;
         const int rows = static_cast<int>(std::min<int64_t>(rchunk, rows_per_group - r0));
         bool any[kRows];
-        softmax_rows(g, r0, rows, shared_s + (g * rows_per_group + r0) * ldk, any, pt);
-        pv(rows, pt, v_rows(g), ldv, W, a.first, D, 0, D, of);
+        softmax_rows(g, r0, rows, every_slot, shared_s + (g * rows_per_group + r0) * ldk, any,
+                     pt);
+        pv(rows, pt, v_rows(g), ldv, every_slot, D, 0, D, of);
         store_rows(g, r0, rows, of, any, 0, D);
       }
     });
     return;
   }
-  // Pass 2: per (b, kv head, chunk of kRows query rows).
+  // Pass 2: per (b, kv head, chunk of kRows query rows), each chunk over the slots its rows may
+  // see (a prefill's causal chunks: the prompt up to their last position, half the keys on
+  // average). A group's chunks are taken from both ends in turn (its k-th unit: chunk k / 2, or
+  // the (k / 2)-th from the end), so that a thread's contiguous share of the units is about as
+  // much work as another's where later chunks see more.
   const int64_t work = groups * chunks;
   const int64_t grain2 = std::max<int64_t>(1, 32768 / std::max<int64_t>(kRows * W * D, 1));
   at::parallel_for(0, work, grain2, [&](int64_t w0, int64_t w1) {
@@ -385,13 +422,15 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
     float* of = qf + kRows * D;          // kRows x D
     float* pt = of + kRows * D;          // ldk x kRows
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t g = w / chunks, r0 = (w % chunks) * kRows;
+      const int64_t g = w / chunks, k = w % chunks;
+      const int64_t r0 = (k % 2 == 0 ? k / 2 : chunks - 1 - k / 2) * kRows;
       const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
+      const SlotRange sr = visible_slots(a.mask, g / a.Hkv, Q, W, a.first, r0, rows);
       load_rows(g, r0, rows, qf);
-      scores(rows, qf, D, group_kt(g), 0, key_vectors, s, ldk);
+      scores(rows, qf, D, group_kt(g), sr.lo / kVL, (sr.hi + kVL - 1) / kVL, s, ldk);
       bool any[kRows];
-      softmax_rows(g, r0, rows, s, any, pt);
-      pv(rows, pt, v_rows(g), ldv, W, a.first, D, 0, D, of);
+      softmax_rows(g, r0, rows, sr, s, any, pt);
+      pv(rows, pt, v_rows(g), ldv, sr, D, 0, D, of);
       store_rows(g, r0, rows, of, any, 0, D);
     }
   });
@@ -455,6 +494,30 @@ void rope_attn(const RopeAttnArgs& a) {
   });
 }
 
+// A row's sum of squares in double (the mean of squares, order-robust): each square exact (a
+// float times itself fits a double), summed in kSquareLanes chains side by side (element i in
+// chain i % kSquareLanes), then the chains pairwise in a fixed order. One chain ran a latency-bound
+// add per element (~0.7 us a 576-wide row, 61 rows a one-token forward, on the calling thread).
+// The order depends on n alone: a row gives the same bits in any call.
+constexpr int kSquareLanes = 8;
+static_assert(kSquareLanes == 8, "sum_of_squares adds its 8 chains by hand");
+template <typename T>
+inline double sum_of_squares(const T* v, int64_t n) {
+  double acc[kSquareLanes] = {};
+  int64_t i = 0;
+  for (; i + kSquareLanes <= n; i += kSquareLanes) {
+    for (int l = 0; l < kSquareLanes; ++l) {
+      const double x = to_f(v[i + l]);
+      acc[l] += x * x;
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    const double x = to_f(v[i]);
+    acc[l] += x * x;
+  }
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 template <typename T>
 void rms(const RmsNormArgs& a) {
   const T* x = static_cast<const T*>(a.x);
@@ -479,11 +542,7 @@ void rms(const RmsNormArgs& a) {
                          std::copy(xr, xr + n, hout + r * n);
                        }
                        T* yr = y + r * n;
-                       double ss = 0.0;  // in double: the mean of squares, order-robust
-                       for (int64_t i = 0; i < n; ++i) {
-                         const float v = to_f(hr[i]);
-                         ss += static_cast<double>(v) * v;
-                       }
+                       const double ss = sum_of_squares(hr, n);
                        const float var = static_cast<float>(ss / static_cast<double>(n));
                        const float inv = 1.f / std::sqrt(var + a.eps);
                        for (int64_t i = 0; i < n; ++i) {
