@@ -68,7 +68,8 @@ def build_info() -> dict[str, object]:
         # GGUF tensor types the CPU linear reads as stored (jacobi_ext.models.quantized)
         "gguf types read": ", ".join(_gguf_types()) or "none",
         # ... and those it also reads on 8-bit activations (int8_activations=True)
-        # (and the tile that multiplies them: avx512-vnni, avx2 or scalar, the same bits)
+        # (and the tile that multiplies them: avx512-vnni-vbmi, avx512-vnni, avx2 or scalar:
+        # the same bits)
         "gguf int8 activations": f"Q4_1, Q8_0 ({_int8_tile()} tile)" if _gguf_types() else "none",
         "cpu threads": torch.get_num_threads(),
     }

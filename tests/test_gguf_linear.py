@@ -238,15 +238,19 @@ def int8_this_process(expected_isa: str, tile: str, tmp: str, out: str) -> None:
 def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
     """The integer sums are exact and the float steps the same fused multiply-adds in the same
     order on every ISA: the scalar loop and the vector tiles (AVX2's maddubs; AVX512-VNNI's
-    vpdpbusd where the CPU has it, and the AVX2 tile in the AVX-512 build without it) give the
-    same bits."""
+    vpdpbusd where the CPU has it, its codes arranged by vpermt2b where it has AVX512-VBMI too,
+    and the AVX2 tile in the AVX-512 build without VNNI) give the same bits."""
     tiles = {"baseline": "scalar", "avx2": "avx2", "avx512": "avx2"}
     runs = [(isa, tiles[isa], {}) for isa in ISAS[: ISAS.index(best_isa) + 1]]
     cpuinfo = Path("/proc/cpuinfo")
-    has_vnni = best_isa == "avx512" and cpuinfo.exists() and "avx512_vnni" in cpuinfo.read_text()
-    if has_vnni:  # the AVX-512 build runs the VNNI tile; without it (env), the AVX2 one
-        runs[-1] = ("avx512", "avx512-vnni", {})
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    if best_isa == "avx512" and "avx512_vnni" in flags:
+        # the AVX-512 build runs the VNNI tile (with VBMI's arrangement where the CPU has it);
+        # turned off (env), the plain VNNI tile and the AVX2 one
+        runs[-1] = ("avx512", "avx512-vnni", {"JACOBI_EXT_CPU_VBMI": "0"})
         runs.append(("avx512", "avx2", {"JACOBI_EXT_CPU_VNNI": "0"}))
+        if "avx512vbmi" in flags:
+            runs.append(("avx512", "avx512-vnni-vbmi", {}))
     got = {}
     for isa, tile, extra in runs:
         name = f"{isa}-{tile}"
@@ -256,7 +260,7 @@ def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
             "from test_gguf_linear import int8_this_process\n"
             f"int8_this_process({isa!r}, {tile!r}, {str(tmp_path / name)!r}, {str(out)!r})\n"
         )
-        env = {k: v for k, v in os.environ.items() if k != "JACOBI_EXT_CPU_VNNI"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JACOBI_EXT_CPU_V")}
         env.update(JACOBI_EXT_CPU_ISA=isa, **extra)
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=env, cwd=tmp_path)  # fmt: skip

@@ -986,6 +986,19 @@ bool cpu_has_avx512_vnni() {
   return has;
 }
 
+// Whether the CPU also has AVX512-VBMI (vpermt2b: any 64 of 128 bytes in one instruction), which
+// arranges the VNNI tile's codes (vnni_codes_vbmi), unless JACOBI_EXT_CPU_VBMI=0 (the same bits
+// either way). Ice Lake and Zen 4 have it; Cascade Lake has VNNI without it. Cached.
+bool cpu_has_avx512_vbmi() {
+  static const bool has = [] {
+    const char* env = std::getenv("JACOBI_EXT_CPU_VBMI");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    __builtin_cpu_init();
+    return cpu_has_avx512_vnni() && __builtin_cpu_supports("avx512vbmi") != 0;
+  }();
+  return has;
+}
+
 // One row of Q4_1's quantized x (q, K values) as the VNNI tile reads it: each 8 k as
 // k 0, 2, 4, 6, 1, 3, 5, 7 (the nibbles' order in a lane).
 inline void vnni_arrange_row(const int8_t* q, int64_t K, int8_t* qa) {
@@ -1028,9 +1041,88 @@ JACOBI_VNNI_TARGET inline void vnni_codes(const uint8_t* codes, int s, __m512i* 
   }
 }
 
+#define JACOBI_VBMI_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
+
+// vnni_codes for both halves of a group with VBMI: byte rows 4t .. 4t+3 of the 32 columns are 128
+// contiguous bytes, and one vpermt2b per half puts column c's four bytes in its lane (lane byte i
+// from row 4t + i): the same lanes as vnni_codes builds from 4 widening loads, 3 shifts and 2 ors
+// a row set and half. Q4_1's nibbles are then split as there, Q8_0's codes taken plus 128.
+struct VbmiIndex {  // half h: lane j's byte i is row 4t + i's column 16 h + j
+  alignas(64) int8_t at[2][64];
+  VbmiIndex() {
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 16; ++j)
+        for (int i = 0; i < 4; ++i) at[h][4 * j + i] = static_cast<int8_t>(32 * i + 16 * h + j);
+  }
+};
+
+template <GgufType T>
+JACOBI_VBMI_TARGET inline void vnni_codes_vbmi(const uint8_t* codes, const __m512i* idx,
+                                               __m512i (*w)[8]) {
+  constexpr int kSets = T == GgufType::q4_1 ? 4 : 8;  // sets of 4 byte rows in a group
+  for (int t = 0; t < kSets; ++t) {
+    const __m512i lo = _mm512_loadu_si512(codes + 4 * kNR * t);
+    const __m512i hi = _mm512_loadu_si512(codes + 4 * kNR * t + 2 * kNR);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_permutex2var_epi8(lo, idx[h], hi);
+      if constexpr (T == GgufType::q4_1) {
+        const __m512i nib = _mm512_set1_epi8(0x0F);
+        w[h][2 * t] = _mm512_and_si512(v, nib);
+        w[h][2 * t + 1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
+      } else {
+        w[h][t] = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+      }
+    }
+  }
+}
+
+// int8_panel_vnni's work on group g (at grp) of every row, its codes arranged in w.
+template <GgufType T>
+JACOBI_VNNI_TARGET inline void vnni_group(const uint8_t* grp, const __m512i (*w)[8], int64_t g,
+                                          int64_t M, const int8_t* qa, int64_t ldq,
+                                          const int32_t* qsum, const float* dx, const float* msx,
+                                          int64_t ldg, float* out) {
+  __m512 d[2], m[2];
+  for (int h = 0; h < 2; ++h) {
+    d[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * h)));
+    if constexpr (T == GgufType::q4_1) {
+      m[h] = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 2 * kNR + 32 * h)));
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    const int8_t* xg = qa + r * ldq + g * kInt8Group;
+    // two chains per half (even and odd steps), added at the end: exact integers
+    __m512i acc[2][2];
+    const __m512i init = T == GgufType::q8_0 ? _mm512_set1_epi32(-128 * qsum[r * ldg + g])
+                                             : _mm512_setzero_si512();
+    acc[0][0] = acc[1][0] = init;
+    acc[0][1] = acc[1][1] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      int32_t v;
+      std::memcpy(&v, xg + 4 * j, 4);
+      const __m512i x = _mm512_set1_epi32(v);
+      acc[0][j & 1] = _mm512_dpbusd_epi32(acc[0][j & 1], w[0][j], x);
+      acc[1][j & 1] = _mm512_dpbusd_epi32(acc[1][j & 1], w[1][j], x);
+    }
+    const __m512 vdx = _mm512_set1_ps(dx[r * ldg + g]);
+    const __m512 vmsx = _mm512_set1_ps(msx[r * ldg + g]);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i isum = _mm512_add_epi32(acc[h][0], acc[h][1]);
+      float* o = out + r * kNR + 16 * h;
+      __m512 v = _mm512_loadu_ps(o);
+      v = _mm512_fmadd_ps(_mm512_mul_ps(d[h], vdx), _mm512_cvtepi32_ps(isum), v);
+      if constexpr (T == GgufType::q4_1) v = _mm512_fmadd_ps(m[h], vmsx, v);
+      _mm512_storeu_ps(o, v);
+    }
+  }
+}
+
 // int8_panel on VNNI: one panel (kNR = 32 columns) times all M rows (qa [M, ldq]: Q4_1's
 // arranged, Q8_0's as quantized; Q8_0's group sums qsum [M, ldg]) into out [M, kNR]. Per group
-// the codes are rearranged once, for every row.
+// the codes are arranged once, for every row (at a step's few rows most of the tile's work
+// without VBMI).
 template <GgufType T>
 JACOBI_VNNI_TARGET void int8_panel_vnni(const uint8_t* panel, int64_t groups, int64_t gbytes,
                                         int64_t M, const int8_t* qa, int64_t ldq,
@@ -1044,47 +1136,36 @@ JACOBI_VNNI_TARGET void int8_panel_vnni(const uint8_t* panel, int64_t groups, in
     __m512i w[2][8];
     vnni_codes<T>(grp + int8_header<T>(), 0, w[0]);
     vnni_codes<T>(grp + int8_header<T>(), 1, w[1]);
-    __m512 d[2], m[2];
-    for (int h = 0; h < 2; ++h) {
-      d[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * h)));
-      if constexpr (T == GgufType::q4_1) {
-        m[h] = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 2 * kNR + 32 * h)));
-      }
-    }
-    for (int64_t r = 0; r < M; ++r) {
-      const int8_t* xg = qa + r * ldq + g * kInt8Group;
-      // two chains per half (even and odd steps), added at the end: exact integers
-      __m512i acc[2][2];
-      const __m512i init = T == GgufType::q8_0 ? _mm512_set1_epi32(-128 * qsum[r * ldg + g])
-                                               : _mm512_setzero_si512();
-      acc[0][0] = acc[1][0] = init;
-      acc[0][1] = acc[1][1] = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        int32_t v;
-        std::memcpy(&v, xg + 4 * j, 4);
-        const __m512i x = _mm512_set1_epi32(v);
-        acc[0][j & 1] = _mm512_dpbusd_epi32(acc[0][j & 1], w[0][j], x);
-        acc[1][j & 1] = _mm512_dpbusd_epi32(acc[1][j & 1], w[1][j], x);
-      }
-      const __m512 vdx = _mm512_set1_ps(dx[r * ldg + g]);
-      const __m512 vmsx = _mm512_set1_ps(msx[r * ldg + g]);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i isum = _mm512_add_epi32(acc[h][0], acc[h][1]);
-        float* o = out + r * kNR + 16 * h;
-        __m512 v = _mm512_loadu_ps(o);
-        v = _mm512_fmadd_ps(_mm512_mul_ps(d[h], vdx), _mm512_cvtepi32_ps(isum), v);
-        if constexpr (T == GgufType::q4_1) v = _mm512_fmadd_ps(m[h], vmsx, v);
-        _mm512_storeu_ps(o, v);
-      }
-    }
+    vnni_group<T>(grp, w, g, M, qa, ldq, qsum, dx, msx, ldg, out);
+  }
+}
+
+// int8_panel_vnni with the codes arranged by vnni_codes_vbmi: the same lanes, the same bits.
+template <GgufType T>
+JACOBI_VBMI_TARGET void int8_panel_vbmi(const uint8_t* panel, int64_t groups, int64_t gbytes,
+                                        int64_t M, const int8_t* qa, int64_t ldq,
+                                        const int32_t* qsum, const float* dx, const float* msx,
+                                        int64_t ldg, float* out) {
+  static const VbmiIndex index;
+  const __m512i idx[2] = {_mm512_load_si512(index.at[0]), _mm512_load_si512(index.at[1])};
+  std::fill(out, out + M * kNR, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* grp = panel + g * gbytes;
+    prefetch_group(grp, gbytes);
+    __m512i w[2][8];
+    vnni_codes_vbmi<T>(grp + int8_header<T>(), idx, w);
+    vnni_group<T>(grp, w, g, M, qa, ldq, qsum, dx, msx, ldg, out);
   }
 }
 #else
 inline bool cpu_has_avx512_vnni() { return false; }
+inline bool cpu_has_avx512_vbmi() { return false; }
 inline void vnni_arrange_row(const int8_t*, int64_t, int8_t*) {}
 template <GgufType T>
 inline void int8_panel_vnni(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, int64_t,
+                            const int32_t*, const float*, const float*, int64_t, float*) {}
+template <GgufType T>
+inline void int8_panel_vbmi(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, int64_t,
                             const int32_t*, const float*, const float*, int64_t, float*) {}
 #endif
 
@@ -1101,7 +1182,7 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
   // few rows on the calling thread (a few microseconds), a prefill's hundreds split among the
   // threads (on the calling thread alone the other waited through them). Each row alone: the
   // same bytes either way.
-  const bool vnni = cpu_has_avx512_vnni();
+  const bool vnni = cpu_has_avx512_vnni(), vbmi = cpu_has_avx512_vbmi();
   const bool arrange = vnni && T == GgufType::q4_1;
   thread_local std::vector<int8_t> q, qa;
   thread_local std::vector<float> dx, msx;
@@ -1140,7 +1221,9 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
       const int64_t n0 = p * kNR;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
       const uint8_t* panel = packed + p * panel_bytes;
-      if (vnni) {
+      if (vbmi) {
+        int8_panel_vbmi<T>(panel, groups, gbytes, a.M, qvp, a.K, qsump, dxp, msxp, groups, out);
+      } else if (vnni) {
         int8_panel_vnni<T>(panel, groups, gbytes, a.M, qvp, a.K, qsump, dxp, msxp, groups, out);
       } else if (kInt8Vector) {
         int8_panel<T>(panel, groups, gbytes, a.M, qp, a.K, dxp, msxp, groups, out);
@@ -1220,6 +1303,7 @@ void linear_gguf(GgufType type, const LinearArgs& a, const GgufLora& lora) {
 }
 
 const char* linear_gguf_int8_tile() {
+  if (cpu_has_avx512_vbmi()) return "avx512-vnni-vbmi";
   if (cpu_has_avx512_vnni()) return "avx512-vnni";
   return kInt8Vector ? "avx2" : "scalar";
 }

@@ -131,6 +131,8 @@ JACOBI_DECLARE_CPU_KERNEL(void linear_gguf(::jacobi::cpu::GgufType type,
 JACOBI_DECLARE_CPU_KERNEL(void linear_gguf_int8(::jacobi::cpu::GgufType type,
                                                 const ::jacobi::cpu::LinearArgs& args,
                                                 const ::jacobi::cpu::GgufLora& lora))
-// The tile linear_gguf_int8 runs in this variant on this CPU: "avx512-vnni" (vpdpbusd; where
-// the CPU has AVX512-VNNI, unless JACOBI_EXT_CPU_VNNI=0), "avx2" (maddubs) or "scalar".
+// The tile linear_gguf_int8 runs in this variant on this CPU: "avx512-vnni-vbmi" (vpdpbusd, the
+// codes arranged by vpermt2b; where the CPU has AVX512-VNNI and AVX512-VBMI, unless
+// JACOBI_EXT_CPU_VBMI=0), "avx512-vnni" (vpdpbusd; AVX512-VNNI, unless JACOBI_EXT_CPU_VNNI=0),
+// "avx2" (maddubs) or "scalar". The same bits on every tile.
 JACOBI_DECLARE_CPU_KERNEL(const char* linear_gguf_int8_tile())

@@ -117,7 +117,8 @@ CUDA_ARCHS: str = getattr(_C, "cuda_archs", "")  # "sm_80, sm_90a"; "" without C
 # "full" (every dtype and head dim), "ci" (bf16 only), "gate" (bf16, head dim 128); "" without CUDA
 CUDA_KERNEL_SET: str = getattr(_C, "cuda_kernel_set", "")
 CPU_ISA: str = _C.cpu_isa
-# The 8-bit-activation tile of the GGUF linear: "avx512-vnni", "avx2" or "scalar" (the same bits)
+# The 8-bit-activation tile of the GGUF linear: "avx512-vnni-vbmi", "avx512-vnni", "avx2" or
+# "scalar" (the same bits)
 CPU_INT8_TILE: str = _C.cpu_int8_tile
 
 
