@@ -118,46 +118,40 @@ inline void scores(int rows, const float* q, int64_t D, const float* kt, int64_t
   }
 }
 
-// The slots a chunk of query rows may see: [lo, hi), outside which every row's mask is false (a
-// prefill's causal rows see a prefix of the prompt). The softmax sum and p V walk them in position
-// order (DecodeAttnArgs::first: slots [first, W), then [0, first)), i.e. [max(lo, first), hi),
-// then [lo, min(hi, first)): the one statement of that order. Skipping the slots no row sees
-// leaves every sum the same bits: each would add an exact 0 (p V skips zero probabilities).
-struct SlotRange {
-  int64_t lo, hi, first;
-  int64_t part_begin(int i) const { return i == 0 ? std::max(lo, first) : lo; }
-  int64_t part_end(int i) const { return i == 0 ? hi : std::min(hi, first); }
-};
-
 // out[r][d0, d0 + T kVL) = sum_j p[r][j] * V[j][same] (rows of V ldv apart), j over the slots of
-// sr in position order, only where p > 0 (masked slots are 0, and their V may hold anything). The
-// probabilities come transposed, pt[j][r] (kRows apart): one compare tells whether every row sees
-// slot j (the common case: the multiply-adds run unconditionally), else each row is asked on its
-// own. T feature vectors side by side for more independent chains, as score_tile; n < kVL: one
-// partial vector (T = 1).
+// positions [o0, o1) in position order (VisibleRange), only where p > 0 (masked slots are 0, and their V may hold anything). The probabilities come
+// transposed, pt[j][r] (kRows apart): one compare tells whether every row sees slot j (the
+// common case: the multiply-adds run unconditionally), else each row is asked on its own. T
+// feature vectors side by side for more independent chains, as score_tile; n < kVL: one partial
+// vector (T = 1).
+// The slot of the o-th of W slots in position order (DecodeAttnArgs::first): [first, W), then
+// [0, first). The one statement of that order, for the softmax sum and p V.
+inline int64_t slot_by_position(int64_t o, int64_t W, int64_t first) {
+  return o < W - first ? first + o : o - (W - first);
+}
+
 template <int R, int T>
-inline void pv_tile(const float* pt, const float* v, int64_t ldv, const SlotRange& sr,
-                    int64_t D, int64_t d0, int64_t n, float* out) {
+inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+                    int64_t o0, int64_t o1, int64_t D, int64_t d0, int64_t n, float* out) {
   constexpr int kAll = (1 << R) - 1;
   Vec acc[R][T];
   JACOBI_UNROLL
   for (int r = 0; r < R; ++r)
     JACOBI_UNROLL
     for (int t = 0; t < T; ++t) acc[r][t] = Vec(0.f);
-  for (int part = 0; part < 2; ++part) {
-    for (int64_t j = sr.part_begin(part), j1 = sr.part_end(part); j < j1; ++j) {
-      Vec vv[T];
-      JACOBI_UNROLL
-      for (int t = 0; t < T; ++t) vv[t] = Vec::loadu(v + j * ldv + d0 + t * kVL, T == 1 ? n : kVL);
-      const float* pj = pt + j * kRows;
-      const bool every = (Vec::loadu(pj, kRows).zero_mask() & kAll) == 0;
-      JACOBI_UNROLL
-      for (int r = 0; r < R; ++r) {
-        if (every || pj[r] != 0.f) {
-          const Vec pv(pj[r]);
-          JACOBI_UNROLL
-          for (int t = 0; t < T; ++t) acc[r][t] = at::vec::fmadd(pv, vv[t], acc[r][t]);
-        }
+  for (int64_t o = o0; o < o1; ++o) {
+    const int64_t j = slot_by_position(o, W, first);
+    Vec vv[T];
+    JACOBI_UNROLL
+    for (int t = 0; t < T; ++t) vv[t] = Vec::loadu(v + j * ldv + d0 + t * kVL, T == 1 ? n : kVL);
+    const float* pj = pt + j * kRows;
+    const bool every = (Vec::loadu(pj, kRows).zero_mask() & kAll) == 0;
+    JACOBI_UNROLL
+    for (int r = 0; r < R; ++r) {
+      if (every || pj[r] != 0.f) {
+        const Vec pv(pj[r]);
+        JACOBI_UNROLL
+        for (int t = 0; t < T; ++t) acc[r][t] = at::vec::fmadd(pv, vv[t], acc[r][t]);
       }
     }
   }
@@ -168,34 +162,36 @@ inline void pv_tile(const float* pt, const float* v, int64_t ldv, const SlotRang
 }
 
 template <int R>
-inline void pv_range(const float* pt, const float* v, int64_t ldv, const SlotRange& sr,
-                     int64_t D, int64_t d0, int64_t d1, float* out) {
+inline void pv_range(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+                     int64_t o0, int64_t o1, int64_t D, int64_t d0, int64_t d1, float* out) {
   constexpr int T = kScoreT<R>;
   int64_t d = d0;
-  for (; d + T * kVL <= d1; d += T * kVL) pv_tile<R, T>(pt, v, ldv, sr, D, d, kVL, out);
+  for (; d + T * kVL <= d1; d += T * kVL) {
+    pv_tile<R, T>(pt, v, ldv, W, first, o0, o1, D, d, kVL, out);
+  }
   for (; d < d1; d += kVL) {
-    pv_tile<R, 1>(pt, v, ldv, sr, D, d, std::min<int64_t>(kVL, d1 - d), out);
+    pv_tile<R, 1>(pt, v, ldv, W, first, o0, o1, D, d, std::min<int64_t>(kVL, d1 - d), out);
   }
 }
 
 // out rows = p V over features [d0, d1), from the probabilities transposed (pt[j][r]).
-inline void pv(int rows, const float* pt, const float* v, int64_t ldv, const SlotRange& sr,
-               int64_t D, int64_t d0, int64_t d1, float* out) {
+inline void pv(int rows, const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+               int64_t o0, int64_t o1, int64_t D, int64_t d0, int64_t d1, float* out) {
   switch (rows) {
-    case 8: return pv_range<8>(pt, v, ldv, sr, D, d0, d1, out);
-    case 7: return pv_range<7>(pt, v, ldv, sr, D, d0, d1, out);
-    case 6: return pv_range<6>(pt, v, ldv, sr, D, d0, d1, out);
-    case 5: return pv_range<5>(pt, v, ldv, sr, D, d0, d1, out);
-    case 4: return pv_range<4>(pt, v, ldv, sr, D, d0, d1, out);
-    case 3: return pv_range<3>(pt, v, ldv, sr, D, d0, d1, out);
-    case 2: return pv_range<2>(pt, v, ldv, sr, D, d0, d1, out);
-    default: return pv_range<1>(pt, v, ldv, sr, D, d0, d1, out);
+    case 8: return pv_range<8>(pt, v, ldv, W, first, o0, o1, D, d0, d1, out);
+    case 7: return pv_range<7>(pt, v, ldv, W, first, o0, o1, D, d0, d1, out);
+    case 6: return pv_range<6>(pt, v, ldv, W, first, o0, o1, D, d0, d1, out);
+    case 5: return pv_range<5>(pt, v, ldv, W, first, o0, o1, D, d0, d1, out);
+    case 4: return pv_range<4>(pt, v, ldv, W, first, o0, o1, D, d0, d1, out);
+    case 3: return pv_range<3>(pt, v, ldv, W, first, o0, o1, D, d0, d1, out);
+    case 2: return pv_range<2>(pt, v, ldv, W, first, o0, o1, D, d0, d1, out);
+    default: return pv_range<1>(pt, v, ldv, W, first, o0, o1, D, d0, d1, out);
   }
 }
 
 // A row of scores over slots [lo, hi) (masks m) -> exp(score - the row's max) in place, masked
-// slots exactly 0 (slots outside [lo, hi) are neither read nor written). Returns false (and
-// zeros) where the row sees no slot.
+// slots exactly 0 (slots outside [lo, hi) neither read nor written). Returns false (and zeros)
+// where the row sees no slot.
 inline bool exp_row(float* sr, const bool* m, int64_t lo, int64_t hi) {
   float mx = kNegInf;
   for (int64_t j = lo; j < hi; ++j) {
@@ -215,39 +211,49 @@ inline bool exp_row(float* sr, const bool* m, int64_t lo, int64_t hi) {
 }
 
 // The softmax of `rows` rows whose exp_row values come transposed, pt[j][r] (kRows apart, lanes
-// past `rows` and rows that see no slot 0), over the slots of sr: each row's sum in position
-// order, one chain per row (kRows chains side by side, one lane each: the same bits as a row
-// summed alone, wherever the cache keeps its keys), then every value times 1 / sum (0 for a row
-// that sees no slot).
-inline void normalize_rows(float* pt, const SlotRange& sr, const bool* any, int rows) {
+// past `rows` and rows that see no slot 0): each row's sum in position order, one chain per row
+// (kRows chains side by side, one lane each: the same bits as a row summed alone, wherever the
+// cache keeps its keys), then every value times 1 / sum (0 for a row that sees no slot).
+// Over the positions [o0, o1) and slots [s0, s1) of a VisibleRange.
+inline void normalize_rows(float* pt, int64_t W, int64_t first, int64_t o0, int64_t o1,
+                           int64_t s0, int64_t s1, const bool* any, int rows) {
   float sum[kRows] = {};
-  for (int part = 0; part < 2; ++part) {
-    for (int64_t j = sr.part_begin(part), j1 = sr.part_end(part); j < j1; ++j) {
-      const float* pj = pt + j * kRows;
-      for (int r = 0; r < kRows; ++r) sum[r] += pj[r];
-    }
+  for (int64_t o = o0; o < o1; ++o) {
+    const float* pj = pt + slot_by_position(o, W, first) * kRows;
+    for (int r = 0; r < kRows; ++r) sum[r] += pj[r];
   }
   float inv[kRows] = {};
   for (int r = 0; r < rows; ++r) inv[r] = any[r] ? 1.f / sum[r] : 0.f;
-  for (int64_t j = sr.lo; j < sr.hi; ++j)
+  for (int64_t j = s0; j < s1; ++j)
     for (int r = 0; r < kRows; ++r) pt[j * kRows + r] *= inv[r];
 }
 
-// The slots rows r0 .. r0 + rows of a group (of batch b) may see (query row r: position
-// (r0 + r) % Q, its mask row mask + (b Q + position) W): from the first to the last slot any of
-// them sees (none: empty).
-inline SlotRange visible_slots(const bool* mask, int64_t b, int64_t Q, int64_t W, int64_t first,
-                               int64_t r0, int rows) {
-  int64_t lo = W, hi = 0;
+// What a chunk of query rows may see: positions [o0, o1) (slot_by_position's order), outside
+// which every row's mask is false (a prefill's causal rows see a prefix of the prompt), and the
+// slots [s0, s1) that hold them. Scores, softmax and p V skip the rest: the same bits, as a
+// position no row sees adds an exact 0 to every sum (p V skips zero probabilities anyway).
+struct VisibleRange {
+  int64_t o0, o1, s0, s1;
+};
+
+// The VisibleRange of rows r0 .. r0 + rows of a group of batch b (row r: position (r0 + r) % Q,
+// its mask row mask + (b Q + position) W): from the first to the last position any row sees.
+inline VisibleRange visible_range(const bool* mask, int64_t b, int64_t Q, int64_t W,
+                                  int64_t first, int64_t r0, int rows) {
+  int64_t o0 = W, o1 = 0;
   for (int r = 0; r < rows; ++r) {
     const bool* m = mask + (b * Q + (r0 + r) % Q) * W;
-    int64_t j = 0;
-    while (j < lo && !m[j]) ++j;
-    lo = j;
-    for (j = W; j > hi && !m[j - 1];) --j;
-    hi = j;
+    int64_t o = 0;
+    while (o < o0 && !m[slot_by_position(o, W, first)]) ++o;
+    o0 = o;
+    for (o = W; o > o1 && !m[slot_by_position(o - 1, W, first)];) --o;
+    o1 = o;
   }
-  return lo < hi ? SlotRange{lo, hi, first} : SlotRange{0, 0, first};
+  if (o0 >= o1) return {0, 0, 0, 0};
+  const int64_t ctx = W - first;  // positions [0, ctx): slots first + o; then slot o - ctx
+  if (o1 <= ctx) return {o0, o1, first + o0, first + o1};
+  if (o0 >= ctx) return {o0, o1, o0 - ctx, o1 - ctx};
+  return {o0, o1, 0, W};
 }
 
 // The attention of DecodeAttnArgs, with each query row given by load_q(b, h, i, dst): dst[0, D)
@@ -337,19 +343,19 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   };
   // Softmax of rows r0 .. r0 + rows of group g, their scores in s (rows ldk apart, clobbered),
   // into pt transposed (pt[j][r], kRows apart) for pv.
-  // Only the slots of sr are read (and written in pt).
-  auto softmax_rows = [&](int64_t g, int64_t r0, int rows, const SlotRange& sr, float* s,
+  // (over the VisibleRange vr: the slots outside it are neither read nor written)
+  auto softmax_rows = [&](int64_t g, int64_t r0, int rows, const VisibleRange& vr, float* s,
                           bool* any, float* pt) {
     const int64_t b = g / a.Hkv;
     for (int r = 0; r < rows; ++r) {
       const int64_t i = (r0 + r) % Q;
-      any[r] = exp_row(s + r * ldk, a.mask + (b * Q + i) * W, sr.lo, sr.hi);
+      any[r] = exp_row(s + r * ldk, a.mask + (b * Q + i) * W, vr.s0, vr.s1);
     }
-    for (int64_t j = sr.lo; j < sr.hi; ++j) {
+    for (int64_t j = vr.s0; j < vr.s1; ++j) {
       for (int r = 0; r < rows; ++r) pt[j * kRows + r] = s[r * ldk + j];
       for (int r = rows; r < kRows; ++r) pt[j * kRows + r] = 0.f;
     }
-    normalize_rows(pt, sr, any, rows);
+    normalize_rows(pt, W, a.first, vr.o0, vr.o1, vr.s0, vr.s1, any, rows);
   };
   // Output features [d0, d1) of rows r0 .. r0 + rows of group g from of (rows D apart).
   auto store_rows = [&](int64_t g, int64_t r0, int rows, const float* of, const bool* any,
@@ -364,7 +370,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   const int64_t threads = at::get_num_threads();
   const int64_t key_vectors = ldk / kVL;
   if (decode_attention_few_rows(a.B, a.Hkv, a.Hq, Q, threads)) {
-    const SlotRange every_slot{0, W, a.first};  // (a step's few rows see the whole context)
+    const VisibleRange all{0, W, 0, W};  // (a step's few rows see the whole context)
     // Every query row loaded (rotated, scaled) once, on this thread: a few dozen rows.
     float* shared_q = shared_s + groups * rows_per_group * ldk;
     for (int64_t g = 0; g < groups; ++g) {
@@ -400,19 +406,18 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
         const int64_t g = u / rchunks, r0 = (u % rchunks) * rchunk;
         const int rows = static_cast<int>(std::min<int64_t>(rchunk, rows_per_group - r0));
         bool any[kRows];
-        softmax_rows(g, r0, rows, every_slot, shared_s + (g * rows_per_group + r0) * ldk, any,
-                     pt);
-        pv(rows, pt, v_rows(g), ldv, every_slot, D, 0, D, of);
+        softmax_rows(g, r0, rows, all, shared_s + (g * rows_per_group + r0) * ldk, any, pt);
+        pv(rows, pt, v_rows(g), ldv, W, a.first, 0, W, D, 0, D, of);
         store_rows(g, r0, rows, of, any, 0, D);
       }
     });
     return;
   }
-  // Pass 2: per (b, kv head, chunk of kRows query rows), each chunk over the slots its rows may
-  // see (a prefill's causal chunks: the prompt up to their last position, half the keys on
-  // average). A group's chunks are taken from both ends in turn (its k-th unit: chunk k / 2, or
-  // the (k / 2)-th from the end), so that a thread's contiguous share of the units is about as
-  // much work as another's where later chunks see more.
+  // Pass 2: per (b, kv head, chunk of kRows query rows), each chunk over what its rows may see
+  // (VisibleRange: a prefill's causal chunks see the prompt up to their last position, half the
+  // keys on average). A group's chunks are dealt from both ends in turn (its k-th unit: chunk
+  // k / 2, or the (k / 2)-th from the end), so that a thread's contiguous share of the units is
+  // about as much work as another's where later chunks see more.
   const int64_t work = groups * chunks;
   const int64_t grain2 = std::max<int64_t>(1, 32768 / std::max<int64_t>(kRows * W * D, 1));
   at::parallel_for(0, work, grain2, [&](int64_t w0, int64_t w1) {
@@ -425,12 +430,12 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
       const int64_t g = w / chunks, k = w % chunks;
       const int64_t r0 = (k % 2 == 0 ? k / 2 : chunks - 1 - k / 2) * kRows;
       const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
-      const SlotRange sr = visible_slots(a.mask, g / a.Hkv, Q, W, a.first, r0, rows);
+      const VisibleRange vr = visible_range(a.mask, g / a.Hkv, Q, W, a.first, r0, rows);
       load_rows(g, r0, rows, qf);
-      scores(rows, qf, D, group_kt(g), sr.lo / kVL, (sr.hi + kVL - 1) / kVL, s, ldk);
+      scores(rows, qf, D, group_kt(g), vr.s0 / kVL, (vr.s1 + kVL - 1) / kVL, s, ldk);
       bool any[kRows];
-      softmax_rows(g, r0, rows, sr, s, any, pt);
-      pv(rows, pt, v_rows(g), ldv, sr, D, 0, D, of);
+      softmax_rows(g, r0, rows, vr, s, any, pt);
+      pv(rows, pt, v_rows(g), ldv, W, a.first, vr.o0, vr.o1, D, 0, D, of);
       store_rows(g, r0, rows, of, any, 0, D);
     }
   });
