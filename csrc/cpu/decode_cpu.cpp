@@ -118,18 +118,18 @@ inline void scores(int rows, const float* q, int64_t D, const float* kt, int64_t
   }
 }
 
-// out[r][d0, d0 + T kVL) = sum_j p[r][j] * V[j][same] (rows of V ldv apart), j over the slots of
-// positions [o0, o1) in position order (VisibleRange), only where p > 0 (masked slots are 0, and their V may hold anything). The probabilities come
-// transposed, pt[j][r] (kRows apart): one compare tells whether every row sees slot j (the
-// common case: the multiply-adds run unconditionally), else each row is asked on its own. T
-// feature vectors side by side for more independent chains, as score_tile; n < kVL: one partial
-// vector (T = 1).
 // The slot of the o-th of W slots in position order (DecodeAttnArgs::first): [first, W), then
 // [0, first). The one statement of that order, for the softmax sum and p V.
 inline int64_t slot_by_position(int64_t o, int64_t W, int64_t first) {
   return o < W - first ? first + o : o - (W - first);
 }
 
+// out[r][d0, d0 + T kVL) = sum_j p[r][j] * V[j][same] (rows of V ldv apart), j over the slots of
+// positions [o0, o1) in position order (VisibleRange), only where p > 0 (masked slots are 0, and
+// their V may hold anything). The probabilities come transposed, pt[j][r] (kRows apart): one
+// compare tells whether every row sees slot j (the common case: the multiply-adds run
+// unconditionally), else each row is asked on its own. T feature vectors side by side for more
+// independent chains, as score_tile; n < kVL: one partial vector (T = 1).
 template <int R, int T>
 inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
                     int64_t o0, int64_t o1, int64_t D, int64_t d0, int64_t n, float* out) {
@@ -213,8 +213,8 @@ inline bool exp_row(float* sr, const bool* m, int64_t lo, int64_t hi) {
 // The softmax of `rows` rows whose exp_row values come transposed, pt[j][r] (kRows apart, lanes
 // past `rows` and rows that see no slot 0): each row's sum in position order, one chain per row
 // (kRows chains side by side, one lane each: the same bits as a row summed alone, wherever the
-// cache keeps its keys), then every value times 1 / sum (0 for a row that sees no slot).
-// Over the positions [o0, o1) and slots [s0, s1) of a VisibleRange.
+// cache keeps its keys), then every value times 1 / sum (0 for a row that sees no slot); the sum
+// over the positions [o0, o1), the products over the slots [s0, s1) of a VisibleRange.
 inline void normalize_rows(float* pt, int64_t W, int64_t first, int64_t o0, int64_t o1,
                            int64_t s0, int64_t s1, const bool* any, int rows) {
   float sum[kRows] = {};

@@ -974,12 +974,18 @@ inline void int8_panel(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*,
 //    of x (quantize_group's qsum) taken off first.
 #define JACOBI_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
+// Whether the environment variable `name` is "0" (a tile turned off, to compare tiles on one
+// machine and for the tests).
+bool turned_off(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, "0") == 0;
+}
+
 // Whether the CPU has AVX512-VNNI, unless JACOBI_EXT_CPU_VNNI=0 turns the tile off (the same
-// bits either way: to compare the two tiles on one machine, and for the tests). Cached.
+// bits either way). Cached.
 bool cpu_has_avx512_vnni() {
   static const bool has = [] {
-    const char* env = std::getenv("JACOBI_EXT_CPU_VNNI");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    if (turned_off("JACOBI_EXT_CPU_VNNI")) return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") != 0;
   }();
@@ -991,8 +997,7 @@ bool cpu_has_avx512_vnni() {
 // either way). Ice Lake and Zen 4 have it; Cascade Lake has VNNI without it. Cached.
 bool cpu_has_avx512_vbmi() {
   static const bool has = [] {
-    const char* env = std::getenv("JACOBI_EXT_CPU_VBMI");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    if (turned_off("JACOBI_EXT_CPU_VBMI")) return false;
     __builtin_cpu_init();
     return cpu_has_avx512_vnni() && __builtin_cpu_supports("avx512vbmi") != 0;
   }();
@@ -1003,16 +1008,10 @@ bool cpu_has_avx512_vbmi() {
 // k 0, 2, 4, 6, 1, 3, 5, 7 (the nibbles' order in a lane).
 inline void vnni_arrange_row(const int8_t* q, int64_t K, int8_t* qa) {
   const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {  // K is a multiple of 32 (whole groups)
+  for (int64_t k = 0; k < K; k += 16) {  // K is a multiple of kInt8Group = 32 (the op checks)
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + k), _mm_shuffle_epi8(v, order));
   }
-  for (; k < K; k += 8)
-    for (int i = 0; i < 4; ++i) {
-      qa[k + i] = q[k + 2 * i];
-      qa[k + 4 + i] = q[k + 2 * i + 1];
-    }
 }
 
 // A group's codes of columns 16 s .. 16 s + 15, one lane per column: w[j] pairs with x bytes
@@ -1140,7 +1139,8 @@ JACOBI_VNNI_TARGET void int8_panel_vnni(const uint8_t* panel, int64_t groups, in
   }
 }
 
-// int8_panel_vnni with the codes arranged by vnni_codes_vbmi: the same lanes, the same bits.
+// int8_panel_vnni with the codes arranged by vnni_codes_vbmi: the same lanes, the same bits. Its
+// own copy of the group loop: a function compiled for VNNI alone may not inline VBMI code.
 template <GgufType T>
 JACOBI_VBMI_TARGET void int8_panel_vbmi(const uint8_t* panel, int64_t groups, int64_t gbytes,
                                         int64_t M, const int8_t* qa, int64_t ldq,
