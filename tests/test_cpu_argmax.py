@@ -1,7 +1,13 @@
 """The CPU greedy pick (`cpu_argmax`) against torch.max(-1).indices, the choice the decoding made
 before: the first NaN, else the first of tied maxima, on random shapes, dtypes, ties, NaN and
-infinities, at 1 and 2 threads (a row is split into chunks read in parallel). And torch.library's
-checks of the CPU step's native ops (this one, cpu_step_mask, cpu_ar_accept)."""
+infinities, at 1 and 2 threads, and on every vector ISA's variant (float rows run a vectorised
+kernel compiled per ISA; float64 rows a scalar walk). And torch.library's checks of the CPU step's
+native ops (this one, cpu_step_mask, cpu_ar_accept)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +54,54 @@ def test_nan_and_infinities(threads):
     got = ops.cpu_argmax(x)
     assert got.tolist() == [9000, 3, 0, 5000, 4096, 4095]
     assert torch.equal(got, _reference(x))
+
+
+def check_edges() -> None:
+    """Every position of the maximum, a NaN and -0 / +0 ties around the vector widths (8 and 16
+    lanes, 4 accumulators: 64 values a block) and the scalar tail after them."""
+    for n in (1, 5, 15, 16, 17, 63, 64, 65, 127, 128, 130, 1000):
+        g = torch.Generator().manual_seed(n)
+        for at in sorted({0, n // 2, n - 1, min(n - 1, 63), min(n - 1, 64)}):
+            x = torch.randn(n, generator=g)
+            x[at] = 10.0
+            assert ops.cpu_argmax(x).item() == at, (n, at)
+            y = x.clone()
+            y[at] = float("nan")
+            y[n - 1] = float("nan")  # a later NaN never wins
+            assert ops.cpu_argmax(y).item() == at, (n, at)
+            z = torch.full((n,), -1.0)
+            z[at:] = 0.0
+            z[at::2] = -0.0  # -0 and +0 tie: the first of them
+            assert ops.cpu_argmax(z).item() == at, (n, at)
+        inf = torch.full((n,), float("-inf"))
+        assert ops.cpu_argmax(inf).item() == 0
+
+
+def test_edges(threads):
+    check_edges()
+
+
+ISAS = ("baseline", "avx2", "avx512")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa(isa, best_isa, tmp_path):
+    """The float kernel of each ISA variant (capped to what the CPU has), in a process of its own:
+    the edge cases and random rows against torch."""
+    expected = ISAS[min(ISAS.index(isa), ISAS.index(best_isa))]
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import jacobi_ext, torch\n"
+        f"assert jacobi_ext.CPU_ISA == {expected!r}, jacobi_ext.CPU_ISA\n"
+        "from test_cpu_argmax import check_edges, ops\n"
+        "check_edges()\n"
+        "x = torch.randint(0, 3, (5, 49152), generator=torch.Generator().manual_seed(1)).float()\n"
+        "assert torch.equal(ops.cpu_argmax(x), x.max(-1).indices)\n"
+    )
+    env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_strided_input_and_targets():

@@ -131,5 +131,9 @@ JACOBI_DECLARE_CPU_KERNEL(void rope_attention(const ::jacobi::cpu::RopeAttnArgs&
 // h = residual + x (if residual), y = weight * (h * rsqrt(mean(h^2) + eps)), transformers'
 // RMSNorm: the normalised row is rounded to the dtype before the weight multiplies it.
 JACOBI_DECLARE_CPU_KERNEL(void rms_norm(const ::jacobi::cpu::RmsNormArgs& args))
+// out[r] = the index of the first NaN of row r of x [rows, vocab] (contiguous), else of the first
+// of its maxima: torch's max(-1).indices, the greedy pick.
+JACOBI_DECLARE_CPU_KERNEL(void argmax_f32(const float* x, int64_t rows, int64_t vocab,
+                                          int64_t* out))
 // out = silu(gu[:, :n]) * gu[:, n:], silu(g) = g / (1 + exp(-g)) rounded to the dtype first.
 JACOBI_DECLARE_CPU_KERNEL(void silu_mul(const ::jacobi::cpu::SiluMulArgs& args))

@@ -170,7 +170,6 @@ void argmax_rows(const T* x, int64_t rows, int64_t vocab, int64_t* out) {
   }
 }
 
-template void argmax_rows<float>(const float*, int64_t, int64_t, int64_t*);
 template void argmax_rows<double>(const double*, int64_t, int64_t, int64_t*);
 
 template void gumbel_argmax<float>(const float*, int64_t, int64_t, int64_t, const int64_t*,

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/decode_cpu.h"
 #include "cpu/sampling_cpu.h"
 
 namespace jacobi::ops {
@@ -99,7 +100,7 @@ at::Tensor cpu_argmax(const at::Tensor& logits) {
   if (wide) {
     jacobi::cpu::argmax_rows(x.data_ptr<double>(), rows, V, out.data_ptr<int64_t>());
   } else {
-    jacobi::cpu::argmax_rows(x.data_ptr<float>(), rows, V, out.data_ptr<int64_t>());
+    JACOBI_CPU_DISPATCH(argmax_f32, x.data_ptr<float>(), rows, V, out.data_ptr<int64_t>());
   }
   return out;
 }
