@@ -172,6 +172,55 @@ def test_every_method_is_our_ar_on_the_kernel(family, dtype, monkeypatch):
     assert torch.equal(generate(model, ids, max_new_tokens=48, method="ar").tokens, unfused)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lookup", [False, True])
+def test_ar_steps_written_in_place_are_the_scratch_steps_bitwise(dtype, lookup, monkeypatch):
+    """One sequence's AR steps write their K/V right after the committed tokens (where those
+    accepted stay: the commit moves nothing); every forward's logits are bitwise those of the
+    same steps written to scratch and moved, with and without lookup drafts (several rows a
+    step, some rejected and overwritten by the next)."""
+    from jacobi_ext.decoding import runtime, tuning
+
+    monkeypatch.setattr(prepack, "cpu_has_amx", lambda: False)
+    model = _model("llama", "sdpa", dtype, seed=5)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 101, (1, 12), generator=g)
+    prompt[0, 6:] = prompt[0, :6]  # repeats: lookup drafts to verify
+    got, moved = {}, []
+    calls = lean.LeanDecoder.__call__
+
+    def recorded(self, *args, **kwargs):
+        out = calls(self, *args, **kwargs)
+        got[mode].append(out.clone())
+        return out
+
+    commit = runtime.StaticRuntime.commit
+
+    def counted(self, src, count):
+        moved.append(not self._in_place)
+        return commit(self, src, count)
+
+    # the same drafts in both runs: the lookup's pricing learns nothing from the first
+    monkeypatch.setattr(tuning.Tuner, "observe", lambda self, *args, **kwargs: None)
+    generate(model, prompt, max_new_tokens=4, method="ar", lookup=lookup)  # (its curve, once)
+    monkeypatch.setattr(lean.LeanDecoder, "__call__", recorded)
+    monkeypatch.setattr(runtime.StaticRuntime, "commit", counted)
+    tokens = {}
+    for mode in ("in place", "scratch"):
+        if mode == "scratch":
+            monkeypatch.setattr(runtime.StaticRuntime, "writes_in_place", lambda self: False)
+        got[mode], moved[:] = [], []
+        out = generate(model, prompt, max_new_tokens=40, method="ar", lookup=lookup)
+        tokens[mode] = out.tokens
+        assert moved and all(m == (mode == "scratch") for m in moved), mode
+        # fewer forwards than tokens (drafts accepted) exactly where drafts were fed
+        assert (out.forwards < out.new_tokens - 1) == lookup
+    assert torch.equal(tokens["in place"], tokens["scratch"])
+    assert len(got["in place"]) == len(got["scratch"]) > 10
+    for a, b in zip(got["in place"], got["scratch"], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_weights_changed_between_calls_are_repacked():
     model = _model("llama", "sdpa", torch.float32)
     ids = torch.randint(0, 101, (1, 6), generator=torch.Generator().manual_seed(3))

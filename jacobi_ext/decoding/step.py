@@ -189,7 +189,9 @@ class BatchStep:
         # A sequence without a plan (finished) reads stale slots, -1 where its last verify left
         # no next row: its inputs are masked out, but the embedding still looks them up.
         rt.ids[:, :Q] = self.src.gather(1, self._field("idx")[:, :Q]).clamp_(min=0)
-        tgt = rt.forward(Q, attend, self.rule)
+        # one sequence's AR row: its K/V written where the accepted ones stay (runtime.py)
+        in_place = not self.parallel and rt.writes_in_place()
+        tgt = rt.forward(Q, attend, self.rule, in_place)
         toks = rt.ids[:, :Q]
         ar_len = self._field("ar_len")[:, 0]
         if toks.device.type == "cpu":  # one native pass, the same rows (~0.25 ms a step less)
