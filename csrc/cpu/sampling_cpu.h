@@ -16,9 +16,8 @@ void gumbel_argmax(const T* logits, int64_t rows, int64_t vocab, int64_t row_per
 
 // out[r] = the greedy pick of row r of x [rows, vocab] (double; float rows go to the vectorised
 // argmax_f32, decode_cpu.h): the index of its first NaN if it holds one, else of its first
-// maximum (torch.max(-1).indices' choice). A row is split
-// into chunks read in parallel (at::parallel_for: in the same halves a linear's parallel loop
-// wrote them, so each thread reads what is in its own cache); the chunks' picks combine in order.
+// maximum (torch.max(-1).indices' choice). A row is split into chunks read in parallel; the
+// chunks' picks combine in order.
 template <typename T>
 void argmax_rows(const T* x, int64_t rows, int64_t vocab, int64_t* out);
 
