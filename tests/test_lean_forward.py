@@ -196,9 +196,9 @@ def test_ar_steps_written_in_place_are_the_scratch_steps_bitwise(dtype, lookup, 
 
     commit = runtime.StaticRuntime.commit
 
-    def counted(self, src, count):
-        moved.append(not self._in_place)
-        return commit(self, src, count)
+    def counted(self, src, count, in_place=False):
+        moved.append(not in_place)
+        return commit(self, src, count, in_place)
 
     # the same drafts in both runs: the lookup's pricing learns nothing from the first
     monkeypatch.setattr(tuning.Tuner, "observe", lambda self, *args, **kwargs: None)

@@ -171,7 +171,6 @@ class StaticRuntime:
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
         self.graph_replays = 0
         self._lean = None  # lean.LeanDecoder, False where it does not apply; set at prefill
-        self._in_place = False  # the last step wrote its K/V at hi (forward(in_place=True))
         ops = torch.ops.jacobi_ext
         self._kv_commit = (
             ops.cpu_kv_commit if dev.type == "cpu" and hasattr(ops, "cpu_kv_commit") else None
@@ -222,7 +221,6 @@ class StaticRuntime:
         prefill (a 170-token prompt on the default model). all_targets=True: [B, P + n]."""
         B, P = ids.shape
         n = 0 if drafts is None else drafts.shape[1]
-        self._in_place = False  # (a call cut short between an in-place step and its commit)
         if P > self.committed or n > self.scratch:
             raise ValueError(f"prompt of {P} tokens does not fit a cache of {self.committed}")
         dev = self.device
@@ -272,7 +270,6 @@ class StaticRuntime:
                 mask = torch.ops.jacobi_ext.cpu_step_mask(seg, off, self.lo, self.hi, attend)
             else:
                 mask = step_mask(seg, off, self.lo, self.hi, attend)
-        self._in_place = in_place
         mask = for_backend(self.model, mask, self.dtype)
         pos = step_positions(off, self.lo, self.hi)
         logits = self._logits(self.ids[:, :Q], pos, mask)
@@ -286,7 +283,7 @@ class StaticRuntime:
         """The forward over self.ids/seg/off[:, :Q] (filled by the caller): targets [B, Q], the
         argmax or rule(logits, positions). `attend` is the number of slots an eager step needs
         to see (graphs see them all). in_place (where writes_in_place()): the step's K/V go to
-        [hi, hi + Q) rather than to scratch, and the next commit moves none."""
+        [hi, hi + Q) rather than to scratch, and its commit (in_place=True) moves none."""
         return self._forward(Q, self.capacity if self.use_graphs else attend, rule, in_place)
 
     @torch.inference_mode()
@@ -389,14 +386,13 @@ class StaticRuntime:
     def _kv_bufs(self) -> list[torch.Tensor]:
         return [buf for layer in self.cache.layers for buf in (layer.keys, layer.values)]
 
-    def commit(self, src: torch.Tensor, count: torch.Tensor) -> None:
+    def commit(self, src: torch.Tensor, count: torch.Tensor, in_place: bool = False) -> None:
         """For each sequence b, move the K/V of scratch slots [src[b], src[b] + count[b]) to
         [hi[b], hi[b] + count[b]) and advance hi[b] (count[b] <= scratch). Fixed shapes and no
         host values: it runs inside the step's graph. On a CPU, one native call for all layers
-        (the indexed copy below costs ~25 us a layer there, ~1.5 ms a step). After an in-place
-        step (forward(in_place=True)) the K/V to keep are already at [hi, hi + count)."""
-        if self._in_place:
-            self._in_place = False
+        (the indexed copy below costs ~25 us a layer there, ~1.5 ms a step). in_place: the step
+        ran forward(in_place=True), so the K/V to keep are already at [hi, hi + count)."""
+        if in_place:
             self.hi.add_(count)
             return
         if self._kv_commit is not None:

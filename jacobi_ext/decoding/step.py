@@ -205,7 +205,7 @@ class BatchStep:
             row = torch.where(par[:, None], par_row, row)
             src = torch.where(par, par_src, src)
             count = torch.where(par, par_count, count)
-        rt.commit(src, count)
+        rt.commit(src, count, in_place)
         return row
 
     def _ar_rows(self, toks, tgt, q, Q: int):
