@@ -104,6 +104,8 @@ def check_this_process(expected_isa: str, tmp: str) -> None:
     assert jacobi_ext.CPU_ISA == expected_isa, (jacobi_ext.CPU_ISA, expected_isa)
     for qtype in KERNEL_TYPES:
         check_type(qtype, Path(tmp))
+    check_lora(Q.Q4_1, False)  # the LoRA's one- and two-vector tiles of this ISA
+    check_lora(Q.Q4_1, True)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -303,33 +305,46 @@ def test_int8_prefill_rows_are_the_rows_alone_at_any_thread_count(qtype):
                                atol=1e-4)  # fmt: skip
 
 
+def check_lora(qtype: Q, int8: bool) -> None:
+    """cpu_linear_gguf's lora_a / lora_b: bitwise (x W^T + b) + (x A^T) B^T computed as three
+    calls (A through the fp32 kernel's own panels), for one M tile and several; A of one vector
+    panel, of a pair, of a pair and one more (its units of two and one), at ranks that fill and
+    that pad the last vector; outputs enough for the threads to split the call (A's units
+    computed in the product's parallel pass)."""
+    from jacobi_ext.kernels.ops import cpu_linear_layout, cpu_lora_pack_a
+
+    rng = np.random.default_rng(2)
+    g = torch.Generator().manual_seed(2)
+    vl = cpu_linear_layout(torch.float32)[1] // 2
+    K = 512
+    for N, r in ((70, 5), (600, 40), (200, vl), (130, 3 * vl)):
+        packed = ops.cpu_linear_gguf_pack(
+            [torch.from_numpy(random_rows(qtype, N, K, rng))], int(qtype)
+        )
+        a_w = torch.randn(r, K, generator=g)
+        a, a_ref = cpu_lora_pack_a(a_w), ops.cpu_linear_pack(a_w)
+        assert tuple(a.shape) == (-(-r // vl), K, vl)
+        b = ops.cpu_linear_pack(torch.randn(N, r, generator=g))
+        bias = torch.randn(N, generator=g)
+        for M in (1, 3, 13, 64):
+            x = torch.randn(M, K, generator=g)
+            base = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, int8_activations=int8)
+            want = base + ops.cpu_linear(ops.cpu_linear(x, a_ref, r), b, N)
+            got = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a, b, int8_activations=int8)
+            assert torch.equal(got, want), (N, r, M)
+    with pytest.raises(ValueError, match="go together"):
+        ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a, None)
+    with pytest.raises(ValueError, match="cpu_lora_pack_a"):  # A in the NR-wide panels of B
+        ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a_ref, b)
+
+
 @pytest.mark.parametrize(
     "qtype, int8",
     [(Q.Q4_1, False), (Q.Q6_K, False), (Q.Q4_1, True), (Q.Q8_0, True)],
     ids=["Q4_1", "Q6_K", "Q4_1-int8", "Q8_0-int8"],
 )
 def test_lora_inside_the_call_is_the_lora_beside_it(qtype, int8):
-    """cpu_linear_gguf's lora_a / lora_b: bitwise (x W^T + b) + (x A^T) B^T computed as three
-    calls, for one M tile and several, A of one panel and several, and outputs enough for the
-    threads to split the call (A's panels computed in the product's parallel pass)."""
-    rng = np.random.default_rng(2)
-    g = torch.Generator().manual_seed(2)
-    K = 512
-    for N, r in ((70, 5), (600, 40)):
-        packed = ops.cpu_linear_gguf_pack(
-            [torch.from_numpy(random_rows(qtype, N, K, rng))], int(qtype)
-        )
-        a = ops.cpu_linear_pack(torch.randn(r, K, generator=g))
-        b = ops.cpu_linear_pack(torch.randn(N, r, generator=g))
-        bias = torch.randn(N, generator=g)
-        for M in (1, 3, 13, 64):
-            x = torch.randn(M, K, generator=g)
-            base = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, int8_activations=int8)
-            want = base + ops.cpu_linear(ops.cpu_linear(x, a, r), b, N)
-            got = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a, b, int8_activations=int8)
-            assert torch.equal(got, want), (N, r, M)
-    with pytest.raises(ValueError, match="go together"):
-        ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, a, None)
+    check_lora(qtype, int8)
 
 
 def test_pack_of_several_is_their_concatenation(tmp_path):
@@ -677,9 +692,10 @@ def test_grouped_lora_panels_read_their_own_columns_bitwise():
     block-diagonal B over all the columns (the zeros add nothing), and the offsets are checked."""
     rng = np.random.default_rng(4)
     g = torch.Generator().manual_seed(4)
-    from jacobi_ext.kernels.ops import cpu_linear_layout
+    from jacobi_ext.kernels.ops import cpu_linear_layout, cpu_lora_pack_a
 
     nr = cpu_linear_layout(torch.float32)[1]
+    vl = nr // 2
     parts, r, K = (2 * nr, nr, 3 * nr), 5, 64
     N = sum(parts)
     packed = ops.cpu_linear_gguf_pack([torch.from_numpy(random_rows(Q.Q4_1, N, K, rng))], 3)
@@ -692,15 +708,15 @@ def test_grouped_lora_panels_read_their_own_columns_bitwise():
         n0 += n
     compact = torch.cat(b_parts)
     r0 = torch.tensor([i * r for i, n in enumerate(parts) for _ in range(n // nr)])
-    pa = ops.cpu_linear_pack(a)
+    pa = cpu_lora_pack_a(a)
     for M in (1, 4, 13):
         x = torch.randn(M, K, generator=g)
         want = ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(dense))
         got = ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), r0)
         assert torch.equal(got, want), M
     with pytest.raises(ValueError, match="outside x A"):
-        bad = r0.clone()  # past x A^T's columns, its padding included (A packed in panels of nr)
-        bad[-1] = -(-3 * r // nr) * nr - r + 1
+        bad = r0.clone()  # past x A^T's columns, its padding included (A packed in panels of vl)
+        bad[-1] = -(-3 * r // vl) * vl - r + 1
         ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), bad)
     with pytest.raises(ValueError, match="lora_panel_r0 must be"):
         ops.cpu_linear_gguf(x, packed, 3, N, None, pa, ops.cpu_linear_pack(compact), r0[:-1])
@@ -710,7 +726,7 @@ def test_grouped_lora_panels_read_their_own_columns_bitwise():
 def test_bf16_lora_factors_are_their_fp32_values_bitwise(offsets):
     """LoRA factors kept in bf16 (an adapter's stored dtype): widened exactly in the kernel, so
     the outputs are bitwise those of the same values in fp32, at every M; mixed dtypes refused."""
-    from jacobi_ext.kernels.ops import cpu_linear_layout
+    from jacobi_ext.kernels.ops import cpu_linear_layout, cpu_lora_pack_a
     from jacobi_ext.models.quantized import _panels
 
     rng = np.random.default_rng(5)
@@ -721,9 +737,9 @@ def test_bf16_lora_factors_are_their_fp32_values_bitwise(offsets):
     a = torch.randn(3 * r if offsets else r, K, generator=g).bfloat16().float()
     b = torch.randn(N, r, generator=g).bfloat16().float()
     r0 = torch.tensor([0, r, 2 * r]) if offsets else None
-    a32, b32 = _panels(a, torch.float32), _panels(b, torch.float32)
-    assert torch.equal(a32, ops.cpu_linear_pack(a)) and torch.equal(b32, ops.cpu_linear_pack(b))
-    a16, b16 = _panels(a, torch.bfloat16), _panels(b, torch.bfloat16)
+    a32, b32 = cpu_lora_pack_a(a, torch.float32), _panels(b, torch.float32)
+    assert torch.equal(b32, ops.cpu_linear_pack(b))
+    a16, b16 = cpu_lora_pack_a(a, torch.bfloat16), _panels(b, torch.bfloat16)
     for M in (1, 4, 13):
         x = torch.randn(M, K, generator=g)
         want = ops.cpu_linear_gguf(x, packed, 3, N, None, a32, b32, r0)

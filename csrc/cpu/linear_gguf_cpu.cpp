@@ -32,6 +32,7 @@ namespace {
 using linear_tile::kMaxMR;
 using linear_tile::kMinBytesPerThread;
 using linear_tile::kNR;
+using linear_tile::kVL;
 using linear_tile::tile_f32_rows;
 using linear_tile::write_tile;
 
@@ -424,23 +425,30 @@ inline void add_lora(const GgufLora& lo, const LinearArgs& a, int64_t p, int row
   add_lora<float>(lo, a, p, rows, m0, scratch);
 }
 
-// Panel p of t = x A^T into lo.t, every row of x: the fp32 kernel's tile on that panel of A.
+// Unit i of t = x A^T into lo.t, every row of x: A's vector panels 2i and 2i + 1 (the last unit
+// may have one), kVL columns of t each, on the fp32 kernel's tile one or two vectors wide.
 template <typename W>
-inline void lora_t_panel_of(const LinearArgs& a, const GgufLora& lo, int64_t p) {
-  const W* ap = static_cast<const W*>(lo.a_packed) + p * a.K * kNR;
+inline void lora_t_unit_of(const LinearArgs& a, const GgufLora& lo, int64_t i) {
+  const int64_t v0 = 2 * i;
+  const int nv = static_cast<int>(std::min<int64_t>(2, lo.ldt / kVL - v0));
+  const W* ap = static_cast<const W*>(lo.a_packed) + v0 * a.K * kVL;
   const float* x = static_cast<const float*>(a.x);
   alignas(64) float out[kMaxMR * kNR];
   for (int64_t m0 = 0; m0 < a.M; m0 += kMaxMR) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxMR, a.M - m0));
-    tile_f32_rows<false>(rows, x + m0 * a.ldx, a.ldx, ap, a.K, out);
+    if (nv == 2) {
+      linear_tile::tile_f32_vec_rows<2>(rows, x + m0 * a.ldx, a.ldx, ap, a.K, out);
+    } else {
+      linear_tile::tile_f32_vec_rows<1>(rows, x + m0 * a.ldx, a.ldx, ap, a.K, out);
+    }
     for (int m = 0; m < rows; ++m)
-      std::memcpy(lo.t + (m0 + m) * lo.ldt + p * kNR, out + m * kNR, kNR * sizeof(float));
+      std::memcpy(lo.t + (m0 + m) * lo.ldt + v0 * kVL, out + m * kNR, nv * kVL * sizeof(float));
   }
 }
 
-inline void lora_t_panel(const LinearArgs& a, const GgufLora& lo, int64_t p) {
-  if (lo.bf16) return lora_t_panel_of<c10::BFloat16>(a, lo, p);
-  lora_t_panel_of<float>(a, lo, p);
+inline void lora_t_unit(const LinearArgs& a, const GgufLora& lo, int64_t i) {
+  if (lo.bf16) return lora_t_unit_of<c10::BFloat16>(a, lo, i);
+  lora_t_unit_of<float>(a, lo, i);
 }
 
 // y += t B^T on panels [p0, p1) (every row).
@@ -457,22 +465,26 @@ inline void add_lora_panels(const GgufLora& lo, const LinearArgs& a, int64_t p0,
 // The panel loop of a GGUF linear, with its LoRA (if any). body(u0, u1) computes y = x W^T (+
 // bias) for units [u0, u1) of `units` (a unit: unit_bytes of codes, `per_unit` panels), split
 // over the threads with `grain`. With a LoRA all of it runs in one parallel pass: t = x A^T by
-// the first units (A's panels placed before the product's, each weighing its bytes in units;
-// where A ran in a pass of its own, one thread read a 37-98 KB panel of A while the other
-// waited), then each thread's product, then, once every panel of t is written (a count of them),
-// y += t B^T on the thread's own panels. Every thread computes its panels of t before it waits on
-// anything, and with OpenMP every chunk has a thread of its own, all running: no thread waits on
-// one that waits. (With another threading backend: B in a pass after.) Each output is the same
-// sums in the same order as when its LoRA term was added right after its panel's product: the
-// same bits.
+// the first units (A's vector panels placed before the product's, each weighing its bytes in
+// units, computed two at a time; where A ran in a pass of its own, one thread read 37-98 KB of A
+// while the other waited), then each thread's product, then, once every unit of t is written (a
+// count of them), y += t B^T on the thread's own panels. Every thread computes its units of t
+// before it waits on anything, and with OpenMP every chunk has a thread of its own, all running:
+// no thread waits on one that waits. (With another threading backend: B in a pass after.) Each
+// output is the same sums in the same order as when its LoRA term was added right after its
+// panel's product: the same bits.
 template <typename Body>
 inline void panel_loop(const LinearArgs& a, const GgufLora& lo, int64_t units, int64_t per_unit,
                        int64_t unit_bytes, int64_t grain, const Body& body) {
   if (lo.t == nullptr) return at::parallel_for(0, units, grain, body);
-  const int64_t a_panels = lo.ldt / kNR;
-  const int64_t a_bytes = a.K * kNR * (lo.bf16 ? 2 : 4);
-  const int64_t w = std::max<int64_t>(1, a_bytes / std::max<int64_t>(unit_bytes, 1));
-  const int64_t lead = a_panels * w;  // A's panel i: unit i w (the units after it: nothing)
+  // A's vector panels weigh their bytes in units (w each, to the nearest), and A's unit i (its
+  // vector panels 2i, 2i + 1) is computed by the thread given unit 2 i w (the units after it:
+  // nothing).
+  const int64_t a_vpanels = lo.ldt / kVL, a_units = (a_vpanels + 1) / 2;
+  const int64_t a_bytes = a.K * kVL * (lo.bf16 ? 2 : 4);
+  const int64_t ub = std::max<int64_t>(unit_bytes, 1);
+  const int64_t w = std::max<int64_t>(1, (a_bytes + ub / 2) / ub);
+  const int64_t lead = a_vpanels * w;
   const int64_t panels = (a.N + kNR - 1) / kNR;
 #if AT_PARALLEL_OPENMP
   constexpr bool kInPass = true;
@@ -481,15 +493,15 @@ inline void panel_loop(const LinearArgs& a, const GgufLora& lo, int64_t units, i
 #endif
   std::atomic<int64_t> t_done{0};
   at::parallel_for(0, lead + units, grain, [&](int64_t u0, int64_t u1) {
-    for (int64_t i = (u0 + w - 1) / w; i * w < std::min(u1, lead); ++i) {
-      lora_t_panel(a, lo, i);
+    for (int64_t i = (u0 + 2 * w - 1) / (2 * w); 2 * i * w < std::min(u1, lead); ++i) {
+      lora_t_unit(a, lo, i);
       t_done.fetch_add(1, std::memory_order_release);
     }
     if (u1 <= lead) return;
     const int64_t b0 = std::max(u0, lead) - lead, b1 = u1 - lead;
     body(b0, b1);
     if (!kInPass) return;
-    while (t_done.load(std::memory_order_acquire) < a_panels) {
+    while (t_done.load(std::memory_order_acquire) < a_units) {
 #if defined(__x86_64__)
       __builtin_ia32_pause();
 #endif

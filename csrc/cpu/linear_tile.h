@@ -16,6 +16,10 @@
 
 #include "cpu/linear_cpu.h"
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace jacobi::cpu::JACOBI_ISA::linear_tile {
 
 using Vec = at::vec::Vectorized<float>;
@@ -80,6 +84,55 @@ inline void tile_f32_rows(int rows, const float* x, int64_t ldx, const W* panel,
     if (rows < MR) return tile_f32_rows<kResume, MR - 1>(rows, x, ldx, panel, K, out);
   }
   tile_f32<MR, kResume>(x, ldx, panel, K, out);
+}
+
+// Row k of a panel one vector wide (kVL outputs): fp32 as it is, bf16 widened exactly (a shift,
+// as convert_bfloat16_float does).
+inline Vec panel_vec(const float* row) { return Vec::loadu(row); }
+inline Vec panel_vec(const c10::BFloat16* row) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  float f[kVL];
+  for (int i = 0; i < kVL; ++i) f[i] = static_cast<float>(row[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// tile_f32 on a weight packed in panels one vector wide ([K, kVL] each, consecutive): NV (1 or
+// 2) of them from `panel` on, out[m][v * kVL + j]. Each output is tile_f32's chain (from 0, k in
+// order), so a weight with few rows (a LoRA's A, rank 16) is packed without tile_f32's padding to
+// whole kNR panels and gives the same bits on the outputs it has.
+template <int MR, int NV, typename W>
+inline void tile_f32_vec(const float* x, int64_t ldx, const W* panel, int64_t K, float* out) {
+  static_assert(NV == 1 || NV == 2, "one or two vector panels");
+  Vec acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = Vec(0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    Vec w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = panel_vec(panel + (v * K + k) * kVL);
+    for (int m = 0; m < MR; ++m) {
+      const Vec xv(x[m * ldx + k]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = at::vec::fmadd(xv, w[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v].store(out + m * kNR + v * kVL);
+}
+
+// tile_f32_vec for `rows` (1 .. kMaxMR) rows.
+template <int NV, int MR = kMaxMR, typename W>
+inline void tile_f32_vec_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t K,
+                              float* out) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return tile_f32_vec_rows<NV, MR - 1>(rows, x, ldx, panel, K, out);
+  }
+  tile_f32_vec<MR, NV>(x, ldx, panel, K, out);
 }
 
 // y[m0 + m, n0 + j] = out[m][j] + bias[n0 + j] for j < cols, in y's dtype T.

@@ -130,28 +130,33 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
   TORCH_CHECK_VALUE(has_lora == (lora_b.has_value() && lora_b->defined()),
                     "lora_a and lora_b go together");
   if (has_lora) {
-    const int64_t nr = panel_width();
+    // B in the kernels' panels of NR outputs; A in panels one vector wide (NR / 2 of its rows):
+    // a rank-16 A is one such panel, where whole NR panels held as many zeros as weights.
+    const int64_t nr = panel_width(), vl = nr / 2;
     const bool bf16 = lora_a->scalar_type() == at::kBFloat16;
     for (const at::Tensor* w : {&*lora_a, &*lora_b}) {
       TORCH_CHECK_VALUE(w->scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat),
                         "lora factors must both be float32 or both bfloat16, got ",
                         lora_a->scalar_type(), " and ", lora_b->scalar_type());
       ck::contiguous(*w, "lora factors");
-      ck::rank(*w, "lora factors", 3, "[panels, k, NR] (a weight in panels of NR outputs)");
-      TORCH_CHECK_VALUE(w->size(2) == nr, "lora factors are packed for NR=", w->size(2),
-                        ", this CPU's kernels use ", nr);
     }
+    ck::rank(*lora_b, "lora_b", 3, "[panels, rank, NR] (B in panels of NR outputs)");
+    TORCH_CHECK_VALUE(lora_b->size(2) == nr, "lora_b is packed for NR=", lora_b->size(2),
+                      ", this CPU's kernels use ", nr, " (pack it with cpu_linear_pack)");
+    ck::rank(*lora_a, "lora_a", 3, "[ceil(rank / VL), in_features, VL] (A in panels of VL rows)");
+    TORCH_CHECK_VALUE(lora_a->size(2) == vl, "lora_a is packed in panels of ", lora_a->size(2),
+                      " rows; this CPU's kernels take ", vl, " (cpu_lora_pack_a)");
     const int64_t r = lora_b->size(1), panels = (N + nr - 1) / nr;
     TORCH_CHECK_VALUE(lora_b->size(0) == panels, "lora_b has ", lora_b->size(0),
                       " panels; out_features ", N, " needs ", panels);
     // t = x A^T has every column of the packed A; B reads rank of them, from panel_r0[p] on,
     // or from 0 (then A is exactly the rank's panels).
     const bool offsets = lora_panel_r0.has_value() && lora_panel_r0->defined();
-    const int64_t t_cols = lora_a->size(0) * nr;
+    const int64_t t_cols = lora_a->size(0) * vl;
     TORCH_CHECK_VALUE(lora_a->size(1) == K && r <= t_cols &&
-                          (offsets || lora_a->size(0) == (r + nr - 1) / nr),
+                          (offsets || lora_a->size(0) == (r + vl - 1) / vl),
                       "lora_a must be an [rank=", r, ", ", K,
-                      "] weight in panels (cpu_linear_pack for float32), got shape ",
+                      "] weight in panels of ", vl, " rows (cpu_lora_pack_a), got shape ",
                       lora_a->sizes());
     const int64_t* r0 = nullptr;
     if (offsets) {

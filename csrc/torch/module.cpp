@@ -104,8 +104,10 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // the fp32 kernel's chain on those values: bitwise cpu_linear on the dequantized weight.
   m.def("cpu_linear_gguf_pack(Tensor[] weights, int type) -> Tensor");
   // lora_a / lora_b: an unmerged LoRA, y += (x A^T) B^T, A [rank, K] and B [N, rank] (the scale
-  // folded in) in panels [ceil(rows / NR), K, NR]: float32 (cpu_linear_pack) or both bfloat16
-  // (widened exactly in the kernel: the same bits as their float32 values); added after the bias. lora_panel_r0
+  // folded in); B in panels [ceil(N / NR), rank, NR] (cpu_linear_pack), A in panels one vector
+  // wide, [ceil(rows / VL), K, VL], VL = NR / 2 (cpu_lora_pack_a in jacobi_ext.kernels.ops); both
+  // float32 or both bfloat16 (widened exactly in the kernel: the same bits as their float32
+  // values); added after the bias. lora_panel_r0
   // (int64, one per panel of NR outputs): A has any number of rows, and panel p of B multiplies
   // columns [r0[p], r0[p] + rank) of x A^T (linears side by side, each its own columns).
   // int8_activations: Q4_1 and Q8_0, each row of x quantized to 8 bits per group of 32 and integer

@@ -294,6 +294,22 @@ def cpu_linear_packed_shape(dtype: torch.dtype, N, K) -> tuple:
     return ((N + nr - 1) // nr, k_rows, nr)
 
 
+def cpu_lora_pack_a(a: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A LoRA's A factor [rows, K] (rows: the rank, or several linears' ranks stacked) as
+    ``cpu_linear_gguf``'s ``lora_a``: panels one vector wide, [ceil(rows / VL), K, VL] of `dtype`
+    (float32 or bfloat16; rows past the end zero), VL = NR / 2. Why not ``cpu_linear_pack``'s
+    NR-wide panels: a rank-16 A in 32-wide panels (AVX-512) is half zeros, read at every call."""
+    if a.dim() != 2:
+        raise ValueError(f"a must be 2-D [rank, in_features], got shape {tuple(a.shape)}")
+    _check_linear_dtype(dtype, "dtype")
+    vl = cpu_linear_layout(torch.float32)[1] // 2
+    rows, K = a.shape
+    panels = -(-rows // vl)
+    out = torch.zeros(panels * vl, K, dtype=dtype)
+    out[:rows] = a.to(dtype)
+    return out.view(panels, vl, K).transpose(1, 2).contiguous()
+
+
 def _check_linear_dtype(dtype: torch.dtype, name: str) -> None:
     if dtype not in _LINEAR_DTYPES:
         raise ValueError(

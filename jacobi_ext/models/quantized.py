@@ -63,9 +63,10 @@ class _Lora:
     """An unmerged LoRA on a linear: y += B (A x) * scale, both products on the fp32 kernel's
     chain (each row computed alone, as the quantized product), run inside the GGUF linear's call
     (cpu_linear_gguf's lora_a / lora_b / lora_panel_r0). `a`, `b`: A [rank, K] and B [N, rank]
-    (the scale folded in), each packed by cpu_linear_pack; for linears the loader fused, views of
-    their group's, whose A is the members' stacked and whose B panels each read their own
-    member's columns of x A^T (`panel_r0`, one per panel; None: all from column 0)."""
+    (the scale folded in), A packed by cpu_lora_pack_a, B by cpu_linear_pack; for linears the
+    loader fused, views of their group's, whose A is the members' stacked and whose B panels
+    each read their own member's columns of x A^T (`panel_r0`, one per panel; None: all from
+    column 0)."""
 
     __slots__ = ("a", "b", "rank", "out_features", "nbytes", "panel_r0")
 
@@ -79,7 +80,9 @@ class _Lora:
              dtype: torch.dtype = torch.float32) -> _Lora:  # fmt: skip
         """From fp32 A [rows, K] and B [N, rank], kept in `dtype` (float32, or bfloat16 where
         every value is one: the kernel widens it back exactly)."""
-        pa, pb = _panels(a, dtype), _panels(b, dtype)
+        from ..kernels.ops import cpu_lora_pack_a
+
+        pa, pb = cpu_lora_pack_a(a, dtype), _panels(b, dtype)
         nbytes = pa.numel() * pa.element_size() + pb.numel() * pb.element_size()
         return _Lora(pa, pb, b.shape[1], b.shape[0], nbytes, panel_r0)
 
