@@ -6,6 +6,11 @@ chunks)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -172,3 +177,81 @@ def test_a_prefill_row_is_the_same_bits_as_the_row_alone(seed, threads):
     torch.testing.assert_close(
         wide.double(), _reference(q, k, v, mask, D**-0.5), atol=2e-5, rtol=1e-5
     )
+
+
+def check_softmax_edges() -> None:
+    """A row's masked maximum and softmax around the vector widths (8 and 16 lanes) and the
+    scalar tail, with few rows (key-range schedule) and many (row chunks): masked slots are never
+    seen (their keys hold NaN and inf here), a visible NaN score beside numbers makes its row NaN
+    (it never wins the maximum, and its exp reaches the sum), a row whose scores are all +-0
+    (q = +-0) averages V, and a row that sees one slot returns that slot's V."""
+    for W in (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47):
+        for B, Hkv, G, Q in ((1, 1, 3, 1), (2, 4, 2, 24)):
+            g = torch.Generator().manual_seed(W * 100 + Q)
+            D = 16
+            q = torch.randn(B, Hkv * G, Q, D, generator=g)
+            k = torch.randn(B, Hkv, W, D, generator=g)
+            v = torch.randn(B, Hkv, W, D, generator=g)
+            mask = torch.rand(B, 1, Q, W, generator=g) < 0.7
+            mask[..., W - 1] = True
+            hidden = ~mask[:, 0].any(1)  # [B, W]: slots no row sees
+            for b in range(B):
+                k[b, :, hidden[b]] = torch.tensor([float("nan"), float("inf")]).repeat(D // 2)
+            got = op(q, k, v, mask, D**-0.5)
+            torch.testing.assert_close(
+                got.double(), _reference(q, k, v, mask, D**-0.5), atol=2e-5, rtol=1e-5
+            )
+            if W > 1:  # every row sees slot 0 (a number) and slot W - 1 (NaN)
+                k_nan = torch.randn(B, Hkv, W, D, generator=g)
+                k_nan[:, :, W - 1, 3] = float("nan")
+                both = mask.clone()
+                both[..., 0] = True
+                assert op(q, k_nan, v, both, D**-0.5).isnan().all(), (W, Q)
+            q0 = torch.zeros_like(q)
+            q0[:, ::2] = -0.0
+            torch.testing.assert_close(
+                op(q0, k, v, mask, D**-0.5).double(),
+                _reference(q0, k, v, mask, D**-0.5),
+                atol=2e-6,
+                rtol=1e-6,
+            )
+            k1 = torch.randn(B, Hkv, W, D, generator=g)
+            for j in sorted({0, W // 2, W - 1}):
+                one = torch.zeros_like(mask)
+                one[..., j] = True
+                want = v[:, :, j].repeat_interleave(G, dim=1)[:, None].expand(B, Q, Hkv * G, D)
+                assert torch.equal(op(q, k1, v, one, D**-0.5), want), (W, Q, j)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_softmax_edges(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_softmax_edges()
+    finally:
+        torch.set_num_threads(before)
+
+
+ISAS = ("baseline", "avx2", "avx512")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_isa(isa, best_isa, tmp_path):
+    """Each ISA variant (capped to what the CPU has) in a process of its own: the softmax's edge
+    cases and random shapes against the dense reference."""
+    expected = ISAS[min(ISAS.index(isa), ISAS.index(best_isa))]
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import jacobi_ext\n"
+        f"assert jacobi_ext.CPU_ISA == {expected!r}, jacobi_ext.CPU_ISA\n"
+        "import test_cpu_decode_attention as t\n"
+        "t.check_softmax_edges()\n"
+        "for seed in range(4):\n"
+        "    for Q in (1, 5, 33):\n"
+        "        t.test_matches_the_dense_reference(seed, Q)\n"
+    )
+    env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -189,15 +189,52 @@ inline void pv(int rows, const float* pt, const float* v, int64_t ldv, int64_t W
   }
 }
 
+// sr[j] = -inf where !m[j], over [lo, hi); returns the largest sr[j] there, NaNs skipped, -inf
+// where there is none: what `mx = std::max(mx, sr[j])` from -inf gives in order (a NaN never
+// compares greater), with lanes side by side. A maximum of floats is exact in any order, but for
+// the sign of a zero maximum, which exp(s - mx) does not see (x - (+0) and x - (-0) are the same
+// x, exp(+-0) = 1). The scalar loop waited on each max (~3 cycles a key) and branched on each
+// mask byte.
+inline float mask_and_max(float* sr, const bool* m, int64_t lo, int64_t hi) {
+  float mx = kNegInf;
+  int64_t j = lo;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 acc = ninf;
+  for (; j + 16 <= hi; j += 16) {
+    const __m128i mb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + j));
+    const __mmask16 hidden = _mm_cmpeq_epi8_mask(mb, _mm_setzero_si128());
+    const __m512 v = _mm512_mask_mov_ps(_mm512_loadu_ps(sr + j), hidden, ninf);
+    _mm512_storeu_ps(sr + j, v);
+    acc = _mm512_max_ps(v, acc);  // a NaN in v: acc kept
+  }
+  mx = _mm512_reduce_max_ps(acc);  // (acc holds no NaN)
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  __m256 acc = ninf;
+  for (; j + 8 <= hi; j += 8) {
+    const __m128i mb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + j));
+    const __m256i hidden = _mm256_cmpeq_epi32(_mm256_cvtepu8_epi32(mb), _mm256_setzero_si256());
+    const __m256 v = _mm256_blendv_ps(_mm256_loadu_ps(sr + j), ninf, _mm256_castsi256_ps(hidden));
+    _mm256_storeu_ps(sr + j, v);
+    acc = _mm256_max_ps(v, acc);  // a NaN in v: acc kept
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (const float x : lanes) mx = std::max(mx, x);  // (acc holds no NaN)
+#endif
+  for (; j < hi; ++j) {
+    if (!m[j]) sr[j] = kNegInf;
+    mx = std::max(mx, sr[j]);
+  }
+  return mx;
+}
+
 // A row of scores over slots [lo, hi) (masks m) -> exp(score - the row's max) in place, masked
 // slots exactly 0 (slots outside [lo, hi) neither read nor written). Returns false (and zeros)
 // where the row sees no slot.
 inline bool exp_row(float* sr, const bool* m, int64_t lo, int64_t hi) {
-  float mx = kNegInf;
-  for (int64_t j = lo; j < hi; ++j) {
-    if (!m[j]) sr[j] = kNegInf;
-    mx = std::max(mx, sr[j]);
-  }
+  const float mx = mask_and_max(sr, m, lo, hi);
   if (mx == kNegInf) {
     std::fill(sr + lo, sr + std::max(lo, hi), 0.f);
     return false;
@@ -351,10 +388,10 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
       const int64_t i = (r0 + r) % Q;
       any[r] = exp_row(s + r * ldk, a.mask + (b * Q + i) * W, vr.s0, vr.s1);
     }
-    for (int64_t j = vr.s0; j < vr.s1; ++j) {
-      for (int r = 0; r < rows; ++r) pt[j * kRows + r] = s[r * ldk + j];
-      for (int r = rows; r < kRows; ++r) pt[j * kRows + r] = 0.f;
-    }
+    // Lanes past `rows` zeroed in one pass (a fill per key compiled to a memset call per key).
+    if (rows < kRows) std::fill(pt + vr.s0 * kRows, pt + vr.s1 * kRows, 0.f);
+    for (int r = 0; r < rows; ++r)
+      for (int64_t j = vr.s0; j < vr.s1; ++j) pt[j * kRows + r] = s[r * ldk + j];
     normalize_rows(pt, W, a.first, vr.o0, vr.o1, vr.s0, vr.s1, any, rows);
   };
   // Output features [d0, d1) of rows r0 .. r0 + rows of group g from of (rows D apart).
