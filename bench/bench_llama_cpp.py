@@ -34,6 +34,8 @@ the two greedy outputs may part; the distilled model's answers are another model
     python bench/bench_llama_cpp.py --out runs/llama_cpp        # results.json and table.md
     /path/to/llama-venv/bin/python bench/bench_llama_cpp.py --out runs/llama_cpp  # with llama.cpp
     python bench/bench_llama_cpp.py --quick --out /tmp/llbench  # seconds-long smoke run
+    python bench/bench_llama_cpp.py --rows "tuned (default) [smollm2-jf, int8 act.]" --rounds 6 \
+        --out runs/llama_cpp_tuned  # llama.cpp, that row and its model's ar, call after call
     pytest bench/bench_llama_cpp.py -o python_files='bench_*.py' --benchmark-json=llama_cpp.json
     JACOBI_BENCH_QUICK=1 pytest bench/bench_llama_cpp.py -o python_files='bench_*.py'  # smoke
 
@@ -223,14 +225,16 @@ def _load_models(dequantize: bool, log) -> tuple[dict, dict, object]:
 def _measure(callers: dict, named: list, rounds: int, log) -> dict[str, list[list[dict]]]:
     """calls[row][prompt] = that (row, prompt)'s call of every round: one untimed warm-up call
     per row on the longest prompt (runtimes sized, weights packed, threads up), then `rounds`
-    rounds, each prompt by every row in turn (round-robin: load swings hit every row alike)."""
+    rounds, each prompt by every row in turn (round-robin: load swings hit every row alike), the
+    order of the rows reversed from one prompt to the next (no row always first after another)."""
     longest = max((ids for _, ids in named), key=len)
     for fn in callers.values():
         fn(longest)
     calls = {row: [[] for _ in named] for row in callers}
+    order = list(callers.items())
     for r in range(rounds):
         for i, (_, ids) in enumerate(named):
-            for row, fn in callers.items():
+            for row, fn in order if (r * len(named) + i) % 2 == 0 else order[::-1]:
                 calls[row][i].append(fn(ids))
         speeds = []
         for row, per in calls.items():
@@ -240,9 +244,10 @@ def _measure(callers: dict, named: list, rounds: int, log) -> dict[str, list[lis
     return calls
 
 
-def _row(row: str, per: list[list[dict]], named: list, ar: list, ll: list | None) -> dict:
+def _row(row: str, per: list[list[dict]], named: list, ar: list | None, ll: list | None) -> dict:
     """One row's figures from its calls (medians per prompt over the rounds); `ar`: our `ar`'s
-    answers on the same model, `ll`: llama.cpp's (None where its row is skipped)."""
+    answers on the same model (None for llama.cpp's row where that `ar` row was not run), `ll`:
+    llama.cpp's (None where its row is skipped)."""
     med = {
         k: [statistics.median(c[k] for c in calls) for calls in per]
         for k in ("seconds", "prefill_seconds", "decode_seconds")
@@ -268,7 +273,7 @@ def _row(row: str, per: list[list[dict]], named: list, ar: list, ll: list | None
         ms_per_forward=1e3 * decode / max(sum(forwards), 1),
         tokens_per_forward=steady_tokens / max(sum(forwards), 1),
         prefill_ms=1e3 * statistics.mean(med["prefill_seconds"]),
-        same_as_ar=sum(a == b for a, b in zip(answers, ar, strict=True)),
+        same_as_ar=None if ar is None else sum(a == b for a, b in zip(answers, ar, strict=True)),
         same_as_llama=None if ll is None else sum(a == b for a, b in zip(answers, ll, strict=True)),
         deterministic=all(c["tokens"] == calls[0]["tokens"] for calls in per for c in calls),
         settings=sorted({c["settings"] for calls in per for c in calls if "settings" in c}),
@@ -284,11 +289,14 @@ def run(
     dequantize: bool = DEQUANTIZE,
     llama: bool = True,
     check: bool = True,
+    only: list[str] | None = None,
     log=print,
 ) -> list[dict]:
     """Measure every row; returns one dict per row: llama.cpp's (or its skip reason), ours (per
     model and method), and the quantized floor's. `check`: assert, after measuring, that our
-    methods' answers equal our `ar`'s token for token."""
+    methods' answers equal our `ar`'s token for token. `only`: just these of our rows (as the
+    table names them, e.g. "tuned (default) [smollm2-jf, int8 act.]"), with the `ar` row of each
+    one's model (the answers they are checked against)."""
     from jacobi_ext.models import default_model_file
 
     old_threads = torch.get_num_threads()
@@ -316,10 +324,17 @@ def run(
             model_of[LLAMA] = "base"
         else:
             log(skipped)
+        known = [f"{m} [{label}]" for label in models for m in MODEL_METHODS.get(label, METHODS)]
+        unknown = sorted(set(only or ()) - set(known))
+        if unknown:
+            raise ValueError(f"unknown rows {unknown}; our rows here: {known}")
+        keep = None if only is None else {*only, *(f"ar [{r.split(' [', 1)[1]}" for r in only)}
         for label, model in models.items():
             for method in MODEL_METHODS.get(label, METHODS):
                 kw = METHODS[method]
                 row = f"{method} [{label}]"
+                if keep is not None and row not in keep:
+                    continue
                 callers[row] = lambda ids, m=model, kw=kw: ours(
                     m, torch.tensor([ids], dtype=torch.long), max_new, eos, kw
                 )
@@ -346,7 +361,8 @@ def run(
                 dict(row=LLAMA, model="base", weights="GGUF (llama.cpp)", skipped=skipped, **common)
             )
         for row, per in calls.items():
-            r = _row(row, per, named, answers[f"ar [{model_of[row]}]"], answers.get(LLAMA))
+            ar = answers.get(f"ar [{model_of[row]}]")  # (ours: always run; llama.cpp's: base's)
+            r = _row(row, per, named, ar, answers.get(LLAMA))
             r.update(model=model_of[row], **common)
             r["weights"] = "GGUF (llama.cpp)" if row == LLAMA else weights[model_of[row]]
             if row == LLAMA:
@@ -417,7 +433,7 @@ def markdown(rows: list[dict], meta: dict | None = None) -> str:
             out.append(f"| {r['row']} | {r['weights']} | skipped | | | | | | | | | |")
             continue
         n = r["prompts"]
-        same_ar = f"{r['same_as_ar']}/{n}" if "same_as_ar" in r else ""
+        same_ar = f"{r['same_as_ar']}/{n}" if r.get("same_as_ar") is not None else ""
         same_ll = f"{r['same_as_llama']}/{n}" if r.get("same_as_llama") is not None else ""
         vs = r.get("vs_llama_cpp")
         out.append(
@@ -474,14 +490,26 @@ def main(argv=None) -> int:
         help="our models in fp32, dequantized as transformers loads the GGUF",
     )
     ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp row")
+    ap.add_argument(
+        "--rows",
+        default=None,
+        help="only these of our rows, separated by ';' (as the table names them, e.g. "
+        "'tuned (default) [smollm2-jf, int8 act.]'; each model's `ar` row is kept too): fewer "
+        "rows between llama.cpp's call and theirs, for more rounds in the same time",
+    )
     args = ap.parse_args(argv)
     QUICK = QUICK or args.quick
     default = (1, 16, 1) if QUICK else (PROMPTS, MAX_NEW, ROUNDS)
-    rows = run(
-        prompts=args.prompts or default[0], max_new=args.max_new or default[1],
-        threads=args.threads, rounds=args.rounds or default[2], dequantize=args.dequantize,
-        llama=not args.no_llama, check=False,
-    )  # fmt: skip
+    only = None if args.rows is None else [r.strip() for r in args.rows.split(";") if r.strip()]
+    try:
+        rows = run(
+            prompts=args.prompts or default[0], max_new=args.max_new or default[1],
+            threads=args.threads, rounds=args.rounds or default[2], dequantize=args.dequantize,
+            llama=not args.no_llama, check=False,
+            only=only,
+        )  # fmt: skip
+    except ValueError as exc:
+        ap.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = _meta(rows)
