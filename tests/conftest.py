@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,3 +68,28 @@ def best_isa(tmp_path_factory) -> str:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip()
+
+
+#: The CPU kernel variants, in the order of csrc/cpu/isa.h (each includes the one before).
+ISAS = ("baseline", "avx2", "avx512")
+
+
+@pytest.fixture
+def in_isa_process(best_isa, tmp_path):
+    """run(isa, code): the Python source `code` (this folder on sys.path, jacobi_ext imported) in
+    a process of its own whose kernels are `isa`'s, capped to what the CPU has (asserted there);
+    the test fails with the process's stderr where the code fails."""
+
+    def run(isa: str, code: str) -> None:
+        expected = ISAS[min(ISAS.index(isa), ISAS.index(best_isa))]
+        prelude = (
+            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "import jacobi_ext\n"
+            f"assert jacobi_ext.CPU_ISA == {expected!r}, jacobi_ext.CPU_ISA\n"
+        )
+        env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
+        out = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
+                             text=True, env=env, cwd=tmp_path)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+
+    return run

@@ -4,13 +4,9 @@ infinities, at 1 and 2 threads, and on every vector ISA's variant (float rows ru
 kernel compiled per ISA; float64 rows a scalar walk). And torch.library's checks of the CPU step's
 native ops (this one, cpu_step_mask, cpu_ar_accept)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import ISAS
 
 from jacobi_ext.decoding.runtime import targets
 from jacobi_ext.kernels._native import ops
@@ -81,27 +77,18 @@ def test_edges(threads):
     check_edges()
 
 
-ISAS = ("baseline", "avx2", "avx512")
-
-
 @pytest.mark.parametrize("isa", ISAS)
-def test_every_isa(isa, best_isa, tmp_path):
+def test_every_isa(isa, in_isa_process):
     """The float kernel of each ISA variant (capped to what the CPU has), in a process of its own:
     the edge cases and random rows against torch."""
-    expected = ISAS[min(ISAS.index(isa), ISAS.index(best_isa))]
-    code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "import jacobi_ext, torch\n"
-        f"assert jacobi_ext.CPU_ISA == {expected!r}, jacobi_ext.CPU_ISA\n"
+    in_isa_process(
+        isa,
+        "import torch\n"
         "from test_cpu_argmax import check_edges, ops\n"
         "check_edges()\n"
         "x = torch.randint(0, 3, (5, 49152), generator=torch.Generator().manual_seed(1)).float()\n"
-        "assert torch.equal(ops.cpu_argmax(x), x.max(-1).indices)\n"
+        "assert torch.equal(ops.cpu_argmax(x), x.max(-1).indices)\n",
     )
-    env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=tmp_path)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_strided_input_and_targets():

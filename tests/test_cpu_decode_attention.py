@@ -6,13 +6,9 @@ chunks)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import ISAS
 
 import jacobi_ext  # noqa: F401  (registers torch.ops.jacobi_ext)
 
@@ -233,25 +229,15 @@ def test_softmax_edges(threads):
         torch.set_num_threads(before)
 
 
-ISAS = ("baseline", "avx2", "avx512")
-
-
 @pytest.mark.parametrize("isa", ISAS)
-def test_every_isa(isa, best_isa, tmp_path):
+def test_every_isa(isa, in_isa_process):
     """Each ISA variant (capped to what the CPU has) in a process of its own: the softmax's edge
     cases and random shapes against the dense reference."""
-    expected = ISAS[min(ISAS.index(isa), ISAS.index(best_isa))]
-    code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "import jacobi_ext\n"
-        f"assert jacobi_ext.CPU_ISA == {expected!r}, jacobi_ext.CPU_ISA\n"
+    in_isa_process(
+        isa,
         "import test_cpu_decode_attention as t\n"
         "t.check_softmax_edges()\n"
         "for seed in range(4):\n"
         "    for Q in (1, 5, 33):\n"
-        "        t.test_matches_the_dense_reference(seed, Q)\n"
+        "        t.test_matches_the_dense_reference(seed, Q)\n",
     )
-    env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=tmp_path)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]

@@ -76,14 +76,20 @@ inline void tile_f32(const float* x, int64_t ldx, const W* panel, int64_t K, flo
   }
 }
 
+// f(std::integral_constant<int, rows>{}) for `rows` in 1 .. kMaxMR: a tile of that height.
+template <int MR = kMaxMR, typename F>
+inline void with_rows(int rows, const F& f) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return with_rows<MR - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MR>{});
+}
+
 // tile_f32 for `rows` (1 .. kMaxMR) rows: the tile of that height.
-template <bool kResume, int MR = kMaxMR, typename W>
+template <bool kResume, typename W>
 inline void tile_f32_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t K,
                           float* out) {
-  if constexpr (MR > 1) {
-    if (rows < MR) return tile_f32_rows<kResume, MR - 1>(rows, x, ldx, panel, K, out);
-  }
-  tile_f32<MR, kResume>(x, ldx, panel, K, out);
+  with_rows(rows, [&](auto mr) { tile_f32<decltype(mr)::value, kResume>(x, ldx, panel, K, out); });
 }
 
 // Row k of a panel one vector wide (kVL outputs): fp32 as it is, bf16 widened exactly (a shift,
@@ -126,13 +132,10 @@ inline void tile_f32_vec(const float* x, int64_t ldx, const W* panel, int64_t K,
 }
 
 // tile_f32_vec for `rows` (1 .. kMaxMR) rows.
-template <int NV, int MR = kMaxMR, typename W>
+template <int NV, typename W>
 inline void tile_f32_vec_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t K,
                               float* out) {
-  if constexpr (MR > 1) {
-    if (rows < MR) return tile_f32_vec_rows<NV, MR - 1>(rows, x, ldx, panel, K, out);
-  }
-  tile_f32_vec<MR, NV>(x, ldx, panel, K, out);
+  with_rows(rows, [&](auto mr) { tile_f32_vec<decltype(mr)::value, NV>(x, ldx, panel, K, out); });
 }
 
 // y[m0 + m, n0 + j] = out[m][j] + bias[n0 + j] for j < cols, in y's dtype T.
