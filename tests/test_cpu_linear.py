@@ -12,13 +12,10 @@ give the real kernels' shapes, so the ops trace under torch.compile."""
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import ISAS
 
 import jacobi_ext
 from jacobi_ext.kernels._native import ops
@@ -32,7 +29,6 @@ KS = (1, 3, 17, 77, 576)
 NS = (1, 5, 33, 100)
 U32 = 2.0**-24  # float32 unit roundoff
 U16 = 2.0**-8  # bfloat16 unit roundoff
-ISAS = ("baseline", "avx2", "avx512")  # the order of csrc/cpu/isa.h: each includes the one before
 
 
 def _make(M, K, N, dtype, bias="none", seed=0):
@@ -246,19 +242,14 @@ def test_this_process_isa():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_every_isa(isa, best_isa):
+def test_every_isa(isa, in_isa_process):
     """Each variant, in a process of its own (the ISA is fixed at process start). A request above
     what the CPU supports is capped to the best it has (never an illegal instruction), so on a
     CPU without AVX-512 the avx512 request checks the AVX2 variant again."""
-    expected = ISAS[min(ISAS.index(isa), ISAS.index(best_isa))]
-    code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_cpu_linear import check_this_process\n"
-        f"check_this_process({expected!r})\n"
+    in_isa_process(
+        isa,
+        "from test_cpu_linear import check_this_process\ncheck_this_process(jacobi_ext.CPU_ISA)\n",
     )
-    env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
 
 
 # ---- packing -----------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from jacobi_ext.kernels._native import ops
 from jacobi_ext.kernels.ops import cpu_linear_gguf_packed_shape
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import ISAS  # noqa: E402
 from gguf_fixtures import (  # noqa: E402
     KERNEL_TYPES,
     dequantized_model,
@@ -44,7 +45,6 @@ from gguf_fixtures import (  # noqa: E402
 MS = (1, 2, 4, 7, 13, 16, 33, 64)  # 1-4: the 8-bit path straight from the panel; 7+: buffered
 NS = (1, 5, 33, 100)  # off every multiple of the panel width (16 / 32)
 BLOCKS = (1, 2, 3)  # blocks along K
-ISAS = ("baseline", "avx2", "avx512")
 
 
 def _file_tensors(tmp_path: Path, qtype: Q, seed: int = 0) -> list:
@@ -109,18 +109,13 @@ def check_this_process(expected_isa: str, tmp: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_every_isa(isa, best_isa, tmp_path):
+def test_every_isa(isa, in_isa_process, tmp_path):
     """Each ISA variant in a process of its own (capped to what the CPU has)."""
-    expected = ISAS[min(ISAS.index(isa), ISAS.index(best_isa))]
-    code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    in_isa_process(
+        isa,
         "from test_gguf_linear import check_this_process\n"
-        f"check_this_process({expected!r}, {str(tmp_path)!r})\n"
+        f"check_this_process(jacobi_ext.CPU_ISA, {str(tmp_path)!r})\n",
     )
-    env = dict(os.environ, JACOBI_EXT_CPU_ISA=isa)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=tmp_path)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def _q4_1_fields(raw: np.ndarray, N: int, K: int):

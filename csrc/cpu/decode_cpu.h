@@ -1,5 +1,6 @@
 // The small ops of a CPU decoding step, fused: attention of a few query rows over the KV cache,
-// RMSNorm, and the greedy pick (argmax_f32). Torch-free interface; kernels in decode_cpu.cpp (compiled per ISA, isa.h).
+// RMSNorm, and the greedy pick (argmax_f32). Torch-free interface; kernels in decode_cpu.cpp
+// (compiled per ISA, isa.h).
 //
 // Why: with the linears at the memory roofline (linear_cpu.h), a one-token step of SmolLM2-135M
 // spent ~1.7 ms in 30 calls of torch's SDPA (~55 us each, for ~0.4 MFLOP) and ~1 ms in 61

@@ -94,10 +94,10 @@ inline int64_t gguf_group_bytes(const GgufFormat& f, int64_t nr) {
 // An unmerged LoRA beside the codes: y = (x W^T + bias) + t B^T, t = x A^T. B in the fp32
 // kernel's panels, [ceil(N / NR), rank, NR]; A in panels one vector wide, [ldt / VL, K, VL] (VL =
 // NR / 2; its rows padded to whole vectors: a rank-16 A in NR-wide panels was half zeros on
-// AVX-512, read at every call). linear_gguf computes t first, then adds each panel's B product, each output's LoRA
-// term the fp32 kernel's chain over the rank, added last. The factors are fp32, or bf16 (an
-// adapter's stored dtype): each panel row is then widened exactly before the same multiply-adds,
-// so the same bits as fp32 factors holding the same values, at half the bytes.
+// AVX-512, read at every call). linear_gguf computes t first, then adds each panel's B product,
+// each output's LoRA term the fp32 kernel's chain over the rank, added last. The factors are
+// fp32, or bf16 (an adapter's stored dtype): each panel row is then widened exactly before the
+// same multiply-adds, so the same bits as fp32 factors holding the same values, at half the bytes.
 struct GgufLora {
   float* t = nullptr;  // [M, ldt], written by linear_gguf; nullptr: no LoRA
   int64_t ldt = 0;     // columns of t: A's panels times VL

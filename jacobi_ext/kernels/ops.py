@@ -294,6 +294,16 @@ def cpu_linear_packed_shape(dtype: torch.dtype, N, K) -> tuple:
     return ((N + nr - 1) // nr, k_rows, nr)
 
 
+def cpu_pack_panels(w: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """A weight [N, K] in panels of `width` outputs, [ceil(N / width), K, width] of `dtype` (rows
+    past N zero): with width NR and float32, what ``cpu_linear_pack`` gives."""
+    N, K = w.shape
+    panels = -(-N // width)
+    out = torch.zeros(panels * width, K, dtype=dtype)
+    out[:N] = w.to(dtype)
+    return out.view(panels, width, K).transpose(1, 2).contiguous()
+
+
 def cpu_lora_pack_a(a: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A LoRA's A factor [rows, K] (rows: the rank, or several linears' ranks stacked) as
     ``cpu_linear_gguf``'s ``lora_a``: panels one vector wide, [ceil(rows / VL), K, VL] of `dtype`
@@ -302,12 +312,7 @@ def cpu_lora_pack_a(a: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     if a.dim() != 2:
         raise ValueError(f"a must be 2-D [rank, in_features], got shape {tuple(a.shape)}")
     _check_linear_dtype(dtype, "dtype")
-    vl = cpu_linear_layout(torch.float32)[1] // 2
-    rows, K = a.shape
-    panels = -(-rows // vl)
-    out = torch.zeros(panels * vl, K, dtype=dtype)
-    out[:rows] = a.to(dtype)
-    return out.view(panels, vl, K).transpose(1, 2).contiguous()
+    return cpu_pack_panels(a, dtype, cpu_linear_layout(torch.float32)[1] // 2)
 
 
 def _check_linear_dtype(dtype: torch.dtype, name: str) -> None:

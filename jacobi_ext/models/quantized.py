@@ -94,12 +94,9 @@ class _Lora:
 def _panels(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A weight [N, K] in the kernels' panels, [ceil(N / NR), K, NR] of `dtype` (rows past N
     zero): what cpu_linear_pack gives for float32, and the same layout in bfloat16."""
-    nr = _panel_width()
-    N, K = w.shape
-    panels = -(-N // nr)
-    out = torch.zeros(panels * nr, K, dtype=dtype)
-    out[:N] = w.to(dtype)
-    return out.view(panels, nr, K).transpose(1, 2).contiguous()
+    from ..kernels.ops import cpu_pack_panels
+
+    return cpu_pack_panels(w, dtype, _panel_width())
 
 
 def _group_lora(g, factors: dict, nr: int, dtype: torch.dtype) -> _Lora:
