@@ -26,10 +26,11 @@ generated token, ms per forward). Every (row, prompt) runs ROUNDS times, round-r
 rows, after one untimed warm-up call per row on the longest prompt; each figure is from the
 medians per prompt. Beside them: the quantized floor of one forward, the bytes of the GGUF's
 weights (the tied token embedding counted once, as the LM head) over the machine's read
-bandwidth measured in the same run (`x.sum()` over 400 MB of fp32, median of several); how many
-answers equal our own `ar` token for token (asserted for our methods: they are lossless) and
-how many equal llama.cpp's greedy (a different kernel sums in a different order: at a near-tie
-the two greedy outputs may part; the distilled model's answers are another model's).
+bandwidth read between the timed calls (`x.sum()` over 400 MB of fp32 after each prompt's
+calls; the median, and the range in the table); how many answers equal our own `ar` token for
+token (asserted for our methods: they are lossless) and how many equal llama.cpp's greedy (a
+different kernel sums in a different order: at a near-tie the two greedy outputs may part; the
+distilled model's answers are another model's).
 
     python bench/bench_llama_cpp.py --out runs/llama_cpp        # results.json and table.md
     /path/to/llama-venv/bin/python bench/bench_llama_cpp.py --out runs/llama_cpp  # with llama.cpp
@@ -138,16 +139,22 @@ def gguf_weight_bytes(path) -> tuple[int, dict]:
     return total, {"tied_lm_head": tied, "bytes_by_type": by_type}
 
 
-def read_bandwidth(rounds: int = 7) -> float:
-    """GB/s of `x.sum()` over BANDWIDTH_BYTES of fp32 with torch's current threads (median)."""
-    x = torch.ones(BANDWIDTH_BYTES // 4)
-    x.sum()  # warm-up: pages touched, threads up
-    times = []
-    for _ in range(rounds):
+class BandwidthProbe:
+    """GB/s of `x.sum()` over BANDWIDTH_BYTES of fp32 with torch's current threads, one reading a
+    call. The run takes one after each prompt's calls, so the floor's bandwidth is read in the
+    same minutes as the forwards it is compared with (this host's pace moves ~10 % from minute
+    to minute: one reading before the run put the same forward at 1.7x or 2.9x its floor)."""
+
+    def __init__(self) -> None:
+        self.x = torch.ones(BANDWIDTH_BYTES // 4)
+        self.x.sum()  # warm-up: pages touched, threads up
+        self.readings: list[float] = []
+
+    def __call__(self) -> float:
         t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+        self.x.sum()
+        self.readings.append(self.x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+        return self.readings[-1]
 
 
 # ---- one whole call of each kind --------------------------------------------------------------
@@ -222,11 +229,14 @@ def _load_models(dequantize: bool, log) -> tuple[dict, dict, object]:
     return models, weights, tokenizer
 
 
-def _measure(callers: dict, named: list, rounds: int, log) -> dict[str, list[list[dict]]]:
+def _measure(
+    callers: dict, named: list, rounds: int, log, probe=None
+) -> dict[str, list[list[dict]]]:
     """calls[row][prompt] = that (row, prompt)'s call of every round: one untimed warm-up call
     per row on the longest prompt (runtimes sized, weights packed, threads up), then `rounds`
     rounds, each prompt by every row in turn (round-robin: load swings hit every row alike), the
-    order of the rows reversed from one prompt to the next (no row always first after another)."""
+    order of the rows reversed from one prompt to the next (no row always first after another).
+    `probe` (a BandwidthProbe): read after each prompt's calls."""
     longest = max((ids for _, ids in named), key=len)
     for fn in callers.values():
         fn(longest)
@@ -236,6 +246,8 @@ def _measure(callers: dict, named: list, rounds: int, log) -> dict[str, list[lis
         for i, (_, ids) in enumerate(named):
             for row, fn in order if (r * len(named) + i) % 2 == 0 else order[::-1]:
                 calls[row][i].append(fn(ids))
+            if probe is not None:
+                probe()
         speeds = []
         for row, per in calls.items():
             tokens = sum(len(c[r]["tokens"]) for c in per)
@@ -340,18 +352,23 @@ def run(
                 )
                 model_of[row] = label
 
-        bw = read_bandwidth(3 if QUICK else 7)
+        probe = BandwidthProbe()
         nbytes, detail = gguf_weight_bytes(path)
+        calls = _measure(callers, named, rounds, log, probe)
+        # The floor from the readings taken between the timed calls (median, range reported).
+        bw = statistics.median(probe.readings)
+        bw_range = (min(probe.readings), max(probe.readings))
         floor_ms = nbytes / (bw * 1e9) * 1e3
         log(
-            f"read bandwidth {bw:.1f} GB/s; {nbytes / 1e6:.1f} MB of GGUF weights per forward: "
-            f"floor {floor_ms:.2f} ms per forward"
+            f"read bandwidth {bw:.1f} GB/s (median of {len(probe.readings)} readings between the "
+            f"calls, {bw_range[0]:.1f}-{bw_range[1]:.1f}); {nbytes / 1e6:.1f} MB of GGUF weights "
+            f"per forward: floor {floor_ms:.2f} ms per forward"
         )
-        calls = _measure(callers, named, rounds, log)
 
         common = dict(
             prompts=len(named), max_new_tokens=max_new, threads=threads, rounds=rounds,
-            model_file=path.name, read_gbps=round(bw, 2), gguf_weight_mb=round(nbytes / 1e6, 2),
+            model_file=path.name, read_gbps=round(bw, 2),
+            read_gbps_range=[round(v, 2) for v in bw_range], gguf_weight_mb=round(nbytes / 1e6, 2),
             floor_ms_per_forward=round(floor_ms, 3),
         )  # fmt: skip
         answers = {row: [c[0]["tokens"] for c in per] for row, per in calls.items()}
@@ -411,12 +428,14 @@ def _f(x, spec: str) -> str:
 
 def markdown(rows: list[dict], meta: dict | None = None) -> str:
     c = rows[-1]
+    lo, hi = c.get("read_gbps_range") or (None, None)
+    span = "" if lo is None else f" (median of the readings between the calls, {lo:.1f}-{hi:.1f})"
     out = [
         f"# llama.cpp and jacobi_ext on {c['model_file']}",
         "",
         f"{c['prompts']} prompts (`jacobi-forcing eval`'s: HumanEval, then held-out packages), "
         f"up to {c['max_new_tokens']} new tokens, greedy, batch 1, {c['threads']} threads, "
-        f"medians of {c['rounds']} round(s); read bandwidth {c['read_gbps']:.1f} GB/s, "
+        f"medians of {c['rounds']} round(s); read bandwidth {c['read_gbps']:.1f} GB/s{span}, "
         f"{c['gguf_weight_mb']:.1f} MB of GGUF weights per forward.",
     ]
     if meta:
