@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import warnings
 
 import pytest
@@ -177,18 +178,56 @@ def test_a_tuned_call_records_its_mode_speed() -> None:
 
 
 def test_steps_tuned_calls_run_refine_the_curve() -> None:
-    """A tuned call's own step times (forward + verification) refine the probe's curve: the
-    observed widths take their observed time, the others the probe's scaled alike."""
+    """A tuned call's own step times (forward + verification) refine the probe's curve: its
+    widths keep their observed ratios, at the probe's pace (the call's median ratio observed /
+    probe is 1), the others the probe's. A width seen fewer than 3 times does not count, nor a
+    call with a single counted width (it says nothing of the curve's shape)."""
     model = tiny_llama(seed=5)
     probe = tuning.step_curve(model)
-    tuning.remember_step_times(model, [16, 16, 16, 2], [0.02, 0.03, 0.025, 9.0])
+    tuning.remember_step_times(
+        model, [16, 16, 16, 2, 2, 2, 4], [0.02, 0.03, 0.025, 0.011, 0.009, 0.010, 9.0]
+    )
     prof = tuning.load_profile(model)
-    assert set(prof["observed"]) == {"16"}  # a width seen fewer than 3 times does not count
+    assert set(prof["observed"]) == {"2", "16"} and prof[tuning.PACED_OBSERVATIONS]
     curve = tuning.step_curve(model)
-    assert 16 in curve.sizes and curve.time(16) == pytest.approx(0.025)
-    scale = 0.025 / probe.time(16)
-    assert curve.time(1) == pytest.approx(min(probe.time(1) * scale, 0.025))
+    assert {2, 16} <= set(curve.sizes)
+    assert curve.time(16) / curve.time(2) == pytest.approx(2.5)
+    paced = [curve.time(16) / probe.time(16), curve.time(2) / probe.time(2)]
+    assert statistics.median(paced) == pytest.approx(1.0)
+    tuning.remember_step_times(model, [8, 8, 8], [1.0, 1.0, 1.0])  # one width: nothing learnt
+    assert tuning.load_profile(model)["observed"] == prof["observed"]
     assert tuning.step_curve(model, full=True).sizes == list(tuning.SIZES)  # as measured
+
+
+def test_step_times_of_calls_at_different_paces_keep_the_curves_shape() -> None:
+    """Calls in a fast minute and in a slow one (the host's pace halved), each seeing other
+    widths: the refined curve's ratios are the steps' own, not the minutes'. (Blended as absolute
+    times, width 7 seen only in the fast minute read half as dear against width 4 as it is.)"""
+    model = tiny_llama(seed=7)
+    probe = tuning.step_curve(model)
+
+    def step(w: int, pace: float) -> float:  # a real step: the probe's forward and host work
+        return pace * 1.3 * probe.time(w)
+
+    tuning.remember_step_times(model, [1] * 3 + [7] * 3, [step(1, 1.0)] * 3 + [step(7, 1.0)] * 3)
+    for _ in range(5):
+        tuning.remember_step_times(
+            model, [1] * 3 + [4] * 3, [step(1, 2.0)] * 3 + [step(4, 2.0)] * 3
+        )
+    curve = tuning.step_curve(model)
+    assert curve.time(7) / curve.time(4) == pytest.approx(probe.time(7) / probe.time(4))
+    assert curve.time(4) / curve.time(1) == pytest.approx(probe.time(4) / probe.time(1))
+
+
+def test_absolute_step_times_of_an_older_profile_are_dropped() -> None:
+    """Observed times an older version stored unpaced (absolute) do not mix with paced ones."""
+    model = tiny_llama(seed=8)
+    probe = tuning.step_curve(model)
+    prof = tuning.load_profile(model)
+    prof["observed"] = {"4": {"seconds": 1e-9, "weight": 200.0}}  # absurdly cheap, unpaced
+    tuning.save_profile(model, prof)
+    assert tuning.step_curve(model).time(4) == pytest.approx(probe.time(4))
+    assert "observed" not in tuning.load_profile(model)
 
 
 def test_priced_generate_records_its_step_times() -> None:

@@ -270,6 +270,8 @@ def step_curve(
 
 #: Steps of one width a call must have run before its median time counts.
 MIN_OBSERVED_STEPS = 3
+#: The profile key that says its observed step times are at the probe's pace (add_step_times).
+PACED_OBSERVATIONS = "observed_paced"
 
 
 def remember_step_times(model, widths: list[int], seconds: list[float]) -> None:
@@ -280,9 +282,10 @@ def remember_step_times(model, widths: list[int], seconds: list[float]) -> None:
 
 
 def refined(curve: StepCurve, observed: dict) -> StepCurve:
-    """The probe's curve corrected by the step times tuned calls observed: at an observed width,
-    the observed time; elsewhere the probe's time scaled by the median ratio observed / probe
-    over the observed widths (the host work a real step adds, in proportion)."""
+    """The probe's curve corrected by the step times tuned calls observed (at the probe's pace:
+    Tuner.add_step_times): at an observed width, the observed time; elsewhere the probe's time
+    scaled by the median ratio observed / probe over the observed widths (the host work a real
+    step adds, in proportion)."""
     pts = {int(w): o["seconds"] for w, o in observed.items() if o.get("weight", 0) > 0}
     if not pts:
         return curve
@@ -401,6 +404,15 @@ class Tuner:
             save_profile(self.model, self.profile)
         self._changed = False
 
+    def _observed(self) -> dict:
+        """The profile's observed step times; dropped where an older version wrote them as
+        absolute times (before PACED_OBSERVATIONS), which do not mix with paced ones."""
+        prof = self.profile
+        if "observed" in prof and not prof.get(PACED_OBSERVATIONS):
+            del prof["observed"]
+            self._changed = True
+        return prof.get("observed", {})
+
     def curve(self, remeasure: bool = False, progress: bool = False, full: bool = False):
         """The cached curve, measured on first use: the quick curve (a few widths, ~0.2 s) for a
         tuned call, the full one (every size in SIZES, seconds) with `full` (`jacobi-forcing
@@ -411,7 +423,7 @@ class Tuner:
         if "curve" in prof and not remeasure:
             curve = StepCurve(**prof["curve"])
             if not full or list(curve.sizes) == list(SIZES):
-                return curve if full else refined(curve, prof.get("observed", {}))
+                return curve if full else refined(curve, self._observed())
         model = self.model
         curve = measure_step_curve(model, progress=progress) if full else measure_quick_curve(model)
         prof["curve"] = asdict(curve)
@@ -424,18 +436,32 @@ class Tuner:
         """Blend the median time of the steps a call ran at each width into the profile (per
         width, recent calls counting most). These are whole steps as decoding runs them
         (forward, verification, bookkeeping), timed where the tuner's probe times the forward
-        alone, so `refined` uses their ratios to each other and to the probe, not their size."""
+        alone, so `refined` uses their ratios to each other and to the probe, not their size.
+
+        Each call's times are first brought to the probe's pace: divided by the call's median
+        ratio observed / probe over its widths. Calls run in different minutes of a host whose
+        pace moves (2x within one benchmark run on a shared 2-core machine), and each sees only
+        some widths (AR with lookup: 1 and its drafts'; a parallel call: its block's): blended
+        as they were, a width seen only in a fast minute looked cheaper than a smaller one seen
+        in all minutes, and the tuner picked a block twice the best one. Paced, a call informs
+        the curve's shape (its widths' times relative to each other), not the minute's pace;
+        a call with one width counted (plain AR, a parallel call without drafts) tells none."""
         by: dict[int, list[float]] = {}
         for w, sec in zip(widths, seconds, strict=True):
             by.setdefault(int(w), []).append(sec)
-        by = {w: v for w, v in by.items() if len(v) >= MIN_OBSERVED_STEPS}
-        if not by:
+        med = {w: statistics.median(v) for w, v in by.items() if len(v) >= MIN_OBSERVED_STEPS}
+        prof = self.profile
+        if len(med) < 2 or "curve" not in prof:  # (priced steps were priced by a curve)
             return
-        obs = self.profile.setdefault("observed", {})
-        for w, v in by.items():
+        obs = self._observed()
+        probe = StepCurve(**prof["curve"])
+        pace = statistics.median(s / probe.time(w) for w, s in med.items())
+        for w, s in med.items():
             old = obs.get(str(w), {"seconds": 0.0, "weight": 0.0})
-            val, wt = _blend(old["seconds"], old["weight"], statistics.median(v), len(v), 200.0)
+            val, wt = _blend(old["seconds"], old["weight"], s / pace, len(by[w]), 200.0)
             obs[str(w)] = {"seconds": val, "weight": wt}
+        prof["observed"] = obs
+        prof[PACED_OBSERVATIONS] = True
         self._changed = True
 
     def add_acceptance(self, rho: float, weight: float) -> None:
