@@ -142,8 +142,9 @@ def gguf_weight_bytes(path) -> tuple[int, dict]:
 class BandwidthProbe:
     """GB/s of `x.sum()` over BANDWIDTH_BYTES of fp32 with torch's current threads, one reading a
     call. The run takes one after each prompt's calls, so the floor's bandwidth is read in the
-    same minutes as the forwards it is compared with (this host's pace moves ~10 % from minute
-    to minute: one reading before the run put the same forward at 1.7x or 2.9x its floor)."""
+    same minutes as the forwards it is compared with (on a shared 2-core machine the readings
+    moved 12-58 GB/s within one run, and one reading before the run put the same forward at 1.7x
+    or 2.9x its floor)."""
 
     def __init__(self) -> None:
         self.x = torch.ones(BANDWIDTH_BYTES // 4)
