@@ -208,16 +208,36 @@ def ours(model, ids: torch.Tensor, max_new: int, eos: set[int], kw: dict) -> dic
 # ---- the benchmark ----------------------------------------------------------------------------
 
 
-def _load_models(dequantize: bool, log) -> tuple[dict, dict, object]:
-    """{label: model}, {label: what its linears read}, and the base model's tokenizer."""
+def model_labels(dequantize: bool) -> list[str]:
+    """The models a run loads (8-bit activations run on the codes only)."""
+    return [
+        label
+        for label, (_, options) in MODELS.items()
+        if not (dequantize and options.get("int8_activations"))
+    ]
+
+
+def our_rows(dequantize: bool) -> list[str]:
+    """Our rows of a run, as the table names them: "method [model label]"."""
+    return [
+        f"{m} [{label}]"
+        for label in model_labels(dequantize)
+        for m in MODEL_METHODS.get(label, METHODS)
+    ]
+
+
+def _load_models(dequantize: bool, log, labels=None) -> tuple[dict, dict, object]:
+    """{label: model}, {label: what its linears read}, and the tokenizer (the models share it);
+    `labels`: just these models (default: every one of the run)."""
     from jacobi_ext.decoding.tuning import step_curve
     from jacobi_ext.models import load_model
     from jacobi_ext.models.quantized import is_quantized
 
     models, weights, tokenizer = {}, {}, None
-    for label, (name, options) in MODELS.items():
-        if dequantize and options.get("int8_activations"):
-            continue  # 8-bit activations run on the codes only
+    for label in model_labels(dequantize):
+        if labels is not None and label not in labels:
+            continue
+        name, options = MODELS[label]
         t0 = time.perf_counter()
         model, tok = load_model(name, **({"dequantize": True} if dequantize else options))
         models[label] = model
@@ -309,17 +329,24 @@ def run(
     model and method), and the quantized floor's. `check`: assert, after measuring, that our
     methods' answers equal our `ar`'s token for token. `only`: just these of our rows (as the
     table names them, e.g. "tuned (default) [smollm2-jf, int8 act.]"), with the `ar` row of each
-    one's model (the answers they are checked against)."""
+    one's model (the answers they are checked against); only their models are loaded, and a
+    name that is not a row is refused before anything is (ValueError)."""
     from jacobi_ext.models import default_model_file
 
+    known = our_rows(dequantize)
+    unknown = sorted(set(only or ()) - set(known))
+    if unknown:  # before anything is loaded
+        raise ValueError(f"unknown rows {unknown}; our rows here: {known}")
+    # the asked rows' models (each row's `ar` runs on its own model)
+    labels = None if only is None else {r.split(" [", 1)[1][:-1] for r in only}
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     llm = None
     try:
         path = default_model_file()
-        models, weights, tokenizer = _load_models(dequantize, log)
+        models, weights, tokenizer = _load_models(dequantize, log, labels)
         named = load_prompt_ids(tokenizer, prompts)
-        eos_cfg = models["base"].generation_config.eos_token_id
+        eos_cfg = next(iter(models.values())).generation_config.eos_token_id  # (one tokenizer)
         eos = {eos_cfg} if isinstance(eos_cfg, int) else set(eos_cfg or ())
 
         callers, model_of, skipped = {}, {}, None  # row -> fn(ids) -> call dict; row -> model
@@ -337,10 +364,6 @@ def run(
             model_of[LLAMA] = "base"
         else:
             log(skipped)
-        known = [f"{m} [{label}]" for label in models for m in MODEL_METHODS.get(label, METHODS)]
-        unknown = sorted(set(only or ()) - set(known))
-        if unknown:
-            raise ValueError(f"unknown rows {unknown}; our rows here: {known}")
         keep = None if only is None else {*only, *(f"ar [{r.split(' [', 1)[1]}" for r in only)}
         for label, model in models.items():
             for method in MODEL_METHODS.get(label, METHODS):
