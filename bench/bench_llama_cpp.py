@@ -578,11 +578,9 @@ def test_llama_cpp_side_by_side(benchmark):
     rows = box["rows"]
     print("\n" + markdown(rows, _meta(rows)))
     ours_rows = [r for r in rows if r["row"] not in (LLAMA, "quantized floor")]
-    assert len(ours_rows) == sum(
-        len(MODEL_METHODS.get(label, METHODS))
-        for label, (_, options) in MODELS.items()
-        if not (DEQUANTIZE and options.get("int8_activations"))
-    )
+    assert len(ours_rows) == len(our_rows(DEQUANTIZE))
+    lo, hi = rows[-1]["read_gbps_range"]
+    assert 0 < lo <= rows[-1]["read_gbps"] <= hi  # the floor's readings, taken between the calls
     assert all(r["tokens_per_s"] > 0 and r["same_as_ar"] == r["prompts"] for r in ours_rows)
     benchmark.extra_info.update(
         model_file=rows[-1]["model_file"], prompts=rows[-1]["prompts"],
@@ -591,6 +589,18 @@ def test_llama_cpp_side_by_side(benchmark):
         llama_cpp=any(r["row"] == LLAMA and "skipped" not in r for r in rows),
         rows=[{k: v for k, v in r.items() if k != "per_prompt"} for r in rows],
     )  # fmt: skip
+
+
+def test_unknown_rows_are_refused_before_anything_loads(monkeypatch):
+    """`--rows` with a name that is not a row fails at once, naming the rows there are."""
+    import jacobi_ext.models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded for a refused row")
+
+    monkeypatch.setattr(jacobi_ext.models, "load_model", no_loading)
+    with pytest.raises(ValueError, match=r"unknown rows \['tuned \[nope\]'\].*ar \[base\]"):
+        run(only=["tuned [nope]"], llama=False)
 
 
 if __name__ == "__main__":
