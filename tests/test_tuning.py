@@ -179,9 +179,9 @@ def test_a_tuned_call_records_its_mode_speed() -> None:
 
 def test_steps_tuned_calls_run_refine_the_curve() -> None:
     """A tuned call's own step times (forward + verification) refine the probe's curve: its
-    widths keep their observed ratios, at the probe's pace (the call's median ratio observed /
-    probe is 1), the others the probe's. A width seen fewer than 3 times does not count, nor a
-    call with a single counted width (it says nothing of the curve's shape)."""
+    widths are stored with their observed ratios, at the probe's pace (the call's median ratio
+    observed / probe is 1), and the curve takes them. A width seen fewer than 3 times does not
+    count, nor a call with a single counted width (it says nothing of the curve's shape)."""
     model = tiny_llama(seed=5)
     probe = tuning.step_curve(model)
     tuning.remember_step_times(
@@ -189,11 +189,13 @@ def test_steps_tuned_calls_run_refine_the_curve() -> None:
     )
     prof = tuning.load_profile(model)
     assert set(prof["observed"]) == {"2", "16"} and prof[tuning.PACED_OBSERVATIONS]
-    curve = tuning.step_curve(model)
-    assert {2, 16} <= set(curve.sizes)
-    assert curve.time(16) / curve.time(2) == pytest.approx(2.5)
-    paced = [curve.time(16) / probe.time(16), curve.time(2) / probe.time(2)]
-    assert statistics.median(paced) == pytest.approx(1.0)
+    seen = {int(w): o["seconds"] for w, o in prof["observed"].items()}
+    assert seen[16] / seen[2] == pytest.approx(2.5)  # the call's own ratio
+    assert statistics.median([seen[16] / probe.time(16), seen[2] / probe.time(2)]) == (
+        pytest.approx(1.0)
+    )  # at the probe's pace
+    curve = tuning.step_curve(model)  # (then made monotone with the probe's other widths)
+    assert {2, 16} <= set(curve.sizes) and curve.time(2) <= seen[2] and curve.time(16) <= seen[16]
     tuning.remember_step_times(model, [8, 8, 8], [1.0, 1.0, 1.0])  # one width: nothing learnt
     assert tuning.load_profile(model)["observed"] == prof["observed"]
     assert tuning.step_curve(model, full=True).sizes == list(tuning.SIZES)  # as measured
