@@ -364,7 +364,7 @@ def run(
             model_of[LLAMA] = "base"
         else:
             log(skipped)
-        keep = None if only is None else {*only, *(f"ar [{r.split(' [', 1)[1]}" for r in only)}
+        keep = None if only is None else {*only, *(f"ar [{label}]" for label in labels)}
         for label, model in models.items():
             for method in MODEL_METHODS.get(label, METHODS):
                 kw = METHODS[method]
