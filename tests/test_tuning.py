@@ -35,6 +35,16 @@ def test_acceptance_model_round_trip() -> None:
     assert tuning.expected_accepted(0.0, 16) == 1.0
 
 
+def test_curve_time_at_a_measured_size_is_its_measured_time() -> None:
+    """At a measured size the curve returns the stored time itself: the interpolation formula
+    y0 + (y1 - y0) * 1 rounds this pair one ulp above y1 (a CI run failed a `<=` on it)."""
+    y0, y1 = 0.00026437391608286943, 0.0006609347902071736
+    assert y0 + (y1 - y0) * 14 / 14 != y1  # the rounding the curve must not do
+    curve = _curve({1: y0, 2: y0, 16: y1, 64: 2 * y1})
+    assert [curve.time(q) for q in curve.sizes] == curve.seconds
+    assert curve.time(9) == pytest.approx((y0 + y1) / 2)  # between sizes: interpolated
+
+
 def test_choice_follows_the_curve_and_acceptance() -> None:
     # Flat up to 16 tokens, then linear: the knee is 16.
     flat = _curve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.05, 32: 2.0, 64: 4.0, 128: 8.0})

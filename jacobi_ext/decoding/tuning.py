@@ -115,7 +115,9 @@ class StepCurve:
         if q <= xs[0]:
             return ys[0]
         for i in range(1, len(xs)):
-            if q <= xs[i]:
+            if q == xs[i]:  # a measured size: its own time (the formula may round it)
+                return ys[i]
+            if q < xs[i]:
                 x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
                 return y0 + (y1 - y0) * (q - x0) / (x1 - x0)
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
