@@ -17,8 +17,10 @@ the prompt corpus, half each, HumanEval first), the same threads, the same EOS a
    (`load_model("smollm2-jf")`), each loaded as `load_model` loads it by default (the GGUF's own
    codes where this build reads them; `JACOBI_BENCH_DEQUANTIZE=1` / `--dequantize`: fp32,
    dequantized, as transformers loads the file); and `ar` and the tuned default of both models
-   with `int8_activations=True` ("int8 act.": Q4_1 and Q8_0 codes times 8-bit activations,
-   llama.cpp's kind of arithmetic; their answers are checked against that mode's own `ar`).
+   with `int8_activations=True` ("int8 act.": Q4_1 and Q8_0 codes times 8-bit activations and
+   a float16 K/V cache, llama.cpp's kind of arithmetic and its default cache type; their answers
+   are checked against that mode's own `ar`). Only where `--rows` names them: the same two on an
+   fp32 K/V cache ("int8 act., fp32 K/V"), to measure what the half cache brings.
 
 Every call is timed whole (prefill included: tokens/s of whole calls) and in its two parts: the
 prefill (the prompt's forward and the first token) and the steady decode after it (steady ms per
@@ -37,6 +39,8 @@ distilled model's answers are another model's).
     python bench/bench_llama_cpp.py --quick --out /tmp/llbench  # seconds-long smoke run
     python bench/bench_llama_cpp.py --rows "tuned (default) [smollm2-jf, int8 act.]" --rounds 6 \
         --out runs/llama_cpp_tuned  # llama.cpp, that row and its model's ar, call after call
+    python bench/bench_llama_cpp.py --no-llama --rounds 6 --out runs/kv --rows \
+        "tuned (default) [smollm2-jf, int8 act.];tuned (default) [smollm2-jf, int8 act., fp32 K/V]"
     pytest bench/bench_llama_cpp.py -o python_files='bench_*.py' --benchmark-json=llama_cpp.json
     JACOBI_BENCH_QUICK=1 pytest bench/bench_llama_cpp.py -o python_files='bench_*.py'  # smoke
 
@@ -88,8 +92,18 @@ MODELS = {
     "base, int8 act.": (None, {"int8_activations": True}),
     "smollm2-jf, int8 act.": ("smollm2-jf", {"int8_activations": True}),
 }
-MODEL_METHODS = {"base, int8 act.": ("ar", "tuned (default)"),
-                 "smollm2-jf, int8 act.": ("ar", "tuned (default)")}  # fmt: skip
+# Models run only where --rows names one of their rows (a side-by-side comparison, not the
+# table's): the 8-bit mode with an fp32 K/V cache instead of its default fp16 one.
+EXTRA_MODELS = {
+    "base, int8 act., fp32 K/V": (None, {"int8_activations": True, "kv_cache_dtype": "float32"}),
+    "smollm2-jf, int8 act., fp32 K/V": (
+        "smollm2-jf", {"int8_activations": True, "kv_cache_dtype": "float32"}
+    ),
+}  # fmt: skip
+MODEL_METHODS = {
+    label: ("ar", "tuned (default)")
+    for label in ("base, int8 act.", "smollm2-jf, int8 act.", *EXTRA_MODELS)
+}
 LLAMA_MISSING = (
     "llama.cpp row skipped: `import llama_cpp` failed ({exc}). `pip install llama-cpp-python` "
     "builds llama.cpp from source (~10 min) and is not part of the README's commands: install "
@@ -208,20 +222,21 @@ def ours(model, ids: torch.Tensor, max_new: int, eos: set[int], kw: dict) -> dic
 # ---- the benchmark ----------------------------------------------------------------------------
 
 
-def model_labels(dequantize: bool) -> list[str]:
-    """The models a run loads (8-bit activations run on the codes only)."""
+def model_labels(dequantize: bool, extra: bool = False) -> list[str]:
+    """The models a run loads (8-bit activations run on the codes only); `extra`: with
+    EXTRA_MODELS (those a --rows run may ask for)."""
     return [
         label
-        for label, (_, options) in MODELS.items()
+        for label, (_, options) in (MODELS | EXTRA_MODELS if extra else MODELS).items()
         if not (dequantize and options.get("int8_activations"))
     ]
 
 
-def our_rows(dequantize: bool) -> list[str]:
+def our_rows(dequantize: bool, extra: bool = False) -> list[str]:
     """Our rows of a run, as the table names them: "method [model label]"."""
     return [
         f"{m} [{label}]"
-        for label in model_labels(dequantize)
+        for label in model_labels(dequantize, extra)
         for m in MODEL_METHODS.get(label, METHODS)
     ]
 
@@ -231,13 +246,13 @@ def _load_models(dequantize: bool, log, labels=None) -> tuple[dict, dict, object
     `labels`: just these models (default: every one of the run)."""
     from jacobi_ext.decoding.tuning import step_curve
     from jacobi_ext.models import load_model
-    from jacobi_ext.models.quantized import is_quantized
+    from jacobi_ext.models.quantized import is_quantized, kv_cache_dtype
 
     models, weights, tokenizer = {}, {}, None
-    for label in model_labels(dequantize):
+    for label in model_labels(dequantize, extra=labels is not None):
         if labels is not None and label not in labels:
             continue
-        name, options = MODELS[label]
+        name, options = (MODELS | EXTRA_MODELS)[label]
         t0 = time.perf_counter()
         model, tok = load_model(name, **({"dequantize": True} if dequantize else options))
         models[label] = model
@@ -245,6 +260,8 @@ def _load_models(dequantize: bool, log, labels=None) -> tuple[dict, dict, object
         weights[label] = "GGUF codes" if is_quantized(model) else "fp32 (dequantized)"
         if options.get("int8_activations"):
             weights[label] += ", int8 activations"
+        if kv_cache_dtype(model) == torch.float16:
+            weights[label] += ", fp16 K/V cache"
         step_curve(model)  # the tuner's curve, once per machine: not charged to a timed call
         log(f"loaded {label} ({weights[label]}) in {time.perf_counter() - t0:.1f} s")
     return models, weights, tokenizer
@@ -333,7 +350,7 @@ def run(
     name that is not a row is refused before anything is (ValueError)."""
     from jacobi_ext.models import default_model_file
 
-    known = our_rows(dequantize)
+    known = our_rows(dequantize, extra=only is not None)
     unknown = sorted(set(only or ()) - set(known))
     if unknown:  # before anything is loaded
         raise ValueError(f"unknown rows {unknown}; our rows here: {known}")

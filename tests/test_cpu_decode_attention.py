@@ -58,6 +58,31 @@ def test_bf16_matches_the_dense_reference(seed):
     torch.testing.assert_close(got.double(), _reference(q, k, v, mask, scale), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("Q", [1, 3, 16, 33])
+@pytest.mark.parametrize("seed", range(6))
+def test_half_kv_is_the_fp32_attention_over_the_rounded_values(seed, Q):
+    """fp16 keys and values with fp32 queries (a half K/V cache): bitwise the fp32 attention over
+    the keys and values rounded to fp16 (each widened exactly where it is read), and so the dense
+    reference on the rounded values."""
+    q, k, v, mask, scale = _case(seed, Q)
+    kh, vh = k.half(), v.half()
+    got = op(q, kh, vh, mask, scale)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, op(q, kh.float(), vh.float(), mask, scale))
+    want = _reference(q, kh.float(), vh.float(), mask, scale)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
+    if mask.any():  # (a case whose one row sees nothing is zeros either way)
+        assert not torch.equal(got, op(q, k, v, mask, scale))  # the rounding is in effect
+
+
+def test_half_kv_needs_fp32_queries_and_one_kv_dtype():
+    q, k, v, mask, scale = _case(0, 2)
+    with pytest.raises(ValueError, match="float16 \\(a half K/V cache\\) with float32 q"):
+        op(q.bfloat16(), k.half(), v.half(), mask, scale)
+    with pytest.raises(ValueError, match="k and v must have one dtype"):
+        op(q, k.half(), v, mask, scale)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(4))
 def test_a_row_is_the_same_bits_whatever_rows_share_the_call(seed, threads):
@@ -232,12 +257,14 @@ def test_softmax_edges(threads):
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_isa(isa, in_isa_process):
     """Each ISA variant (capped to what the CPU has) in a process of its own: the softmax's edge
-    cases and random shapes against the dense reference."""
+    cases and random shapes against the dense reference, fp32 and half K/V (each ISA widens fp16
+    its own way)."""
     in_isa_process(
         isa,
         "import test_cpu_decode_attention as t\n"
         "t.check_softmax_edges()\n"
         "for seed in range(4):\n"
         "    for Q in (1, 5, 33):\n"
-        "        t.test_matches_the_dense_reference(seed, Q)\n",
+        "        t.test_matches_the_dense_reference(seed, Q)\n"
+        "        t.test_half_kv_is_the_fp32_attention_over_the_rounded_values(seed, Q)\n",
     )

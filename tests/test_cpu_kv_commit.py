@@ -127,3 +127,61 @@ def test_kt_cache_shape_is_checked():
         op(qkv, 1, 1, cs, cs, k, v, torch.tensor([0]), 1, mask, 1.0, torch.zeros(1, 1, 0, 4, 16))
     ok = torch.zeros(1, 1, 1, 4, 16)
     op(qkv, 1, 1, cs, cs, k, v, torch.tensor([0]), 1, mask, 1.0, ok)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on x [B, Q, H, D] (cos, sin [B, Q, D]), each product
+    and the sum rounded to x's dtype, as the op rotates."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, :, None] + rot * sin[:, :, None]
+
+
+@pytest.mark.parametrize("Q", [1, 5, 16])
+def test_rope_attention_on_a_half_cache(Q):
+    """float16 caches (and kept keys) with float32 qkv: the op writes the rotated k and v rounded
+    to fp16 (bitwise the fp32 op's cache, rounded) and returns bitwise the attention of the rotated
+    queries over the half cache (cpu_decode_attention: the fp32 attention over the rounded keys and
+    values), step after step; the commit moves the half kept keys with their slots."""
+    from jacobi_ext.decoding.lean import keys_transposed
+
+    g = torch.Generator().manual_seed(Q)
+    B, heads, kv_heads, D, cap, scale = 2, 6, 2, 16, 64, 0.3
+    k32, v32 = torch.zeros(B, kv_heads, cap, D), torch.zeros(B, kv_heads, cap, D)
+    k16, v16 = k32.half(), v32.half()
+    kt = keys_transposed(k16)
+    assert kt.dtype == torch.float16
+    op = torch.ops.jacobi_ext.cpu_rope_attention
+    for step in range(3):
+        qkv = torch.randn(B, Q, (heads + 2 * kv_heads) * D, generator=g)
+        cos, sin = torch.randn(B, Q, D, generator=g), torch.randn(B, Q, D, generator=g)
+        slots = torch.arange(Q) + step * Q
+        attend = int(slots[-1]) + 1
+        mask = torch.rand(B, 1, Q, attend, generator=g) < 0.8
+        mask[..., 0] = True
+        op(qkv, heads, kv_heads, cos, sin, k32, v32, slots, attend, mask, scale)
+        got = op(qkv, heads, kv_heads, cos, sin, k16, v16, slots, attend, mask, scale, kt)
+        assert torch.equal(k16[:, :, :attend], k32[:, :, :attend].half())
+        assert torch.equal(v16[:, :, :attend], v32[:, :, :attend].half())
+        assert torch.equal(kt.float(), _blocks(k16))
+        q = _rotated(qkv[..., : heads * D].view(B, Q, heads, D), cos, sin).transpose(1, 2)
+        want = torch.ops.jacobi_ext.cpu_decode_attention(
+            q, k16[:, :, :attend], v16[:, :, :attend], mask, scale
+        )
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    src, dst, count = torch.tensor([0, 2]), torch.tensor([20, 33]), torch.tensor([5, 9])
+    torch.ops.jacobi_ext.cpu_kv_commit([k16, v16], src, dst, count, [kt])
+    assert torch.equal(kt.float(), _blocks(k16))
+
+
+def test_a_half_cache_goes_with_fp32_qkv_and_half_kept_keys():
+    op = torch.ops.jacobi_ext.cpu_rope_attention
+    k, v = torch.zeros(1, 1, 16, 4, dtype=torch.half), torch.zeros(1, 1, 16, 4, dtype=torch.half)
+    qkv, cs = torch.zeros(1, 1, 12), torch.zeros(1, 1, 4)
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    args = (torch.tensor([0]), 1, mask, 1.0)
+    with pytest.raises(ValueError, match="kt_cache must be a contiguous Half"):
+        op(qkv, 1, 1, cs, cs, k, v, *args, torch.zeros(1, 1, 1, 4, 16))
+    with pytest.raises(ValueError, match="with float32 qkv"):
+        op(qkv.bfloat16(), 1, 1, cs.bfloat16(), cs.bfloat16(), k, v, *args)
+    op(qkv, 1, 1, cs, cs, k, v, *args, torch.zeros(1, 1, 1, 4, 16, dtype=torch.half))

@@ -104,6 +104,74 @@ def test_batch_is_each_sequence_lossless(models) -> None:
         assert res.tokens[b, : len(want)].tolist() == want
 
 
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_a_half_kv_cache_decodes_exactly_its_own_ar(monkeypatch, fused) -> None:
+    """A float16 K/V cache (set_kv_cache_dtype; the 8-bit mode's default) rounds every key and
+    value alike whichever step writes it: every method, and a batch, returns exactly that cache's
+    own `ar`, on the fused CPU ops and on the model's own attention (JACOBI_EXT_FUSED=0). Back to
+    the model's dtype, the exact tokens again (a new cache: the runtime is not reused across)."""
+    from jacobi_ext.models.quantized import describe, kv_cache_dtype, set_kv_cache_dtype
+
+    monkeypatch.setenv("JACOBI_EXT_FUSED", fused)
+    model = tiny_llama(vocab_size=VOCAB, seed=2)  # float32
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(7))
+    exact = generate(model, ids, max_new_tokens=50, method="ar").tokens
+    set_kv_cache_dtype(model, torch.float16)
+    assert kv_cache_dtype(model) == torch.float16 and describe(model).endswith("fp16 K/V cache")
+    ar = generate(model, ids, max_new_tokens=50, method="ar").tokens
+    layers = model._jacobi_runtime.cache.layers
+    assert {(lay.keys.dtype, lay.values.dtype) for lay in layers} == {(torch.float16,) * 2}
+    if fused == "1":
+        assert {lay.keys_t.dtype for lay in layers} == {torch.float16}
+    for kw in (
+        dict(method="jacobi", block_size=8),
+        dict(method="jacobi", block_size=16, lookup=True),
+        dict(method="multiblock", block_size=4, num_blocks=3, pool_size=2),
+        {},  # the tuned default
+    ):
+        assert torch.equal(generate(model, ids, max_new_tokens=50, **kw).tokens, ar), kw
+    one = generate(model, ids[1:], max_new_tokens=50, method="jacobi", block_size=8).tokens
+    assert torch.equal(one[0], ar[1, : one.shape[1]])
+    set_kv_cache_dtype(model, None)
+    assert torch.equal(generate(model, ids, max_new_tokens=50, method="ar").tokens, exact)
+    assert {lay.keys.dtype for lay in model._jacobi_runtime.cache.layers} == {torch.float32}
+
+
+def test_a_half_kv_cache_needs_a_float32_model(models) -> None:
+    from jacobi_ext.models.quantized import set_kv_cache_dtype
+
+    with pytest.raises(ValueError, match="goes with a float32 model"):
+        set_kv_cache_dtype(models[("llama", 0)], torch.float16)  # float64
+    with pytest.raises(ValueError, match="float16 or float32"):
+        set_kv_cache_dtype(tiny_llama(vocab_size=VOCAB), torch.bfloat16)
+
+
+def test_the_kv_cache_dtype_option_reaches_the_model(monkeypatch) -> None:
+    """`--kv-cache-dtype` / load_model(kv_cache_dtype=...) set the model's cache type; a name
+    that is not one is refused before anything loads."""
+    import argparse
+
+    import jacobi_ext.models as models_mod
+    from jacobi_ext.apps.cli_args import add_model_args
+    from jacobi_ext.models.quantized import kv_cache_dtype
+
+    loads = []
+    monkeypatch.setattr(
+        models_mod,
+        "_load_model",
+        lambda *a: loads.append(a) or (tiny_llama(vocab_size=VOCAB), None),
+    )
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    model, _ = models_mod.load_from_args(parser.parse_args(["--kv-cache-dtype", "float16"]))
+    assert kv_cache_dtype(model) == torch.float16
+    model, _ = models_mod.load_model(kv_cache_dtype="float32")
+    assert kv_cache_dtype(model) == torch.float32 and len(loads) == 2
+    with pytest.raises(ValueError, match="kv_cache_dtype is float16 or float32"):
+        models_mod.load_model(kv_cache_dtype="int8")
+    assert len(loads) == 2
+
+
 def test_streamer_receives_exactly_the_tokens(models) -> None:
     class Collect:
         def __init__(self) -> None:

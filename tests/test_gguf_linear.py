@@ -538,9 +538,10 @@ def test_decoding_on_codes_equals_ar_and_the_dequantized_model(tmp_path):
 
 
 def test_int8_activations_decode_exactly_their_own_ar(tmp_path):
-    """On 8-bit activations the logits change (another arithmetic), but a row's bits still do not
-    depend on the other rows of a forward: every method returns exactly that mode's `ar`, in a
-    batch too; switching back restores the exact model's tokens."""
+    """On 8-bit activations (with a float16 K/V cache, unless asked otherwise) the logits change
+    (another arithmetic), but a row's bits still do not depend on the other rows of a forward:
+    every method returns exactly that mode's `ar`, in a batch too; switching back restores the
+    exact model's tokens and cache."""
     from jacobi_ext import generate
     from jacobi_ext.decoding.tuning import model_key
     from jacobi_ext.models.quantized import describe, set_int8_activations
@@ -556,6 +557,8 @@ def test_int8_activations_decode_exactly_their_own_ar(tmp_path):
     with torch.inference_mode():
         assert not torch.equal(model(ids).logits, before)  # the mode is in effect
     ar = generate(model, ids, max_new_tokens=40, method="ar").tokens
+    cache = model._jacobi_runtime.cache.layers  # llama.cpp's default cache type goes with it
+    assert {lay.keys.dtype for lay in cache} == {torch.float16} and "fp16 K/V" in describe(model)
     runs = {
         "jacobi": dict(method="jacobi", block_size=8),
         "jacobi lookup": dict(method="jacobi", block_size=16, lookup=True),
@@ -568,6 +571,12 @@ def test_int8_activations_decode_exactly_their_own_ar(tmp_path):
     assert torch.equal(one[0, : one.shape[1]], ar[1, : one.shape[1]])
     set_int8_activations(model, False)
     assert torch.equal(generate(model, ids, max_new_tokens=40, method="ar").tokens, exact)
+    assert {lay.keys.dtype for lay in model._jacobi_runtime.cache.layers} == {torch.float32}
+    set_int8_activations(model, fp16_kv_cache=False)  # 8-bit activations, fp32 K/V cache
+    assert torch.equal(generate(model, ids, max_new_tokens=40, method="jacobi").tokens, (
+        generate(model, ids, max_new_tokens=40, method="ar").tokens
+    ))  # fmt: skip
+    assert {lay.keys.dtype for lay in model._jacobi_runtime.cache.layers} == {torch.float32}
 
 
 def test_int8_activations_need_q4_1_codes():

@@ -1,7 +1,8 @@
 // The small ops of a CPU decoding step (decode_cpu.h). Compiled once per vector ISA (isa.h).
 //
 // Attention: per (batch, kv head), the keys transposed in blocks of kKeyPad keys, Kt
-// [W / kKeyPad][D][kKeyPad] (fp32; kept by the caller across steps, or made here), so a row's
+// [W / kKeyPad][D][kKeyPad] (kept by the caller across steps, fp32 or with a half K/V cache
+// fp16, or made here in fp32), so a row's
 // scores over a vector of keys are one chain of D fused multiply-adds with q[d] broadcast: no
 // horizontal sums, rows in groups of kRows share each Kt load, and a block's 4 KB (D = 64) are
 // read in order (one stream, not D rows a page apart). The
@@ -14,6 +15,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -43,9 +45,24 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
 }
 
+// n <= kVL keys or values from p as fp32 lanes (the rest 0): fp32 as they are, fp16 (the half
+// K/V cache, DecodeAttnArgs::kv_half) widened exactly, a whole vector in one conversion.
+inline Vec load_vec(const float* p, int64_t n) { return Vec::loadu(p, n); }
+inline Vec load_vec(const c10::Half* p, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (n == kVL) return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (n == kVL) return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
+  alignas(64) float lanes[kVL] = {};
+  for (int64_t i = 0; i < n; ++i) lanes[i] = static_cast<float>(p[i]);
+  return Vec::loadu(lanes);
+}
+
 // Where key vector v (keys [v kVL, v kVL + kVL)) of a group's keys starts in their transposed
-// blocks, [W / kKeyPad][D][kKeyPad] (decode_cpu.h): feature d is kKeyPad floats further on.
-inline const float* key_vector(const float* kt, int64_t D, int64_t v) {
+// blocks, [W / kKeyPad][D][kKeyPad] (decode_cpu.h): feature d is kKeyPad elements further on.
+template <typename E>
+inline const E* key_vector(const E* kt, int64_t D, int64_t v) {
   return kt + kt_slot(v * kVL, D);
 }
 
@@ -54,10 +71,10 @@ inline const float* key_vector(const float* kt, int64_t D, int64_t v) {
 // by side give R T independent chains (at one query row of a GQA group of 3, R = 3: one vector
 // at a time left three chains waiting on the multiply-add's latency); each chain is the same
 // whatever T is.
-template <int R, int T>
-inline void score_tile(const float* q, int64_t D, const float* kt, int64_t v, float* s,
+template <int R, int T, typename E>
+inline void score_tile(const float* q, int64_t D, const E* kt, int64_t v, float* s,
                        int64_t lds) {
-  const float* kv_at[T];
+  const E* kv_at[T];
   Vec acc[R][T];
   JACOBI_UNROLL
   for (int t = 0; t < T; ++t) kv_at[t] = key_vector(kt, D, v + t);
@@ -68,7 +85,7 @@ inline void score_tile(const float* q, int64_t D, const float* kt, int64_t v, fl
   for (int64_t d = 0; d < D; ++d) {
     Vec kv[T];
     JACOBI_UNROLL
-    for (int t = 0; t < T; ++t) kv[t] = Vec::loadu(kv_at[t] + d * kKeyPad);
+    for (int t = 0; t < T; ++t) kv[t] = load_vec(kv_at[t] + d * kKeyPad, kVL);
     JACOBI_UNROLL
     for (int r = 0; r < R; ++r) {
       const Vec qv(q[r * D + d]);
@@ -95,8 +112,8 @@ constexpr int kScoreT = R == 1 ? 6 : R == 2 ? 4 : R == 3 ? 3 : R <= 5 ? 2 : 1;
 #endif
 
 // score_tile over key vectors [v0, v1) (of kVL keys each), T at a time, the rest one by one.
-template <int R>
-inline void score_range(const float* q, int64_t D, const float* kt, int64_t v0, int64_t v1,
+template <int R, typename E>
+inline void score_range(const float* q, int64_t D, const E* kt, int64_t v0, int64_t v1,
                         float* s, int64_t lds) {
   constexpr int T = kScoreT<R>;
   int64_t v = v0;
@@ -104,7 +121,8 @@ inline void score_range(const float* q, int64_t D, const float* kt, int64_t v0, 
   for (; v < v1; ++v) score_tile<R, 1>(q, D, kt, v, s, lds);
 }
 
-inline void scores(int rows, const float* q, int64_t D, const float* kt, int64_t v0, int64_t v1,
+template <typename E>
+inline void scores(int rows, const float* q, int64_t D, const E* kt, int64_t v0, int64_t v1,
                    float* s, int64_t lds) {
   switch (rows) {
     case 8: return score_range<8>(q, D, kt, v0, v1, s, lds);
@@ -130,8 +148,8 @@ inline int64_t slot_by_position(int64_t o, int64_t W, int64_t first) {
 // compare tells whether every row sees slot j (the common case: the multiply-adds run
 // unconditionally), else each row is asked on its own. T feature vectors side by side for more
 // independent chains, as score_tile; n < kVL: one partial vector (T = 1).
-template <int R, int T>
-inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+template <int R, int T, typename E>
+inline void pv_tile(const float* pt, const E* v, int64_t ldv, int64_t W, int64_t first,
                     int64_t o0, int64_t o1, int64_t D, int64_t d0, int64_t n, float* out) {
   constexpr int kAll = (1 << R) - 1;
   Vec acc[R][T];
@@ -143,7 +161,7 @@ inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int
     const int64_t j = slot_by_position(o, W, first);
     Vec vv[T];
     JACOBI_UNROLL
-    for (int t = 0; t < T; ++t) vv[t] = Vec::loadu(v + j * ldv + d0 + t * kVL, T == 1 ? n : kVL);
+    for (int t = 0; t < T; ++t) vv[t] = load_vec(v + j * ldv + d0 + t * kVL, T == 1 ? n : kVL);
     const float* pj = pt + j * kRows;
     const bool every = (Vec::loadu(pj, kRows).zero_mask() & kAll) == 0;
     JACOBI_UNROLL
@@ -161,8 +179,8 @@ inline void pv_tile(const float* pt, const float* v, int64_t ldv, int64_t W, int
     for (int t = 0; t < T; ++t) acc[r][t].store(out + r * D + d0 + t * kVL, T == 1 ? n : kVL);
 }
 
-template <int R>
-inline void pv_range(const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+template <int R, typename E>
+inline void pv_range(const float* pt, const E* v, int64_t ldv, int64_t W, int64_t first,
                      int64_t o0, int64_t o1, int64_t D, int64_t d0, int64_t d1, float* out) {
   constexpr int T = kScoreT<R>;
   int64_t d = d0;
@@ -175,7 +193,8 @@ inline void pv_range(const float* pt, const float* v, int64_t ldv, int64_t W, in
 }
 
 // out rows = p V over features [d0, d1), from the probabilities transposed (pt[j][r]).
-inline void pv(int rows, const float* pt, const float* v, int64_t ldv, int64_t W, int64_t first,
+template <typename E>
+inline void pv(int rows, const float* pt, const E* v, int64_t ldv, int64_t W, int64_t first,
                int64_t o0, int64_t o1, int64_t D, int64_t d0, int64_t d1, float* out) {
   switch (rows) {
     case 8: return pv_range<8>(pt, v, ldv, W, first, o0, o1, D, d0, d1, out);
@@ -304,20 +323,28 @@ inline VisibleRange visible_range(const bool* mask, int64_t b, int64_t Q, int64_
 //  - few (a one- or few-token step: at one token 3 units of a GQA model for 2 threads, each
 //    waiting on its own chains): the queries loaded once, scores per (batch, kv head, range of
 //    keys) into shared rows, then softmax and p V per (batch, kv head, chunk of rows).
-template <typename T, typename LoadQ>
+//
+// T: the dtype of q and out; KV: the cache's element type, T or (T = fp32) fp16 (kv_half).
+template <typename T, typename KV, typename LoadQ>
 void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
+  static_assert(std::is_same_v<KV, T> ||
+                    (std::is_same_v<KV, c10::Half> && std::is_same_v<T, float>),
+                "a half K/V cache goes with fp32 queries only");
   const int64_t G = a.Hq / a.Hkv, D = a.D, W = a.W, Q = a.Q;
   const int64_t ldk = (W + kKeyPad - 1) / kKeyPad * kKeyPad;  // a multiple of kVL too
   const int64_t rows_per_group = G * Q;  // the query rows that read one kv head
   const int64_t chunks = (rows_per_group + kRows - 1) / kRows;
-  const T* kp = static_cast<const T*>(a.k);
-  const T* vp = static_cast<const T*>(a.v);
+  const KV* kp = static_cast<const KV*>(a.k);
+  const KV* vp = static_cast<const KV*>(a.v);
   T* outp = static_cast<T*>(a.out);
   // Pass 1: the keys transposed in blocks, [ldk / kKeyPad][D][kKeyPad] fp32 per (b, kv head),
-  // by 16 x 16 register transposes (unless the caller keeps them); V read in place when fp32
-  // (rows sv_w apart), else widened to fp32 [W, D].
+  // by 16 x 16 register transposes (unless the caller keeps them); V read in place when fp32 or
+  // fp16 (rows sv_w apart; load_vec widens fp16), else (bf16) widened to fp32 [W, D].
   const int64_t groups = a.B * a.Hkv;
-  constexpr bool kF32 = std::is_same_v<T, float>;
+  constexpr bool kF32 = std::is_same_v<KV, float>;
+  constexpr bool kInPlace = kF32 || std::is_same_v<KV, c10::Half>;  // V read where it is
+  using VE = std::conditional_t<kInPlace, KV, float>;  // the element p V reads
+  using KtE = std::conditional_t<kInPlace, KV, float>;  // the element of the caller's Kt
   static_assert(kKeyPad == 16, "a key block is one 16 x 16 transpose wide");
   float* kt_all = a.scratch;
   float* v_all = kt_all + groups * D * ldk;
@@ -325,24 +352,24 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   float* tmp_all = v_all + groups * W * D;
   const int64_t tmp_per_thread = 2 * kRows * ldk + 2 * kRows * D;
   float* shared_s = tmp_all + at::get_num_threads() * tmp_per_thread;  // few rows: all scores
-  const int64_t ldv = kF32 ? a.sv_w : D;
-  auto v_rows = [&](int64_t g) -> const float* {
-    if constexpr (kF32) {
+  const int64_t ldv = kInPlace ? a.sv_w : D;
+  auto v_rows = [&](int64_t g) -> const VE* {
+    if constexpr (kInPlace) {
       return vp + (g / a.Hkv) * a.sv_b + (g % a.Hkv) * a.sv_h;
     } else {
       return v_all + g * W * D;
     }
   };
   const int64_t grain1 = std::max<int64_t>(1, 16384 / std::max<int64_t>(W * D, 1));
-  // The caller keeps Kt: nothing to transpose, and with fp32 V (read in place) no pass at all;
-  // with bf16 / fp16 V the pass only widens V.
+  // The caller keeps Kt: nothing to transpose, and with V read in place no pass at all; with
+  // bf16 V the pass only widens V.
   const bool kept = a.kt != nullptr;
-  if (!(kept && kF32)) at::parallel_for(0, groups, grain1, [&](int64_t g0, int64_t g1) {
+  if (!(kept && kInPlace)) at::parallel_for(0, groups, grain1, [&](int64_t g0, int64_t g1) {
     alignas(64) float blk[16 * 16];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g / a.Hkv, h = g % a.Hkv;
       float* kt = kt_all + g * D * ldk;
-      const T* kb = kp + b * a.sk_b + h * a.sk_h;
+      const KV* kb = kp + b * a.sk_b + h * a.sk_h;
       for (int64_t j0 = 0; !kept && j0 < W; j0 += kKeyPad) {
         const int jn = static_cast<int>(std::min<int64_t>(kKeyPad, W - j0));
         float* block = kt + j0 * D;  // block j0 / kKeyPad: [D][kKeyPad]
@@ -359,16 +386,20 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
         for (int64_t d = 0; d < D; ++d)  // the last block's padding keys: 0
           for (int j = jn; j < kKeyPad; ++j) block[d * kKeyPad + j] = 0.f;
       }
-      if constexpr (!kF32) {
+      if constexpr (!kInPlace) {
         float* vf = v_all + g * W * D;
         for (int64_t j = 0; j < W; ++j)
           load_row(vp + b * a.sv_b + h * a.sv_h + j * a.sv_w, vf + j * D, D);
       }
     }
   });
-  const float* kt_of_group = kept ? a.kt : kt_all;
-  const int64_t kt_slots = kept ? a.ldkt : ldk;  // key slots per group in Kt
-  auto group_kt = [&](int64_t g) { return kt_of_group + g * D * kt_slots; };
+  // Scores of `rows` rows (q: rows x D) over key vectors [v0, v1) of group g, from the caller's
+  // Kt (fp32, or fp16 with a half cache) or the one made above (fp32): the same values.
+  const KtE* kt_kept = static_cast<const KtE*>(a.kt);
+  auto group_scores = [&](int rows, const float* q, int64_t g, int64_t v0, int64_t v1, float* s) {
+    if (kept) return scores(rows, q, D, kt_kept + g * D * a.ldkt, v0, v1, s, ldk);
+    scores(rows, q, D, kt_all + g * D * ldk, v0, v1, s, ldk);
+  };
   // Query rows r0 .. r0 + rows of group g (row r: head hk G + r / Q, position r % Q), scaled.
   auto load_rows = [&](int64_t g, int64_t r0, int rows, float* qf) {
     const int64_t b = g / a.Hkv, hk = g % a.Hkv;
@@ -426,7 +457,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
         for (int64_t r0 = 0; r0 < rows_per_group; r0 += kRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
           const int64_t at = g * rows_per_group + r0;
-          scores(rows, shared_q + at * D, D, group_kt(g), v0, v1, shared_s + at * ldk, ldk);
+          group_scores(rows, shared_q + at * D, g, v0, v1, shared_s + at * ldk);
         }
       }
     });
@@ -469,7 +500,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_per_group - r0));
       const VisibleRange vr = visible_range(a.mask, g / a.Hkv, Q, W, a.first, r0, rows);
       load_rows(g, r0, rows, qf);
-      scores(rows, qf, D, group_kt(g), vr.s0 / kVL, (vr.s1 + kVL - 1) / kVL, s, ldk);
+      group_scores(rows, qf, g, vr.s0 / kVL, (vr.s1 + kVL - 1) / kVL, s);
       bool any[kRows];
       softmax_rows(g, r0, rows, vr, s, any, pt);
       pv(rows, pt, v_rows(g), ldv, W, a.first, vr.o0, vr.o1, D, 0, D, of);
@@ -498,15 +529,19 @@ inline void rotate_row(const T* x, const T* cos, const T* sin, int64_t D, T* dst
   }
 }
 
-template <typename T>
+// T: the dtype of qkv, cos, sin and out; KV: the cache's element type, T or (T = fp32) fp16.
+template <typename T, typename KV>
 void rope_attn(const RopeAttnArgs& a) {
   const int64_t D = a.D, Q = a.Q, row = (a.Hq + 2 * a.Hkv) * D;
   const T* qkv = static_cast<const T*>(a.qkv);
   const T* cs = static_cast<const T*>(a.cos);
   const T* sn = static_cast<const T*>(a.sin);
-  T* kc = static_cast<T*>(a.k_cache);
-  T* vc = static_cast<T*>(a.v_cache);
-  // k rotated and v copied into the cache (small: Q rows of Hkv heads).
+  KV* kc = static_cast<KV*>(a.k_cache);
+  KV* vc = static_cast<KV*>(a.v_cache);
+  using KtE = std::conditional_t<std::is_same_v<KV, c10::Half>, c10::Half, float>;
+  KtE* ktc = static_cast<KtE*>(a.kt_cache);
+  // k rotated and v copied into the cache (small: Q rows of Hkv heads); a half cache rounds the
+  // rotated k (in T, as transformers rotates) and v to fp16 there.
   for (int64_t b = 0; b < a.B; ++b)
     for (int64_t i = 0; i < Q; ++i) {
       const T* src = qkv + (b * Q + i) * row;
@@ -514,11 +549,19 @@ void rope_attn(const RopeAttnArgs& a) {
       const T* sv = sn + (b * Q + i) * D;
       for (int64_t h = 0; h < a.Hkv; ++h) {
         const int64_t at = ((b * a.Hkv + h) * a.capacity + a.slots[i]) * D;
-        rotate_row(src + (a.Hq + h) * D, c, sv, D, kc + at);
-        std::copy(src + (a.Hq + a.Hkv + h) * D, src + (a.Hq + a.Hkv + h + 1) * D, vc + at);
-        if (a.kt_cache != nullptr) {  // the same key in the transposed blocks
-          float* col = a.kt_cache + (b * a.Hkv + h) * D * a.kt_ld + kt_slot(a.slots[i], D);
-          for (int64_t d = 0; d < D; ++d) col[d * kKeyPad] = to_f(kc[at + d]);
+        const T* vsrc = src + (a.Hq + a.Hkv + h) * D;
+        if constexpr (std::is_same_v<KV, T>) {
+          rotate_row(src + (a.Hq + h) * D, c, sv, D, kc + at);
+          std::copy(vsrc, vsrc + D, vc + at);
+        } else {
+          T rot[512];  // head dims up to 512 (the op checks)
+          rotate_row(src + (a.Hq + h) * D, c, sv, D, rot);
+          for (int64_t d = 0; d < D; ++d) kc[at + d] = static_cast<KV>(to_f(rot[d]));
+          for (int64_t d = 0; d < D; ++d) vc[at + d] = static_cast<KV>(to_f(vsrc[d]));
+        }
+        if (ktc != nullptr) {  // the same key in the transposed blocks
+          KtE* col = ktc + (b * a.Hkv + h) * D * a.kt_ld + kt_slot(a.slots[i], D);
+          for (int64_t d = 0; d < D; ++d) col[d * kKeyPad] = static_cast<KtE>(to_f(kc[at + d]));
         }
       }
     }
@@ -527,8 +570,9 @@ void rope_attn(const RopeAttnArgs& a) {
                    nullptr, 0, 0, 0,
                    kc, cache_b, cache_h, D,
                    vc, cache_b, cache_h, D,
-                   a.mask, a.scale, a.out, a.scratch, a.kt_cache, a.kt_ld, a.first};
-  attention<T>(d, [&](int64_t b, int64_t h, int64_t i, float* dst) {
+                   a.mask, a.scale, a.out, a.scratch, a.kt_cache, a.kt_ld, a.first,
+                   a.kv_half};
+  attention<T, KV>(d, [&](int64_t b, int64_t h, int64_t i, float* dst) {
     T rot[512];  // head dims up to 512 (the op checks)
     rotate_row(qkv + (b * Q + i) * row + h * D, cs + (b * Q + i) * D, sn + (b * Q + i) * D, D,
                rot);
@@ -683,22 +727,25 @@ void argmax_f32(const float* x, int64_t rows, int64_t vocab, int64_t* out) {
   });
 }
 
-template <typename T>
+template <typename T, typename KV>
 void plain_attention(const DecodeAttnArgs& a) {
   const T* qp = static_cast<const T*>(a.q);
-  attention<T>(a, [&](int64_t b, int64_t h, int64_t i, float* dst) {
+  attention<T, KV>(a, [&](int64_t b, int64_t h, int64_t i, float* dst) {
     load_row(qp + b * a.sq_b + h * a.sq_h + i * a.sq_q, dst, a.D);
   });
 }
 
+// (kv_half with a bf16 dtype is refused by the ops.)
 void decode_attention(const DecodeAttnArgs& a) {
-  if (a.dtype == LinearDType::f32) return plain_attention<float>(a);
-  return plain_attention<c10::BFloat16>(a);
+  if (a.dtype != LinearDType::f32) return plain_attention<c10::BFloat16, c10::BFloat16>(a);
+  if (a.kv_half) return plain_attention<float, c10::Half>(a);
+  return plain_attention<float, float>(a);
 }
 
 void rope_attention(const RopeAttnArgs& a) {
-  if (a.dtype == LinearDType::f32) return rope_attn<float>(a);
-  return rope_attn<c10::BFloat16>(a);
+  if (a.dtype != LinearDType::f32) return rope_attn<c10::BFloat16, c10::BFloat16>(a);
+  if (a.kv_half) return rope_attn<float, c10::Half>(a);
+  return rope_attn<float, float>(a);
 }
 
 void silu_mul(const SiluMulArgs& a) {

@@ -31,16 +31,20 @@ struct DecodeAttnArgs {
   float scale;
   void* out;               // [B, Q, Hq, D] contiguous (the layout the output projection reads)
   float* scratch;          // threads * W floats
-  // The keys kept transposed by the caller, fp32 [B, Hkv, ldkt / kKeyPad, D, kKeyPad] (blocks of
+  // The keys kept transposed by the caller, [B, Hkv, ldkt / kKeyPad, D, kKeyPad] (blocks of
   // kKeyPad slots, each [D][kKeyPad]; ldkt >= W rounded up to kKeyPad; slots past W are read and
-  // masked), or nullptr: the call transposes k into scratch the same way. Same values either
-  // way, so the same scores, bitwise.
-  const float* kt = nullptr;
+  // masked), fp32 (fp16 where kv_half), or nullptr: the call transposes k into scratch the same
+  // way. Same values either way, so the same scores, bitwise.
+  const void* kt = nullptr;
   int64_t ldkt = 0;
   // Slots [first, W) hold the context in position order and [0, first) the step's own tokens
   // after it (the runtime's scratch region): the softmax sum and p V run over the slots in that
   // order, so a row's bits do not depend on where its keys sit (0: slot order).
   int64_t first = 0;
+  // k, v (and kt) hold IEEE fp16, q and out the dtype (f32 only): a half-size K/V cache. Each
+  // key and value is widened to fp32 exactly where it is read; the arithmetic is unchanged, so
+  // the result is the fp32 attention over the fp16-rounded keys and values.
+  bool kv_half = false;
 };
 
 // Keys per block of the transposed keys ([D][kKeyPad] each, contiguous): W is rounded up to
@@ -96,13 +100,16 @@ struct RopeAttnArgs {
   float scale;
   void* out;             // [B, Q, Hq, D] contiguous
   float* scratch;        // decode_attention_scratch_floats(B, Hkv, Hq, Q, W, D, threads)
-  // Optional: the caller's transposed copy of k_cache, fp32 [B, Hkv, kt_ld / kKeyPad, D, kKeyPad]
-  // (kt_ld >= capacity, a multiple of kKeyPad; DecodeAttnArgs::kt). The call writes its k there
-  // too and attends from it, so a step does not transpose the whole cache again (at a few
-  // hundred keys that was about half the attention's memory traffic).
-  float* kt_cache = nullptr;
+  // Optional: the caller's transposed copy of k_cache, [B, Hkv, kt_ld / kKeyPad, D, kKeyPad]
+  // (kt_ld >= capacity, a multiple of kKeyPad; DecodeAttnArgs::kt), fp32 (fp16 where kv_half).
+  // The call writes its k there too and attends from it, so a step does not transpose the whole
+  // cache again (at a few hundred keys that was about half the attention's memory traffic).
+  void* kt_cache = nullptr;
   int64_t kt_ld = 0;
   int64_t first = 0;  // DecodeAttnArgs::first
+  // k_cache, v_cache and kt_cache hold IEEE fp16 (dtype f32 only): k is rotated in fp32 as
+  // above, then k and v are rounded to fp16 as they are written (DecodeAttnArgs::kv_half).
+  bool kv_half = false;
 };
 
 struct RmsNormArgs {

@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <tuple>
@@ -37,15 +38,29 @@ LinearDType small_op_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(false, name, " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
+// Whether keys and values k, v are a half (fp16) cache for fp32 queries q; otherwise they must
+// have q's dtype. (A half cache halves the attention's reads of the cache; its values are the
+// keys and values rounded to fp16, widened exactly where the kernel reads them.)
+bool half_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* qn,
+             const char* kn, const char* vn) {
+  const bool half = k.scalar_type() == at::kHalf;
+  TORCH_CHECK_VALUE(k.scalar_type() == v.scalar_type(), kn, " and ", vn,
+                    " must have one dtype, got ", k.scalar_type(), " and ", v.scalar_type());
+  TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type() || (half && q.scalar_type() == at::kFloat),
+                    kn, " and ", vn, " must have ", qn, "'s dtype (", q.scalar_type(),
+                    "), or float16 (a half K/V cache) with float32 ", qn, "; got ",
+                    k.scalar_type());
+  return half;
+}
+
 at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& mask, double scale) {
   ck::rank(q, "q", 4, "[B, Hq, Q, D]");
   ck::rank(k, "k", 4, "[B, Hkv, W, D]");
   ck::rank(v, "v", 4, "[B, Hkv, W, D]");
   const LinearDType d = small_op_dtype(q, "q");
+  const bool kv_half = half_kv(q, k, v, "q", "k", "v");
   for (auto [t, name] : {std::pair{&k, "k"}, {&v, "v"}}) {
-    TORCH_CHECK_VALUE(t->scalar_type() == q.scalar_type(), name, " has dtype ",
-                      t->scalar_type(), ", q has ", q.scalar_type());
     TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be on the CPU, got ", t->device());
     TORCH_CHECK_VALUE(t->stride(3) == 1, name, "'s last dim must be contiguous");
   }
@@ -76,6 +91,7 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& k, const 
                         v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
                         mc.data_ptr<bool>(), static_cast<float>(scale), out.data_ptr(),
                         scratch};
+  a.kv_half = kv_half;
   JACOBI_CPU_DISPATCH(decode_attention, a);
   return out;
 }
@@ -151,12 +167,12 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
                     qkv.size(2), ", expected (heads + 2 kv_heads) * D = ",
                     (heads + 2 * kv_heads) * D);
   TORCH_CHECK_VALUE(D % 2 == 0 && D <= 512, "head dim must be even and <= 512, got ", D);
+  const bool kv_half = half_kv(qkv, k_cache, v_cache, "qkv", "k_cache", "v_cache");
   for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
     TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef({B, kv_heads, cap, D}), name, " must be [",
                       B, ", ", kv_heads, ", ", cap, ", ", D, "], got ", t->sizes());
-    TORCH_CHECK_VALUE(t->scalar_type() == qkv.scalar_type() && t->is_contiguous() &&
-                          t->device().is_cpu(),
-                      name, " must be a contiguous CPU tensor of qkv's dtype");
+    TORCH_CHECK_VALUE(t->is_contiguous() && t->device().is_cpu(), name,
+                      " must be a contiguous CPU tensor");
   }
   for (auto [t, name] : {std::pair{&cos, "cos"}, {&sin, "sin"}}) {
     TORCH_CHECK_VALUE(t->numel() == B * Q * D && t->size(-1) == D, name, " must be [B, Q, D] = [",
@@ -179,20 +195,21 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   for (int64_t i = 0; i < Q; ++i)
     TORCH_CHECK_VALUE(sp[i] >= 0 && sp[i] < cap, "slots[", i, "] = ", sp[i],
                       " is outside the cache [0, ", cap, ")");
-  float* kt = nullptr;
+  void* kt = nullptr;
   int64_t kt_ld = 0;
   if (kt_cache.has_value()) {
     const at::Tensor& t = *kt_cache;
-    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() &&
+    const auto want = kv_half ? at::kHalf : at::kFloat;  // a half cache's keys stay half
+    TORCH_CHECK_VALUE(t.scalar_type() == want && t.is_contiguous() && t.device().is_cpu() &&
                           t.dim() == 5 && t.size(0) == B && t.size(1) == kv_heads &&
                           t.size(2) * cpu::kKeyPad >= cap && t.size(3) == D &&
                           t.size(4) == cpu::kKeyPad,
-                      "kt_cache must be a contiguous float32 CPU tensor [B, kv_heads, L / ",
+                      "kt_cache must be a contiguous ", want, " CPU tensor [B, kv_heads, L / ",
                       cpu::kKeyPad, ", D, ", cpu::kKeyPad, "] = [", B, ", ", kv_heads, ", L / ",
                       cpu::kKeyPad, ", ", D, ", ", cpu::kKeyPad, "] with L >= capacity (", cap,
                       ") (jacobi_ext.decoding.lean.keys_transposed makes one), got ",
                       t.scalar_type(), " ", t.sizes());
-    kt = t.data_ptr<float>();
+    kt = t.data_ptr();
     kt_ld = t.size(2) * cpu::kKeyPad;
   }
   const at::Tensor qc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
@@ -205,12 +222,36 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   cpu::RopeAttnArgs a{d, B, heads, kv_heads, Q, D, qc.data_ptr(), cc.data_ptr(), sc.data_ptr(),
                       k_cache.data_ptr(), v_cache.data_ptr(), cap, sp, attend,
                       mc.data_ptr<bool>(), static_cast<float>(scale), out.data_ptr(),
-                      scratch, kt, kt_ld, context_start};
+                      scratch, kt, kt_ld, context_start, kv_half};
   JACOBI_CPU_DISPATCH(rope_attention, a);
   return out;
 }
 
 namespace {
+
+// Slots [s[b], s[b] + c[b]) -> [d[b], ...) of transposed keys t [B, H, L / 16, D, 16] (elements E
+// at base: cpu_rope_attention's kt_cache): slot x is element x % 16 of row f of block x / 16.
+// The ranges may overlap: copied in the direction a memmove would (forward when moving down,
+// backward when moving up), so each slot is read before it is overwritten.
+template <typename E>
+void move_transposed(E* base, const at::Tensor& t, int64_t B, const int64_t* s, const int64_t* d,
+                     const int64_t* c) {
+  const int64_t H = t.size(1), L = t.size(2) * cpu::kKeyPad, D = t.size(3);
+  for (int64_t b = 0; b < B; ++b) {
+    if (c[b] == 0 || s[b] == d[b]) continue;
+    const bool forward = d[b] < s[b];
+    for (int64_t h = 0; h < H; ++h) {
+      E* head = base + (b * H + h) * L * D;
+      auto at = [&](int64_t slot, int64_t f) {
+        return head + cpu::kt_slot(slot, D) + f * cpu::kKeyPad;
+      };
+      for (int64_t n = 0; n < c[b]; ++n) {
+        const int64_t x = forward ? n : c[b] - 1 - n;
+        for (int64_t f = 0; f < D; ++f) *at(d[b] + x, f) = *at(s[b] + x, f);
+      }
+    }
+  }
+}
 
 void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst,
                    const at::Tensor& count, at::TensorList transposed) {
@@ -237,9 +278,10 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
   }
   for (const at::Tensor& t : transposed) {
     TORCH_CHECK_VALUE(t.dim() == 5 && t.size(0) == B && t.size(4) == cpu::kKeyPad &&
-                          t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                          t.device().is_cpu(),
-                      "each transposed cache must be a contiguous float32 CPU tensor [B = ", B,
+                          (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) &&
+                          t.is_contiguous() && t.device().is_cpu(),
+                      "each transposed cache must be a contiguous float32 (or float16: a half "
+                      "K/V cache) CPU tensor [B = ", B,
                       ", H, slots / ", cpu::kKeyPad, ", D, ", cpu::kKeyPad, "], got ",
                       t.scalar_type(), " ", t.sizes());
     const int64_t L = t.size(2) * cpu::kKeyPad;
@@ -268,26 +310,12 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
         }
         continue;
       }
-      // Transposed copies [B, H, L / 16, D, 16] (cpu_rope_attention's kt_cache): slot x is
-      // element x % 16 of row d of block x / 16. The ranges may overlap: copy in the direction a
-      // memmove would (forward when moving down, backward when moving up), so each slot is read
-      // before it is overwritten.
+      // Transposed copies (cpu_rope_attention's kt_cache), fp32 or fp16 (copied as bits).
       const at::Tensor& t = transposed[i - nc];
-      const int64_t H = t.size(1), L = t.size(2) * cpu::kKeyPad, D = t.size(3);
-      float* base = t.data_ptr<float>();
-      for (int64_t b = 0; b < B; ++b) {
-        if (c[b] == 0 || s[b] == d[b]) continue;
-        const bool forward = d[b] < s[b];
-        for (int64_t h = 0; h < H; ++h) {
-          float* head = base + (b * H + h) * L * D;
-          auto at = [&](int64_t slot, int64_t f) {
-            return head + cpu::kt_slot(slot, D) + f * cpu::kKeyPad;
-          };
-          for (int64_t n = 0; n < c[b]; ++n) {
-            const int64_t x = forward ? n : c[b] - 1 - n;
-            for (int64_t f = 0; f < D; ++f) *at(d[b] + x, f) = *at(s[b] + x, f);
-          }
-        }
+      if (t.scalar_type() == at::kHalf) {
+        move_transposed(static_cast<uint16_t*>(t.data_ptr()), t, B, s, d, c);
+      } else {
+        move_transposed(t.data_ptr<float>(), t, B, s, d, c);
       }
     }
   });

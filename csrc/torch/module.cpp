@@ -124,6 +124,7 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // each row computed alone (no dependence on the other rows of the call):
   // attention of q [B, Hq, Q, D] over k, v [B, Hkv, W, D] (Hq % Hkv == 0) where mask [B, 1, Q, W]
   // (bool) allows, out [B, Q, Hq, D]; and transformers' RMSNorm of x [..., n] with weight [n].
+  // With float32 q, k and v may be float16 (a half K/V cache: widened exactly where read).
   m.def("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("cpu_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // h = residual + x and its RMSNorm, in one pass; silu(gate) * up of gu [..., 2n] (gate then up).
@@ -136,6 +137,7 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // then attention over cache slots [0, attend) where mask [B, 1, Q, attend] allows.
   // kt_cache: optional, the keys kept transposed in float32 blocks [B, kv_heads, L / 16, D, 16]
   // (L >= capacity), written with k_cache and attended from (bitwise the same result).
+  // With float32 qkv the caches may be float16 (kt_cache too): k and v rounded as written.
   // context_start: slots [context_start, attend) hold the context in position order and
   // [0, context_start) the step's tokens after it; the softmax sum and p V run in that order, so
   // a row's result does not depend on where its keys sit in the cache. Returns [B, Q, heads, D].

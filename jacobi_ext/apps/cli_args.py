@@ -13,7 +13,7 @@ from jacobi_ext.models import DTYPE_NAMES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --device, --dequantize and --int8-activations (read by
+    """--model, --dtype, --device, --dequantize, --int8-activations and --kv-cache-dtype (read by
     jacobi_ext.models.load_from_args)."""
     p.add_argument(
         "--model",
@@ -40,7 +40,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Q4_1 and Q8_0 codes times 8-bit activations, in integers (llama.cpp's kind of "
         "arithmetic): faster on a CPU; not the fp32 model's logits, but every method still "
-        "returns exactly this mode's own ar",
+        "returns exactly this mode's own ar (with a float16 K/V cache unless --kv-cache-dtype "
+        "says float32)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=("float16", "float32"),
+        help="the K/V cache's element type on a CPU float32 model: float16 halves its bytes "
+        "(the keys and values rounded; every method still exactly that cache's own ar); default: "
+        "float16 with --int8-activations, else float32 (exact)",
     )
 
 

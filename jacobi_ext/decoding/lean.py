@@ -299,7 +299,7 @@ class LeanDecoder:
     @staticmethod
     def _layer_cache(layer, plan, h: torch.Tensor) -> torch.Tensor:
         """A runtime cache layer's blocked transposed keys, its buffers made on first use."""
-        if not layer.is_initialized:
+        if not layer.is_initialized:  # (in the runtime's K/V element type: SlotLayer)
             kv = h.new_empty(h.shape[0], plan[3], 1, plan[4])  # [B, kv_heads, 1, head_dim]
             layer.lazy_initialization(kv, kv)
         kt = getattr(layer, "keys_t", None)
@@ -425,14 +425,16 @@ class LeanDecoder:
 
 def keys_transposed(keys: torch.Tensor) -> torch.Tensor:
     """A cache layer's keys [B, H, capacity, D] kept transposed in blocks of 16 slots, float32
-    [B, H, L / 16, D, 16] (L the capacity rounded up to 16): cpu_rope_attention writes each
-    step's keys into it and attends from it, instead of transposing every attended key again at
-    every step and layer (at a few hundred keys about half the attention's memory traffic).
+    (float16 for a half cache) [B, H, L / 16, D, 16] (L the capacity rounded up to 16):
+    cpu_rope_attention writes each step's keys into it and attends from it, instead of
+    transposing every attended key again at every step and layer (at a few hundred keys about
+    half the attention's memory traffic).
     Blocks, not one [D, L] matrix: a block of 16 keys is 4 KB read in order (D = 64), where D rows
     a page apart left the prefetcher nothing to follow. cpu_kv_commit moves its slots with the
     cache's. Zeros at first: a slot is read only after this call wrote it."""
     B, H, cap, D = keys.shape
-    return torch.zeros(B, H, -(-cap // 16), D, 16, dtype=torch.float32)
+    dtype = torch.float16 if keys.dtype == torch.float16 else torch.float32
+    return torch.zeros(B, H, -(-cap // 16), D, 16, dtype=dtype)
 
 
 def lean_decoder(model) -> LeanDecoder | None:

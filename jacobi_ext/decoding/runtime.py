@@ -41,6 +41,7 @@ import warnings
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
+from ..models.quantized import kv_cache_dtype
 from .lean import lean_decoder
 from .masks import for_backend, prefill_mask, step_mask, step_positions
 from .prepack import packed
@@ -66,20 +67,28 @@ def bucket(q: int) -> int:
 
 class SlotLayer(StaticLayer):
     """A StaticLayer that writes where the runtime says (its current write slots) and returns
-    the buffers up to the runtime's attended width."""
+    the buffers up to the runtime's attended width. Its buffers hold the runtime's K/V element
+    type (`kv_dtype`: the model's, or float16 for a half cache on a CPU)."""
 
     def __init__(self, max_cache_len: int, runtime: StaticRuntime) -> None:
         super().__init__(max_cache_len=max_cache_len)
         self._rt = runtime
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *a, **kw):
+        kv = self._rt.kv_dtype
+        super().lazy_initialization(key_states.to(kv), value_states.to(kv), *a, **kw)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         slots = self._rt.write_slots
-        self.keys.index_copy_(2, slots, key_states)
-        self.values.index_copy_(2, slots, value_states)
+        self.keys.index_copy_(2, slots, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, slots, value_states.to(self.values.dtype))
         w = self._rt.attend
-        return self.keys[:, :, :w], self.values[:, :, :w]
+        k, v = self.keys[:, :, :w], self.values[:, :, :w]
+        if k.dtype != key_states.dtype:  # a half cache, read by an attention of the model's dtype
+            return k.to(key_states.dtype), v.to(value_states.dtype)
+        return k, v
 
     def get_seq_length(self) -> int:  # positions are always passed explicitly
         return 0
@@ -145,6 +154,7 @@ class StaticRuntime:
     ) -> None:
         p = next(model.parameters())
         self.model, self.device, self.dtype = model, p.device, p.dtype
+        self.kv_dtype = kv_cache_dtype(model)  # the cache's elements: dtype, or a CPU's fp16
         self.B, self.scratch, self.committed = batch, scratch, committed
         self.capacity = scratch + committed
         dev = self.device
@@ -184,6 +194,7 @@ class StaticRuntime:
             and committed <= self.committed
             and scratch <= self.scratch
             and (p.device, p.dtype) == (self.device, self.dtype)
+            and kv_cache_dtype(model) == self.kv_dtype
         )
 
     def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask, prefill: bool = False,

@@ -87,10 +87,12 @@ def model_key(model) -> str:
     which = prepack.backend(model)
     if which is not None:  # packed CPU linears cost differently: a curve of their own
         raw += "|prepack" if which == "onednn" else f"|{which}"
-    from ..models.quantized import describe, is_quantized
+    from ..models.quantized import describe, is_quantized, kv_cache_dtype
 
     if is_quantized(model):  # GGUF codes: their types and mode (8-bit activations) cost apart
-        raw += f"|{describe(model)}"
+        raw += f"|{describe(model)}"  # (and a half K/V cache)
+    elif kv_cache_dtype(model) != p.dtype:  # a half K/V cache costs apart
+        raw += f"|kv {kv_cache_dtype(model)}"
     key = hashlib.sha1(raw.encode()).hexdigest()[:16]
     if stamp is not None:
         model._jacobi_ext_key = (stamp, key)

@@ -53,6 +53,7 @@ def load_model(
     verbose: bool = False,
     dequantize: bool | None = None,
     int8_activations: bool = False,
+    kv_cache_dtype: torch.dtype | str | None = None,
 ):
     """Load a causal LM and its tokenizer, offline.
 
@@ -72,16 +73,33 @@ def load_model(
     codes in integers (llama.cpp's kind of arithmetic; faster, no longer the fp32 model's
     logits, every method still exactly this mode's own `ar`):
     `jacobi_ext.models.quantized.set_int8_activations`.
+    `kv_cache_dtype`: the K/V cache's element type when a float32 model decodes on a CPU,
+    "float16" (half its bytes; llama.cpp's default) or "float32"; None: float16 with
+    `int8_activations`, else exact (the model's dtype).
+    `jacobi_ext.models.quantized.set_kv_cache_dtype`.
     Returns `(model, tokenizer)` with the model in eval mode on `device`.
     """
+    kv = _kv_dtype(kv_cache_dtype)
     model, tokenizer = _load_model(
         name_or_path, dtype, device, attn_implementation, verbose, dequantize
     )
-    if int8_activations:
-        from .quantized import set_int8_activations
+    from .quantized import set_int8_activations, set_kv_cache_dtype
 
+    if int8_activations:
         set_int8_activations(model)
+    if kv is not None:
+        set_kv_cache_dtype(model, kv)
     return model, tokenizer
+
+
+def _kv_dtype(name: torch.dtype | str | None) -> torch.dtype | None:
+    """A K/V cache dtype by name (before a model loads: a typo costs nothing)."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    kv = DTYPE_NAMES.get(str(name))
+    if kv not in (torch.float16, torch.float32):
+        raise ValueError(f"kv_cache_dtype is float16 or float32 (None: the default), got {name!r}")
+    return kv
 
 
 def _load_model(name_or_path, dtype, device, attn_implementation, verbose, dequantize):
@@ -350,4 +368,5 @@ def load_from_args(args):
         device=args.device,
         dequantize=True if getattr(args, "dequantize", False) else None,
         int8_activations=getattr(args, "int8_activations", False),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
     )

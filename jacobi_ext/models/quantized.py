@@ -184,9 +184,49 @@ class _Group:
 INT8_TYPES = (3, 8)  # Q4_1, Q8_0
 
 
-def set_int8_activations(model, on: bool = True) -> int:
+#: Where a model keeps the element type chosen for its K/V cache (set_kv_cache_dtype).
+_KV_ATTR = "_jacobi_ext_kv_dtype"
+
+
+def set_kv_cache_dtype(model, dtype: torch.dtype | None) -> None:
+    """Keep the model's K/V cache in `dtype` when it decodes on a CPU: torch.float16 (half the
+    cache's bytes, llama.cpp's default cache type) or None / the model's dtype (exact: the default).
+
+    A half cache holds each key (after its rotary embedding) and value rounded to fp16; the
+    attention widens them exactly where it reads them, so its result is the fp32 attention over
+    the rounded keys and values. The logits are then no longer the fp32 model's (greedy answers may
+    part from transformers' at near-ties), but every decoding method still returns exactly this
+    mode's own `ar` (each key is rounded alike whichever step writes it). For a float32 model on
+    a CPU only; a GPU or bf16 model keeps its dtype. Takes effect at the next `generate` call."""
+    if dtype is not None and dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"a K/V cache is float16 or float32 (None: the model's), got {dtype}")
+    p = next(model.parameters(), None)
+    if dtype == torch.float16 and p is not None and p.dtype != torch.float32:
+        raise ValueError(
+            f"a float16 K/V cache goes with a float32 model on a CPU; this one is {p.dtype} "
+            f"on {p.device}"
+        )
+    if dtype == torch.float16:
+        object.__setattr__(model, _KV_ATTR, torch.float16)
+    else:
+        model.__dict__.pop(_KV_ATTR, None)
+    model.__dict__.pop("_jacobi_ext_key", None)  # the tuner's curve: this cache's own
+
+
+def kv_cache_dtype(model) -> torch.dtype:
+    """The element type of the model's K/V cache when it decodes: float16 where
+    set_kv_cache_dtype asked for it and the model is float32 on a CPU, else the model's dtype."""
+    p = next(model.parameters())
+    want = model.__dict__.get(_KV_ATTR)
+    if want == torch.float16 and p.dtype == torch.float32 and p.device.type == "cpu":
+        return torch.float16
+    return p.dtype
+
+
+def set_int8_activations(model, on: bool = True, fp16_kv_cache: bool | None = None) -> int:
     """Run the model's Q4_1 and Q8_0 linears (the default model's layers and its LM head) on
-    8-bit activations (on=True) or exactly (on=False).
+    8-bit activations (on=True) or exactly (on=False); with the 8-bit activations, a K/V cache
+    in float16 (`fp16_kv_cache`, default: as `on`; set_kv_cache_dtype): llama.cpp's defaults.
 
     Exact (the default): every output is the fp32 product with the exactly dequantized weight,
     bitwise the model dequantized to fp32. On 8-bit activations (llama.cpp's kind of arithmetic):
@@ -209,6 +249,8 @@ def set_int8_activations(model, on: bool = True) -> int:
             "int8 activations run on Q4_1 / Q8_0 GGUF codes; this model has no such linear on its "
             f"codes ({describe(model)}): load a Q4_1 or Q8_0 .gguf file without dequantize=True"
         )
+    half = on if fp16_kv_cache is None else fp16_kv_cache
+    set_kv_cache_dtype(model, torch.float16 if half else None)
     return n
 
 
@@ -273,7 +315,8 @@ def describe(model) -> str:
             counts[key] = counts.get(key, 0) + 1
     parts = ", ".join(f"{k} x {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
     parts += " + LoRA (unmerged)" if lora else ""
-    return parts + (f", {' and '.join(sorted(int8))} on int8 activations" if int8 else "")
+    parts += f", {' and '.join(sorted(int8))} on int8 activations" if int8 else ""
+    return parts + (", fp16 K/V cache" if kv_cache_dtype(model) == torch.float16 else "")
 
 
 # ---- loading -------------------------------------------------------------------------------------
