@@ -50,7 +50,8 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 inline Vec load_vec(const float* p, int64_t n) { return Vec::loadu(p, n); }
 inline Vec load_vec(const c10::Half* p, int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (n == kVL) return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  if (n == kVL)
+    return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 #elif defined(CPU_CAPABILITY_AVX2)
   if (n == kVL) return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #endif

@@ -196,8 +196,9 @@ def set_kv_cache_dtype(model, dtype: torch.dtype | None) -> None:
     attention widens them exactly where it reads them, so its result is the fp32 attention over
     the rounded keys and values. The logits are then no longer the fp32 model's (greedy answers may
     part from transformers' at near-ties), but every decoding method still returns exactly this
-    mode's own `ar` (each key is rounded alike whichever step writes it). For a float32 model on
-    a CPU only; a GPU or bf16 model keeps its dtype. Takes effect at the next `generate` call."""
+    mode's own `ar` (each key is rounded alike whichever step writes it). float16 needs a
+    float32 model (ValueError otherwise) and takes effect on a CPU (on a GPU the cache keeps the
+    model's dtype), at the next `generate` call."""
     if dtype is not None and dtype not in (torch.float16, torch.float32):
         raise ValueError(f"a K/V cache is float16 or float32 (None: the model's), got {dtype}")
     p = next(model.parameters(), None)
@@ -216,7 +217,9 @@ def set_kv_cache_dtype(model, dtype: torch.dtype | None) -> None:
 def kv_cache_dtype(model) -> torch.dtype:
     """The element type of the model's K/V cache when it decodes: float16 where
     set_kv_cache_dtype asked for it and the model is float32 on a CPU, else the model's dtype."""
-    p = next(model.parameters())
+    p = next(model.parameters(), None)
+    if p is None:
+        return torch.float32
     want = model.__dict__.get(_KV_ATTR)
     if want == torch.float16 and p.dtype == torch.float32 and p.device.type == "cpu":
         return torch.float16
