@@ -60,6 +60,12 @@ inline Vec load_vec(const c10::Half* p, int64_t n) {
   return Vec::loadu(lanes);
 }
 
+// The element the attention reads a cache of KV elements in, where it reads them in place (the
+// caller's transposed keys, V): fp16 as stored (load_vec widens it), anything else fp32 (fp32
+// itself; bf16 is widened into scratch first).
+template <typename KV>
+using ReadElement = std::conditional_t<std::is_same_v<KV, c10::Half>, c10::Half, float>;
+
 // Where key vector v (keys [v kVL, v kVL + kVL)) of a group's keys starts in their transposed
 // blocks, [W / kKeyPad][D][kKeyPad] (decode_cpu.h): feature d is kKeyPad elements further on.
 template <typename E>
@@ -344,8 +350,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   const int64_t groups = a.B * a.Hkv;
   constexpr bool kF32 = std::is_same_v<KV, float>;
   constexpr bool kInPlace = kF32 || std::is_same_v<KV, c10::Half>;  // V read where it is
-  using VE = std::conditional_t<kInPlace, KV, float>;  // the element p V reads
-  using KtE = std::conditional_t<kInPlace, KV, float>;  // the element of the caller's Kt
+  using E = ReadElement<KV>;  // the element of V as p V reads it, and of the caller's Kt
   static_assert(kKeyPad == 16, "a key block is one 16 x 16 transpose wide");
   float* kt_all = a.scratch;
   float* v_all = kt_all + groups * D * ldk;
@@ -354,7 +359,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   const int64_t tmp_per_thread = 2 * kRows * ldk + 2 * kRows * D;
   float* shared_s = tmp_all + at::get_num_threads() * tmp_per_thread;  // few rows: all scores
   const int64_t ldv = kInPlace ? a.sv_w : D;
-  auto v_rows = [&](int64_t g) -> const VE* {
+  auto v_rows = [&](int64_t g) -> const E* {
     if constexpr (kInPlace) {
       return vp + (g / a.Hkv) * a.sv_b + (g % a.Hkv) * a.sv_h;
     } else {
@@ -396,7 +401,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   });
   // Scores of `rows` rows (q: rows x D) over key vectors [v0, v1) of group g, from the caller's
   // Kt (fp32, or fp16 with a half cache) or the one made above (fp32): the same values.
-  const KtE* kt_kept = static_cast<const KtE*>(a.kt);
+  const E* kt_kept = static_cast<const E*>(a.kt);
   auto group_scores = [&](int rows, const float* q, int64_t g, int64_t v0, int64_t v1, float* s) {
     if (kept) return scores(rows, q, D, kt_kept + g * D * a.ldkt, v0, v1, s, ldk);
     scores(rows, q, D, kt_all + g * D * ldk, v0, v1, s, ldk);
@@ -539,7 +544,7 @@ void rope_attn(const RopeAttnArgs& a) {
   const T* sn = static_cast<const T*>(a.sin);
   KV* kc = static_cast<KV*>(a.k_cache);
   KV* vc = static_cast<KV*>(a.v_cache);
-  using KtE = std::conditional_t<std::is_same_v<KV, c10::Half>, c10::Half, float>;
+  using KtE = ReadElement<KV>;  // the transposed keys' element
   KtE* ktc = static_cast<KtE*>(a.kt_cache);
   // k rotated and v copied into the cache (small: Q rows of Hkv heads); a half cache rounds the
   // rotated k (in T, as transformers rotates) and v to fp16 there.
