@@ -211,7 +211,7 @@ def set_kv_cache_dtype(model, dtype: torch.dtype | None) -> None:
         object.__setattr__(model, _KV_ATTR, torch.float16)
     else:
         model.__dict__.pop(_KV_ATTR, None)
-    model.__dict__.pop("_jacobi_ext_key", None)  # the tuner's curve: this cache's own
+    model.__dict__.pop("_jacobi_ext_key", None)  # the tuner's curve: this mode's and cache's own
 
 
 def kv_cache_dtype(model) -> torch.dtype:
@@ -246,14 +246,13 @@ def set_int8_activations(model, on: bool = True, fp16_kv_cache: bool | None = No
             n += 1
             if m.group is not None:
                 m.group.int8 = bool(on)
-    model.__dict__.pop("_jacobi_ext_key", None)  # the tuner's curve: this mode's own
     if on and n == 0:
         raise ValueError(
             "int8 activations run on Q4_1 / Q8_0 GGUF codes; this model has no such linear on its "
             f"codes ({describe(model)}): load a Q4_1 or Q8_0 .gguf file without dequantize=True"
         )
     half = on if fp16_kv_cache is None else fp16_kv_cache
-    set_kv_cache_dtype(model, torch.float16 if half else None)
+    set_kv_cache_dtype(model, torch.float16 if half else None)  # (the tuner's key goes with it)
     return n
 
 
