@@ -175,22 +175,40 @@ class BandwidthProbe:
 # ---- one whole call of each kind --------------------------------------------------------------
 
 
+def llama_extra_bufts(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether llama.cpp loads the weights into its extra buffer types (its AMX and repacked CPU
+    layouts), as it does by default: not where the CPU has AMX-INT8, where llama.cpp's AMX
+    matmul segfaults at the first eval (ggml-org/llama.cpp#20824; seen with llama-cpp-python
+    0.3.36 on a Xeon with AMX, 2026-12-01), so llama.cpp runs its AVX-512 / VNNI code on the
+    file's own layout there. JACOBI_BENCH_LLAMA_EXTRA_BUFTS=1 / 0 decides instead."""
+    forced = os.environ.get("JACOBI_BENCH_LLAMA_EXTRA_BUFTS", "").strip()
+    if forced:
+        return forced != "0"
+    try:
+        with open(cpuinfo) as f:
+            return "amx_int8" not in f.read().split()
+    except OSError:
+        return True
+
+
 class LlamaCppGreedy:
     """llama.cpp's greedy decoding of given token ids, one `eval` per new token, in a process of
     its own (bench/llama_cpp_worker.py: ggml's OpenMP beside torch's would slow both)."""
 
-    def __init__(self, path, threads: int, n_ctx: int) -> None:
+    def __init__(self, path, threads: int, n_ctx: int, extra_bufts: bool = True) -> None:
         import subprocess
 
         worker = Path(__file__).with_name("llama_cpp_worker.py")
+        argv = [sys.executable, str(worker), str(path), str(threads), str(n_ctx)]
         self.proc = subprocess.Popen(
-            [sys.executable, str(worker), str(path), str(threads), str(n_ctx)],
+            argv + ([] if extra_bufts else ["off"]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         hello = self.proc.stdout.readline()
         if not hello:
             raise RuntimeError(f"the llama.cpp worker did not start ({worker})")
-        self.version = json.loads(hello)["version"]
+        hello = json.loads(hello)
+        self.version, self.extra_bufts = hello["version"], hello["extra_bufts"]
 
     def __call__(self, ids: list[int], max_new: int, eos: set[int]) -> dict:
         req = {"ids": list(map(int, ids)), "max_new": max_new, "eos": sorted(eos)}
@@ -376,7 +394,10 @@ def run(
                 skipped = LLAMA_MISSING.format(exc=exc)
         if skipped is None:
             n_ctx = max(len(ids) for _, ids in named) + max_new + 64
-            llm = LlamaCppGreedy(path, threads, n_ctx=-(-n_ctx // 256) * 256)
+            extra = llama_extra_bufts()
+            llm = LlamaCppGreedy(path, threads, n_ctx=-(-n_ctx // 256) * 256, extra_bufts=extra)
+            if not extra:
+                log("llama.cpp: weights in its own layout, without its extra buffer types (AMX)")
             callers[LLAMA] = lambda ids: llm(ids, max_new, eos)
             model_of[LLAMA] = "base"
         else:
@@ -425,6 +446,9 @@ def run(
             r["weights"] = "GGUF (llama.cpp)" if row == LLAMA else weights[model_of[row]]
             if row == LLAMA:
                 r["llama_cpp_version"] = llm.version
+                r["llama_cpp_extra_bufts"] = llm.extra_bufts
+                if not llm.extra_bufts:
+                    r["settings"] = ["no extra buffer types (AMX)"]
             rows.append(r)
         ref = next((r["tokens_per_s"] for r in rows if r["row"] == LLAMA and not skipped), None)
         rows.append(

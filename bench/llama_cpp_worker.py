@@ -2,7 +2,9 @@
 starts it): ggml brings its own OpenMP runtime and thread pool, which in one process beside
 torch's would slow both. No torch here.
 
-Protocol: argv = model path, threads, n_ctx. Then one JSON request a line on stdin,
+Protocol: argv = model path, threads, n_ctx[, "off"]: "off" loads the weights without
+llama.cpp's extra buffer types (its AMX and repacked CPU layouts; bench_llama_cpp.py says
+where and why). Then one JSON request a line on stdin,
 {"ids": [...], "max_new": N, "eos": [...]}, answered by one JSON line on stdout: the tokens
 and the timings of the whole call, its prefill (the prompt's eval) and its steady decode.
 """
@@ -19,6 +21,18 @@ def main() -> int:
     import numpy as np
 
     path, threads, n_ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    extra_bufts = sys.argv[4:5] != ["off"]
+    if not extra_bufts:  # Llama() loads with these defaults: use_extra_bufts off in them
+        import llama_cpp.llama_cpp as api
+
+        defaults = api.llama_model_default_params
+
+        def without_extra_bufts():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        api.llama_model_default_params = without_extra_bufts
     llm = llama_cpp.Llama(
         model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
         verbose=False, logits_all=False,
@@ -29,7 +43,8 @@ def main() -> int:
         ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # the last evaluated token's logits
         return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
 
-    print(json.dumps({"version": getattr(llama_cpp, "__version__", "?")}), flush=True)
+    hello = {"version": getattr(llama_cpp, "__version__", "?"), "extra_bufts": extra_bufts}
+    print(json.dumps(hello), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         ids, max_new, eos = req["ids"], req["max_new"], set(req["eos"])
