@@ -68,9 +68,9 @@ def build_info() -> dict[str, object]:
         # GGUF tensor types the CPU linear reads as stored (jacobi_ext.models.quantized)
         "gguf types read": ", ".join(_gguf_types()) or "none",
         # ... and those it also reads on 8-bit activations (int8_activations=True)
-        # (and the tile that multiplies them: avx512-vnni-vbmi, avx512-vnni, avx2 or scalar:
-        # the same bits)
-        "gguf int8 activations": f"Q4_1, Q8_0 ({_int8_tile()} tile)" if _gguf_types() else "none",
+        # (and the tile that multiplies them: amx-int8 for calls of many rows with
+        # avx512-vnni-vbmi for few, avx512-vnni-vbmi, avx512-vnni, avx2 or scalar: the same bits)
+        "gguf int8 activations": f"Q4_1, Q8_0 ({_int8_tile()})" if _gguf_types() else "none",
         "cpu threads": torch.get_num_threads(),
     }
 
@@ -78,7 +78,9 @@ def build_info() -> dict[str, object]:
 def _int8_tile() -> str:
     from .kernels._native import CPU_INT8_TILE
 
-    return CPU_INT8_TILE
+    if CPU_INT8_TILE == "amx-int8":  # csrc/cpu/linear_gguf_cpu.cpp: kAmxMinRows
+        return "amx-int8 tile for prefills and wide steps, avx512-vnni-vbmi for few rows"
+    return f"{CPU_INT8_TILE} tile"
 
 
 def _gguf_types() -> list[str]:

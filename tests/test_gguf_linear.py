@@ -236,7 +236,8 @@ def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
     """The integer sums are exact and the float steps the same fused multiply-adds in the same
     order on every ISA: the scalar loop and the vector tiles (AVX2's maddubs; AVX512-VNNI's
     vpdpbusd where the CPU has it, its codes arranged by vpermt2b where it has AVX512-VBMI too,
-    and the AVX2 tile in the AVX-512 build without VNNI) give the same bits."""
+    AMX's tile products for 4 rows or more where it has AMX-INT8, and the AVX2 tile in the
+    AVX-512 build without VNNI) give the same bits."""
     tiles = {"baseline": "scalar", "avx2": "avx2", "avx512": "avx2"}
     runs = [(isa, tiles[isa], {}) for isa in ISAS[: ISAS.index(best_isa) + 1]]
     cpuinfo = Path("/proc/cpuinfo")
@@ -247,7 +248,9 @@ def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
         runs[-1] = ("avx512", "avx512-vnni", {"JACOBI_EXT_CPU_VBMI": "0"})
         runs.append(("avx512", "avx2", {"JACOBI_EXT_CPU_VNNI": "0"}))
         if "avx512vbmi" in flags:
-            runs.append(("avx512", "avx512-vnni-vbmi", {}))
+            runs.append(("avx512", "avx512-vnni-vbmi", {"JACOBI_EXT_CPU_AMX": "0"}))
+            if {"amx_tile", "amx_int8"} <= flags:
+                runs.append(("avx512", "amx-int8", {}))
     got = {}
     for isa, tile, extra in runs:
         name = f"{isa}-{tile}"
@@ -257,7 +260,8 @@ def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
             "from test_gguf_linear import int8_this_process\n"
             f"int8_this_process({isa!r}, {tile!r}, {str(tmp_path / name)!r}, {str(out)!r})\n"
         )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JACOBI_EXT_CPU_V")}
+        tiles_env = ("JACOBI_EXT_CPU_V", "JACOBI_EXT_CPU_AMX")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(tiles_env)}
         env.update(JACOBI_EXT_CPU_ISA=isa, **extra)
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=env, cwd=tmp_path)  # fmt: skip

@@ -24,6 +24,14 @@
 #include <immintrin.h>
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <cpuid.h>  // the AMX tile's CPU check
+#if defined(__linux__)
+#include <sys/syscall.h>  // ... and its permission (arch_prctl)
+#include <unistd.h>
+#endif
+#endif
+
 #include "cpu/linear_tile.h"
 
 namespace jacobi::cpu::JACOBI_ISA {
@@ -965,6 +973,11 @@ inline void int8_panel(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*,
                        const float*, const float*, int64_t, float*) {}
 #endif
 
+// The AMX tile's shape (below): rows of x per tile product, and the fewest rows of a call it
+// takes (fewer: the VNNI tile).
+constexpr int kAmxRows = 16;
+constexpr int kAmxMinRows = 16;
+
 #if defined(CPU_CAPABILITY_AVX512)
 // ---- The 8-bit tile on AVX512-VNNI (vpdpbusd), chosen at run time where the CPU has it --------
 //
@@ -1058,7 +1071,8 @@ JACOBI_VNNI_TARGET inline void vnni_codes(const uint8_t* codes, int s, __m512i* 
 // vnni_codes for both halves of a group with VBMI: byte rows 4t .. 4t+3 of the 32 columns are 128
 // contiguous bytes, and one vpermt2b per half puts column c's four bytes in its lane (lane byte i
 // from row 4t + i): the same lanes as vnni_codes builds from 4 widening loads, 3 shifts and 2 ors
-// a row set and half. Q4_1's nibbles are then split as there, Q8_0's codes taken plus 128.
+// a row set and half. Q4_1's nibbles are then split as there, Q8_0's codes taken plus 128 (or,
+// for the AMX tile's signed product, kept as stored: kUnsigned = false).
 struct VbmiIndex {  // half h: lane j's byte i is row 4t + i's column 16 h + j
   alignas(64) int8_t at[2][64];
   VbmiIndex() {
@@ -1068,7 +1082,7 @@ struct VbmiIndex {  // half h: lane j's byte i is row 4t + i's column 16 h + j
   }
 };
 
-template <GgufType T>
+template <GgufType T, bool kUnsigned = true>
 JACOBI_VBMI_TARGET inline void vnni_codes_vbmi(const uint8_t* codes, const __m512i* idx,
                                                __m512i (*w)[8]) {
   constexpr int kSets = T == GgufType::q4_1 ? 4 : 8;  // sets of 4 byte rows in a group
@@ -1081,8 +1095,10 @@ JACOBI_VBMI_TARGET inline void vnni_codes_vbmi(const uint8_t* codes, const __m51
         const __m512i nib = _mm512_set1_epi8(0x0F);
         w[h][2 * t] = _mm512_and_si512(v, nib);
         w[h][2 * t + 1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nib);
-      } else {
+      } else if constexpr (kUnsigned) {
         w[h][t] = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+      } else {
+        w[h][t] = v;
       }
     }
   }
@@ -1169,9 +1185,166 @@ JACOBI_VBMI_TARGET void int8_panel_vbmi(const uint8_t* panel, int64_t groups, in
     vnni_group<T>(grp, w, g, M, qa, ldq, qsum, dx, msx, ldg, out);
   }
 }
+
+// ---- The 8-bit tile on AMX (tdpbsud / tdpbssd), chosen at run time for prefills ---------------
+//
+// Why: a CPU with AMX-INT8 (Sapphire Rapids and later) multiplies a tile of up to 16 rows of x
+// bytes by a tile of 16 columns' code bytes in one instruction, each column's 32-bit sum per row:
+// for one group of 32 k at 16 rows, the work of 16 x 8 vpdpbusd. But each group's sums must leave
+// the tile (its scales differ per group and row), so per group and 16 rows it costs two tile
+// products, three tile loads and two tile stores (~66 cycles, at the unit's rate), and the float
+// steps per row stay. Measured on a 2-core Xeon with AMX (2026-12-01; one 1536 x 576 Q4_1 linear,
+// hot, 2 threads): 1.14x the VNNI tile at 16 rows, 1.3x at 64, slower at 4 (22 against 18 us);
+// a 512-token prefill of SmolLM2-135M 1.2-1.25x, a 128-token one 1.1-1.17x, 16-32-token steps
+// equal. So it takes calls of kAmxMinRows rows or more (prefills, wide steps); fewer stay on the
+// VNNI tile.
+//
+// The same integer sums (exact) and then the same fused multiply-adds per column and group, in
+// the same order, as int8_panel_row_scalar: the same bits as every other tile. The codes are
+// arranged by vnni_codes_vbmi into the VNNI tile's lanes, which are the layout a tile product
+// reads for its second operand (row j: each column's four codes that pair with x bytes
+// 4j .. 4j+3), and loaded as two tiles (the panel's two halves of 16 columns); Q4_1 takes x
+// arranged as for VNNI (vnni_arrange_row) times unsigned nibbles (tdpbsud), Q8_0 x as quantized
+// times its codes as stored, both signed (tdpbssd: no +128). Tiles: 0 and 1 the halves' sums (R
+// rows x 16 int32), 2 the x rows (R x 32 bytes), 3 and 4 the halves' codes (8 rows x 64 bytes);
+// R = min(M, kAmxRows), configured per thread and call.
+#define JACOBI_AMX_TARGET                                                                \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,amx-tile,"      \
+                        "amx-int8")))
+
+constexpr int kAmxChunk = 8;  // groups arranged ahead of their products (8 KB of codes)
+
+// Whether the CPU has AMX-TILE and AMX-INT8 and the OS lets this process use them (Linux: asked
+// for once; without it the first tile instruction faults), unless JACOBI_EXT_CPU_AMX=0 turns the
+// tile off (the same bits either way). It arranges codes with VBMI, which every AMX CPU has, so
+// JACOBI_EXT_CPU_VBMI=0 (and _VNNI=0) turn it off too. Cached.
+bool cpu_has_amx_int8() {
+  static const bool has = [] {
+    if (turned_off("JACOBI_EXT_CPU_AMX") || !cpu_has_avx512_vbmi()) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+    constexpr unsigned kAmxTile = 1u << 24, kAmxInt8 = 1u << 25;  // CPUID.(7, 0):EDX
+    if ((d & kAmxTile) == 0 || (d & kAmxInt8) == 0) return false;
+#if defined(__linux__)
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl, the tile data state
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return has;
+}
+
+// The palette-1 tile configuration (64 bytes, Intel's layout).
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row of each tile
+  uint8_t rows[16] = {};
+};
+
+// This thread's tiles for products of `rows` rows of x (<= kAmxRows).
+JACOBI_AMX_TARGET void amx_configure(int rows) {
+  AmxConfig c;
+  c.rows[0] = c.rows[1] = c.rows[2] = static_cast<uint8_t>(rows);
+  c.colsb[0] = c.colsb[1] = 64;
+  c.colsb[2] = kInt8Group;
+  c.rows[3] = c.rows[4] = kInt8Group / 4;
+  c.colsb[3] = c.colsb[4] = 64;
+  // ldtilecfg in asm with c as a memory operand: GCC 12's _tile_loadconfig does not tell the
+  // compiler that it reads c, which then dropped c's stores (every tile unconfigured, the first
+  // tile load faulting).
+  asm volatile("ldtilecfg %0" : : "m"(c));
+}
+
+// This thread's tiles given back (their state no longer saved at each context switch).
+JACOBI_AMX_TARGET void amx_release() { _tile_release(); }
+
+// int8_panel on AMX: one panel times all M rows (qa [M', ldq] as for the VNNI tile, Q4_1's
+// arranged, M' = M rounded up to whole tiles of kAmxRows: the last product reads rows past M,
+// whose sums are not used) into out [M, kNR]. The thread's tiles configured by amx_configure
+// for min(M, kAmxRows) rows. Per chunk of kAmxChunk groups, in three passes: the codes arranged
+// and the scales widened; then, per tile of rows, every group's two tile products, their sums
+// stored; then the float steps, row by row, each row's outputs in registers over the chunk's
+// groups in order. (Arranging each group right before its products, sums and float steps group
+// by group, ran 5-10 % slower at 16-64 rows.)
+template <GgufType T>
+JACOBI_AMX_TARGET void int8_panel_amx(const uint8_t* panel, int64_t groups, int64_t gbytes,
+                                      int64_t M, const int8_t* qa, int64_t ldq, const float* dx,
+                                      const float* msx, int64_t ldg, float* out) {
+  static_assert(kNR == 32, "the AMX tile takes a panel as two tiles of 16 columns");
+  static const VbmiIndex index;
+  const __m512i idx[2] = {_mm512_load_si512(index.at[0]), _mm512_load_si512(index.at[1])};
+  alignas(64) __m512i w[kAmxChunk][2][8];                   // the chunk's arranged codes
+  alignas(64) int32_t sums[kAmxChunk][2][kAmxRows][16];     // ... their sums, a tile of rows
+  alignas(64) float scales[kAmxChunk][2][2][16];            // ... d and m of each half, fp32
+  std::fill(out, out + M * kNR, 0.f);
+  for (int64_t g0 = 0; g0 < groups; g0 += kAmxChunk) {
+    const int gn = static_cast<int>(std::min<int64_t>(kAmxChunk, groups - g0));
+    for (int i = 0; i < gn; ++i) {
+      const uint8_t* grp = panel + (g0 + i) * gbytes;
+      prefetch_group(grp, gbytes);
+      vnni_codes_vbmi<T, /*kUnsigned=*/false>(grp + int8_header<T>(), idx, w[i]);
+      for (int h = 0; h < 2; ++h) {
+        _mm512_store_ps(scales[i][0][h], _mm512_cvtph_ps(_mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(grp + 32 * h))));
+        if constexpr (T == GgufType::q4_1) {
+          _mm512_store_ps(scales[i][1][h],
+                          _mm512_cvtph_ps(_mm256_loadu_si256(
+                              reinterpret_cast<const __m256i*>(grp + 2 * kNR + 32 * h))));
+        }
+      }
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+      for (int i = 0; i < gn; ++i) {
+        _tile_loadd(2, qa + m0 * ldq + (g0 + i) * kInt8Group, ldq);
+        _tile_loadd(3, w[i][0], 64);
+        _tile_loadd(4, w[i][1], 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        if constexpr (T == GgufType::q4_1) {
+          _tile_dpbsud(0, 2, 3);
+          _tile_dpbsud(1, 2, 4);
+        } else {
+          _tile_dpbssd(0, 2, 3);
+          _tile_dpbssd(1, 2, 4);
+        }
+        _tile_stored(0, sums[i][0], 64);
+        _tile_stored(1, sums[i][1], 64);
+      }
+      const int64_t rows = std::min<int64_t>(kAmxRows, M - m0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = m0 + r;
+        float* o = out + row * kNR;
+        __m512 acc[2] = {_mm512_loadu_ps(o), _mm512_loadu_ps(o + 16)};
+        for (int i = 0; i < gn; ++i) {
+          const __m512 vdx = _mm512_set1_ps(dx[row * ldg + g0 + i]);
+          const __m512 vmsx = _mm512_set1_ps(msx[row * ldg + g0 + i]);
+          for (int h = 0; h < 2; ++h) {
+            const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i][h][r]));
+            const __m512 dd = _mm512_mul_ps(_mm512_load_ps(scales[i][0][h]), vdx);
+            acc[h] = _mm512_fmadd_ps(dd, isum, acc[h]);
+            if constexpr (T == GgufType::q4_1) {
+              acc[h] = _mm512_fmadd_ps(_mm512_load_ps(scales[i][1][h]), vmsx, acc[h]);
+            }
+          }
+        }
+        _mm512_storeu_ps(o, acc[0]);
+        _mm512_storeu_ps(o + 16, acc[1]);
+      }
+    }
+  }
+}
 #else
 inline bool cpu_has_avx512_vnni() { return false; }
 inline bool cpu_has_avx512_vbmi() { return false; }
+inline bool cpu_has_amx_int8() { return false; }
+inline void amx_configure(int) {}
+inline void amx_release() {}
+template <GgufType T>
+inline void int8_panel_amx(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, int64_t,
+                           const float*, const float*, int64_t, float*) {}
 inline void vnni_arrange_row(const int8_t*, int64_t, int8_t*) {}
 template <GgufType T>
 inline void int8_panel_vnni(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, int64_t,
@@ -1195,11 +1368,14 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
   // threads (on the calling thread alone the other waited through them). Each row alone: the
   // same bytes either way.
   const bool vnni = cpu_has_avx512_vnni(), vbmi = cpu_has_avx512_vbmi();
+  const bool amx = a.M >= kAmxMinRows && cpu_has_amx_int8();
   const bool arrange = vnni && T == GgufType::q4_1;
   thread_local std::vector<int8_t> q, qa;
   thread_local std::vector<float> dx, msx;
   thread_local std::vector<int32_t> qsum;
-  q.resize(static_cast<size_t>(a.M * a.K));
+  // the AMX tile's last product reads whole tiles of rows (those past M unused)
+  const int64_t q_rows = amx ? (a.M + kAmxRows - 1) / kAmxRows * kAmxRows : a.M;
+  q.resize(static_cast<size_t>(q_rows * a.K));
   if (arrange) qa.resize(q.size());
   dx.resize(static_cast<size_t>(a.M * groups));
   msx.resize(static_cast<size_t>(a.M * groups));
@@ -1229,11 +1405,14 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
       big.resize(static_cast<size_t>(a.M * kNR));
       out = big.data();
     }
+    if (amx) amx_configure(static_cast<int>(std::min<int64_t>(a.M, kAmxRows)));
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kNR;
       const int cols = static_cast<int>(std::min<int64_t>(kNR, a.N - n0));
       const uint8_t* panel = packed + p * panel_bytes;
-      if (vbmi) {
+      if (amx) {
+        int8_panel_amx<T>(panel, groups, gbytes, a.M, qvp, a.K, dxp, msxp, groups, out);
+      } else if (vbmi) {
         int8_panel_vbmi<T>(panel, groups, gbytes, a.M, qvp, a.K, qsump, dxp, msxp, groups, out);
       } else if (vnni) {
         int8_panel_vnni<T>(panel, groups, gbytes, a.M, qvp, a.K, qsump, dxp, msxp, groups, out);
@@ -1250,6 +1429,7 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
         write_tile<float>(out + m0 * kNR, rows, cols, a, m0, n0);
       }
     }
+    if (amx) amx_release();
   });
 }
 
@@ -1315,6 +1495,7 @@ void linear_gguf(GgufType type, const LinearArgs& a, const GgufLora& lora) {
 }
 
 const char* linear_gguf_int8_tile() {
+  if (cpu_has_amx_int8()) return "amx-int8";  // calls of kAmxMinRows rows or more; fewer: VBMI
   if (cpu_has_avx512_vbmi()) return "avx512-vnni-vbmi";
   if (cpu_has_avx512_vnni()) return "avx512-vnni";
   return kInt8Vector ? "avx2" : "scalar";
