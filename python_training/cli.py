@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jacobi_ext.apps.cli_args import add_sampling_args, sampling_kwargs
+from jacobi_ext.apps.cli_args import DEQUANTIZE_HELP, add_sampling_args, sampling_kwargs
 
 _DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -30,10 +30,11 @@ def _threads(args) -> None:
 
 
 def _add_runtime_args(p) -> None:
-    """Where and how a command runs its model: --dtype, --device, --threads (collect, eval,
-    fidelity)."""
+    """Where and how a command runs its model: --dtype, --device, --dequantize, --threads
+    (collect, eval, fidelity)."""
     p.add_argument("--dtype", default="float32", choices=_DTYPES)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dequantize", action="store_true", help=DEQUANTIZE_HELP)
     p.add_argument("--threads", type=int, default=None)
 
 
@@ -48,7 +49,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts)[args.start : end]
     model, tok = load_model(
         args.model, dtype=_dtype(args.dtype), device=args.device,
-        dequantize=True if getattr(args, "dequantize", False) else None,
+        dequantize=True if args.dequantize else None,
     )  # fmt: skip
     k, N = (int(x) for x in args.shard.split("/"))
     s = collect(
@@ -321,7 +322,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     _threads(args)
     model, tok = load_model(
         args.model, dtype=_dtype(args.dtype), device=args.device,
-        dequantize=True if getattr(args, "dequantize", False) else None,
+        dequantize=True if args.dequantize else None,
     )  # fmt: skip
     s = evaluate(
         model, tok, args.results, methods=args.methods, limit=args.limit, offset=args.offset,
@@ -393,7 +394,7 @@ def _cmd_fidelity(args: argparse.Namespace) -> int:
     rows = rows[args.offset :][: args.limit]  # limit None: all
     model, tok = load_model(
         args.model, dtype=_dtype(args.dtype), device=args.device,
-        dequantize=True if getattr(args, "dequantize", False) else None,
+        dequantize=True if args.dequantize else None,
     )  # fmt: skip
     out = fidelity(model, tok, rows, prompts=args.prompts)
     out["model"], out["reference"] = str(args.model or "base"), str(args.reference)

@@ -72,3 +72,36 @@ def test_train_flags_reach_the_config(monkeypatch, tmp_path, capsys):
     assert (cfg.warmup_ratio, cfg.stop_after_minutes, cfg.window) == (0.02, 45.0, 8)
     assert (cfg.lora_rank, cfg.adapter_out, cfg.random_phase, cfg.data) == (16, "a", True, ["d"])
     assert cfg.ar_prompt is False and TrainConfig().ar_prompt is True  # docs/method.md §3 default
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["collect", "--out", "o", "--limit", "1"],
+        ["eval", "--results", "r.jsonl", "--limit", "1"],
+        ["fidelity", "--reference", "r.jsonl"],
+    ],
+    ids=lambda a: a[0],
+)
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_dequantize_reaches_the_loader(monkeypatch, tmp_path, argv, dequantize):
+    """collect, eval and fidelity take --dequantize (a GGUF teacher in fp32, as transformers
+    loads it) and pass it to load_model; without it the default (the codes on a CPU)."""
+    import jacobi_ext.models
+    import python_training.fidelity
+
+    got = {}
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        got.update(kwargs)
+        raise Loaded
+
+    monkeypatch.setattr(jacobi_ext.models, "load_model", load_model)
+    monkeypatch.setattr(python_training.fidelity, "reference_rows", lambda *a: [])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Loaded):
+        main(argv + (["--dequantize"] if dequantize else []))
+    assert got["dequantize"] is (True if dequantize else None)

@@ -11,6 +11,11 @@ import argparse
 
 from jacobi_ext.models import DTYPE_NAMES
 
+DEQUANTIZE_HELP = (
+    "load a GGUF model dequantized to --dtype, as transformers does (default on a CPU in float32: "
+    "decode from the file's quantized codes, an adapter unmerged on top)"
+)
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model, --dtype, --device, --dequantize, --int8-activations and --kv-cache-dtype (read by
@@ -29,12 +34,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="model dtype (default float32)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
-    p.add_argument(
-        "--dequantize",
-        action="store_true",
-        help="load a GGUF model dequantized to --dtype, as transformers does (default on a CPU "
-        "in float32: decode from the file's quantized codes, an adapter unmerged on top)",
-    )
+    p.add_argument("--dequantize", action="store_true", help=DEQUANTIZE_HELP)
     p.add_argument(
         "--int8-activations",
         action="store_true",
