@@ -69,7 +69,8 @@ def build_info() -> dict[str, object]:
         "gguf types read": ", ".join(_gguf_types()) or "none",
         # ... and those it also reads on 8-bit activations (int8_activations=True)
         # (and the tile that multiplies them: amx-int8 for calls of many rows with
-        # avx512-vnni-vbmi for few, avx512-vnni-vbmi, avx512-vnni, avx2 or scalar: the same bits)
+        # avx512-vnni-vbmi for a step's few, avx512-vnni-vbmi, avx512-vnni, avx2 or scalar:
+        # the same bits)
         "gguf int8 activations": f"Q4_1, Q8_0 ({_int8_tile()})" if _gguf_types() else "none",
         "cpu threads": torch.get_num_threads(),
     }
@@ -79,7 +80,7 @@ def _int8_tile() -> str:
     from .kernels._native import CPU_INT8_TILE
 
     if CPU_INT8_TILE == "amx-int8":  # csrc/cpu/linear_gguf_cpu.cpp: kAmxMinRows
-        return "amx-int8 tile for prefills and wide steps, avx512-vnni-vbmi for few rows"
+        return "amx-int8 tile for prefills and batches, avx512-vnni-vbmi for steps"
     return f"{CPU_INT8_TILE} tile"
 
 

@@ -43,6 +43,9 @@ from gguf_fixtures import (  # noqa: E402
 )
 
 MS = (1, 2, 4, 7, 13, 16, 33, 64)  # 1-4: the 8-bit path straight from the panel; 7+: buffered
+# ... and on 8-bit activations 70 rows too: the AMX tile's calls (65 rows or more), four whole
+# tiles of 16 rows and a last one of 6
+INT8_MS = (*MS, 70)
 NS = (1, 5, 33, 100)  # off every multiple of the panel width (16 / 32)
 BLOCKS = (1, 2, 3)  # blocks along K
 
@@ -176,7 +179,7 @@ def _check_int8_type(tmp_path: Path, qtype, fields, g) -> dict:
         codes, d, m = fields(raw, N, K)
         packed = ops.cpu_linear_gguf_pack([_raw(t)], int(qtype))
         w = _dequantized(t, N, K)
-        for M in MS:
+        for M in INT8_MS:
             x = torch.randn(M, K, generator=g)
             x[0, :7] = 0.0  # a group with zeros (and, at K = 32, most of one)
             if M > 1 and K >= 64:
@@ -236,7 +239,7 @@ def test_int8_activations_same_bits_on_every_isa(best_isa, tmp_path):
     """The integer sums are exact and the float steps the same fused multiply-adds in the same
     order on every ISA: the scalar loop and the vector tiles (AVX2's maddubs; AVX512-VNNI's
     vpdpbusd where the CPU has it, its codes arranged by vpermt2b where it has AVX512-VBMI too,
-    AMX's tile products for 4 rows or more where it has AMX-INT8, and the AVX2 tile in the
+    AMX's tile products for 65 rows or more where it has AMX-INT8, and the AVX2 tile in the
     AVX-512 build without VNNI) give the same bits."""
     tiles = {"baseline": "scalar", "avx2": "avx2", "avx512": "avx2"}
     runs = [(isa, tiles[isa], {}) for isa in ISAS[: ISAS.index(best_isa) + 1]]
@@ -325,7 +328,7 @@ def check_lora(qtype: Q, int8: bool) -> None:
         assert tuple(a.shape) == (-(-r // vl), K, vl)
         b = ops.cpu_linear_pack(torch.randn(N, r, generator=g))
         bias = torch.randn(N, generator=g)
-        for M in (1, 3, 13, 64):
+        for M in (1, 3, 13, 64, 70):  # 70: on 8-bit activations the AMX tile, where there is one
             x = torch.randn(M, K, generator=g)
             base = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, int8_activations=int8)
             want = base + ops.cpu_linear(ops.cpu_linear(x, a_ref, r), b, N)

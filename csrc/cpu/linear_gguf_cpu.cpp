@@ -974,9 +974,12 @@ inline void int8_panel(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*,
 #endif
 
 // The AMX tile's shape (below): rows of x per tile product, and the fewest rows of a call it
-// takes (fewer: the VNNI tile).
+// takes (fewer: the VNNI tile). 65: prefills and batches, not a step of one sequence: at 16-32
+// rows a whole step ran no faster on AMX, and with a switch at 16 the tuner's quick probe
+// (jacobi_ext/decoding/tuning.py: QUICK_SIZES 1, 16, 64) would time its 16-row point on one
+// kernel and the 5-15-row steps it interpolates from it on another.
 constexpr int kAmxRows = 16;
-constexpr int kAmxMinRows = 16;
+constexpr int kAmxMinRows = 65;
 
 #if defined(CPU_CAPABILITY_AVX512)
 // ---- The 8-bit tile on AVX512-VNNI (vpdpbusd), chosen at run time where the CPU has it --------
@@ -1196,7 +1199,7 @@ JACOBI_VBMI_TARGET void int8_panel_vbmi(const uint8_t* panel, int64_t groups, in
 // steps per row stay. Measured on a 2-core Xeon with AMX (2026-12-01; one 1536 x 576 Q4_1 linear,
 // hot, 2 threads): 1.14x the VNNI tile at 16 rows, 1.3x at 64, slower at 4 (22 against 18 us);
 // a 512-token prefill of SmolLM2-135M 1.2-1.25x, a 128-token one 1.1-1.17x, 16-32-token steps
-// equal. So it takes calls of kAmxMinRows rows or more (prefills, wide steps); fewer stay on the
+// equal. So it takes calls of kAmxMinRows rows or more (prefills, batches); fewer stay on the
 // VNNI tile.
 //
 // The same integer sums (exact) and then the same fused multiply-adds per column and group, in

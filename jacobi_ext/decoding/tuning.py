@@ -147,6 +147,8 @@ class StepCurve:
 #: rounds, that `jacobi-forcing tune` and the demo's plot measure). A first tuned call should
 #: not wait seconds for its answer: on a fresh cache it stays within 1.3x of the same call warm.
 #: The steps tuned calls then run are timed and refine the curve (Tuner.add_step_times).
+#: Every size runs on the same CPU kernel (the 8-bit linear's AMX tile starts past 64 rows:
+#: csrc/cpu/linear_gguf_cpu.cpp, kAmxMinRows), so the sizes between them interpolate one kernel.
 QUICK_SIZES = (1, 16, 64)
 QUICK_CONTEXT = 8
 QUICK_REPEATS = 1
