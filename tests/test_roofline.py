@@ -3,6 +3,7 @@ machine's ceilings (measured once, cached), and what `jacobi-forcing tune` and t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -178,17 +179,25 @@ def test_tune_prints_the_roofline(fake_measure, capsys, monkeypatch) -> None:
                              "t")  # fmt: skip
     monkeypatch.setattr(cli, "_load", lambda args: (model, None))
     monkeypatch.setattr(tuning, "step_curve", lambda *a, **k: curve)
+    working = {}  # the floor's bandwidth: that of a working set of the weights' bytes
+
+    def for_working_set(m, nbytes):
+        working["bytes"] = nbytes
+        return dataclasses.replace(m, read_gbps=20.0)
+
+    monkeypatch.setattr(roofline, "for_working_set", for_working_set)
     monkeypatch.setenv("COLUMNS", "160")
     assert cli.main(["tune"]) == 0
     out = capsys.readouterr().out
-    assert "read bandwidth 10.0 GB/s" in out and "compute peak 100 GFLOP/s" in out
+    assert working["bytes"] == roofline.model_cost(model).weight_bytes
+    assert "read bandwidth 20.0 GB/s" in out and "compute peak 100 GFLOP/s" in out
     assert "float32" in out and "2 threads" in out
     mb = roofline.model_cost(model).weight_bytes / 1e6
     assert f"{mb:.1f} MB of weights" in out
     assert "floor ms" in out and "x floor" in out
     c = roofline.model_cost(model)
     for q, s in zip(curve.sizes, curve.seconds, strict=True):
-        f = roofline.floor_seconds(HAND, c, q, 256)
+        f = roofline.floor_seconds(dataclasses.replace(HAND, read_gbps=20.0), c, q, 256)
         row = next(line for line in out.splitlines() if line.strip("│ ").startswith(f"{q} "))
         assert f"{1e3 * f:.1f}" in row and f"{s / f:.2f}" in row
     assert len(fake_measure) == 1
@@ -215,3 +224,16 @@ def test_report_table_and_plot_carry_the_floor(tmp_path) -> None:
     assert "50.0 MB of weights" in text
     assert report.figure_forward_latency(report.load([path]), tmp_path / "f.png").is_file()
     assert Path(tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_floor_reads_at_the_pace_of_a_working_set_of_the_weights_size() -> None:
+    """for_working_set measures the read bandwidth of as many bytes as the weights, read over and
+    over (a cache that holds them is faster than memory), and the floor follows it; a GPU
+    machine is kept as it is."""
+    nbytes = 8 * 2**20
+    m = roofline.for_working_set(HAND, nbytes)
+    assert m.read_gbps > 0.1 and m.peak_gflops == HAND.peak_gflops and HAND.read_gbps == 10.0
+    cost = roofline.ModelCost(nbytes, 1, 1, 1, 1)
+    assert roofline.floor_seconds(m, cost, 1, 0) == pytest.approx(nbytes / (m.read_gbps * 1e9))
+    gpu = roofline.Machine(**{**HAND.__dict__, "device": "cuda:0"})
+    assert roofline.for_working_set(gpu, nbytes) is gpu

@@ -135,14 +135,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     rho = args.rho if args.rho is not None else prof.get("rho", tuning.PRIOR_RHO)
     # The roofline: what this machine allows each width to cost.
     p = next(model.parameters())
-    with console.status("measuring read bandwidth and compute peak"):
-        machine = roofline.machine(p.device, p.dtype)
     cost = roofline.model_cost(model)
+    with console.status("measuring read bandwidth and compute peak"):
+        machine = roofline.for_working_set(roofline.machine(p.device, p.dtype), cost.weight_bytes)
     console.print(machine.describe())
     console.print(
         f"model: {cost.weight_bytes / 1e6:.1f} MB of weights read per forward, "
         f"{2 * cost.linear_params / 1e6:.0f} MFLOP per token in its linears; "
-        "floor t_min(q) = max(bytes / bandwidth, FLOPs(q) / peak)"
+        "floor t_min(q) = max(bytes / bandwidth, FLOPs(q) / peak), the bandwidth that of as many "
+        "bytes read over and over"
     )
     t = Table(
         title=f"forward time vs new tokens ({curve.hardware}, {curve.dtype}, "

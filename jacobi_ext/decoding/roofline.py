@@ -7,8 +7,10 @@ small), and does 2 FLOPs per linear weight per token plus the attention over the
     t_min(q) = max(weight_bytes / read bandwidth, FLOPs(q) / compute peak).
 
 `machine()` measures the two ceilings (once per hardware / device / dtype / threads, cached as
-JSON next to the tuner's profiles, ~0.2-0.4 s on a 2-core CPU); `model_cost()` reads the bytes
-and FLOPs off the model; `floor_seconds()` combines them; `roofline_rows()` puts a measured
+JSON next to the tuner's profiles, ~0.2-0.4 s on a 2-core CPU), `for_working_set()` the read
+bandwidth of as many bytes as a model's weights, read over and over (where they fit in a cache,
+faster than memory); `model_cost()` reads the bytes and FLOPs off the model; `floor_seconds()`
+combines them; `roofline_rows()` puts a measured
 StepCurve beside the floor (`jacobi-forcing tune`, the forward-latency benchmark and plot).
 """
 
@@ -19,7 +21,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -163,6 +165,27 @@ def measure_machine(device: torch.device | str = "cpu", dtype=torch.float32) -> 
         hardware=_hardware(dev),
         device=str(dev),
     )
+
+
+@torch.inference_mode()
+def for_working_set(m: Machine, nbytes: int) -> Machine:
+    """`m` with the read bandwidth of a working set of `nbytes` read over and over (a CPU: a
+    buffer that size read once, then the fastest of four reads; a GPU: `m` as it is), measured
+    now. A forward reads the same weights every forward, so they stream from wherever a working
+    set of their size settles, and a cache that holds them is faster than the memory
+    Machine.read_gbps is measured against: on a 2-core Xeon with AMX (2026-12-01) 24-97 MB read
+    over and over at 51-55 GB/s, 200-800 MB at 27-30, so the default GGUF model's 97 MB floor was
+    put at half the pace its weights come at. ~5 reads of nbytes (~0.01-0.1 s)."""
+    if m.device.startswith("cuda") or nbytes <= 0:
+        return m
+    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    buf.sum()
+    fastest = float("inf")
+    for _ in range(4):
+        t0 = time.perf_counter()
+        buf.sum()
+        fastest = min(fastest, time.perf_counter() - t0)
+    return replace(m, read_gbps=buf.numel() * 4 / fastest / 1e9)
 
 
 _MEMO: dict[Path, Machine] = {}
