@@ -1107,13 +1107,10 @@ JACOBI_VBMI_TARGET inline void vnni_codes_vbmi(const uint8_t* codes, const __m51
   }
 }
 
-// int8_panel_vnni's work on group g (at grp) of every row, its codes arranged in w.
+// A group's fp16 scales d (and Q4_1's offsets m) of its two halves of 16 columns, widened
+// (exact): the VNNI and AMX tiles' float steps read them.
 template <GgufType T>
-JACOBI_VNNI_TARGET inline void vnni_group(const uint8_t* grp, const __m512i (*w)[8], int64_t g,
-                                          int64_t M, const int8_t* qa, int64_t ldq,
-                                          const int32_t* qsum, const float* dx, const float* msx,
-                                          int64_t ldg, float* out) {
-  __m512 d[2], m[2];
+JACOBI_VNNI_TARGET inline void group_scales(const uint8_t* grp, __m512* d, __m512* m) {
   for (int h = 0; h < 2; ++h) {
     d[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 32 * h)));
     if constexpr (T == GgufType::q4_1) {
@@ -1121,6 +1118,27 @@ JACOBI_VNNI_TARGET inline void vnni_group(const uint8_t* grp, const __m512i (*w)
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 2 * kNR + 32 * h)));
     }
   }
+}
+
+// 16 columns' outputs after one group: int8_panel_row_scalar's steps, acc = fma(d * dx, isum,
+// acc), then for Q4_1 acc = fma(m, msx, acc) (dx, msx the row's, broadcast). The one place the
+// AVX-512 tiles (VNNI, AMX) spell them.
+template <GgufType T>
+JACOBI_VNNI_TARGET inline __m512 group_step(__m512 acc, __m512 d, __m512 m, __m512 dx,
+                                            __m512 msx, __m512i isum) {
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(isum), acc);
+  if constexpr (T == GgufType::q4_1) acc = _mm512_fmadd_ps(m, msx, acc);
+  return acc;
+}
+
+// int8_panel_vnni's work on group g (at grp) of every row, its codes arranged in w.
+template <GgufType T>
+JACOBI_VNNI_TARGET inline void vnni_group(const uint8_t* grp, const __m512i (*w)[8], int64_t g,
+                                          int64_t M, const int8_t* qa, int64_t ldq,
+                                          const int32_t* qsum, const float* dx, const float* msx,
+                                          int64_t ldg, float* out) {
+  __m512 d[2], m[2];
+  group_scales<T>(grp, d, m);
   for (int64_t r = 0; r < M; ++r) {
     const int8_t* xg = qa + r * ldq + g * kInt8Group;
     // two chains per half (even and odd steps), added at the end: exact integers
@@ -1141,10 +1159,7 @@ JACOBI_VNNI_TARGET inline void vnni_group(const uint8_t* grp, const __m512i (*w)
     for (int h = 0; h < 2; ++h) {
       const __m512i isum = _mm512_add_epi32(acc[h][0], acc[h][1]);
       float* o = out + r * kNR + 16 * h;
-      __m512 v = _mm512_loadu_ps(o);
-      v = _mm512_fmadd_ps(_mm512_mul_ps(d[h], vdx), _mm512_cvtepi32_ps(isum), v);
-      if constexpr (T == GgufType::q4_1) v = _mm512_fmadd_ps(m[h], vmsx, v);
-      _mm512_storeu_ps(o, v);
+      _mm512_storeu_ps(o, group_step<T>(_mm512_loadu_ps(o), d[h], m[h], vdx, vmsx, isum));
     }
   }
 }
@@ -1279,9 +1294,9 @@ JACOBI_AMX_TARGET void int8_panel_amx(const uint8_t* panel, int64_t groups, int6
   static_assert(kNR == 32, "the AMX tile takes a panel as two tiles of 16 columns");
   static const VbmiIndex index;
   const __m512i idx[2] = {_mm512_load_si512(index.at[0]), _mm512_load_si512(index.at[1])};
-  alignas(64) __m512i w[kAmxChunk][2][8];                   // the chunk's arranged codes
-  alignas(64) int32_t sums[kAmxChunk][2][kAmxRows][16];     // ... their sums, a tile of rows
-  alignas(64) float scales[kAmxChunk][2][2][16];            // ... d and m of each half, fp32
+  alignas(64) __m512i w[kAmxChunk][2][8];                // the chunk's arranged codes
+  alignas(64) int32_t sums[kAmxChunk][2][kAmxRows][16];  // ... their sums, a tile of rows
+  __m512 d[kAmxChunk][2], m[kAmxChunk][2];               // ... their scales and offsets
   std::fill(out, out + M * kNR, 0.f);
   for (int64_t g0 = 0; g0 < groups; g0 += kAmxChunk) {
     const int gn = static_cast<int>(std::min<int64_t>(kAmxChunk, groups - g0));
@@ -1289,15 +1304,7 @@ JACOBI_AMX_TARGET void int8_panel_amx(const uint8_t* panel, int64_t groups, int6
       const uint8_t* grp = panel + (g0 + i) * gbytes;
       prefetch_group(grp, gbytes);
       vnni_codes_vbmi<T, /*kUnsigned=*/false>(grp + int8_header<T>(), idx, w[i]);
-      for (int h = 0; h < 2; ++h) {
-        _mm512_store_ps(scales[i][0][h], _mm512_cvtph_ps(_mm256_loadu_si256(
-                                             reinterpret_cast<const __m256i*>(grp + 32 * h))));
-        if constexpr (T == GgufType::q4_1) {
-          _mm512_store_ps(scales[i][1][h],
-                          _mm512_cvtph_ps(_mm256_loadu_si256(
-                              reinterpret_cast<const __m256i*>(grp + 2 * kNR + 32 * h))));
-        }
-      }
+      group_scales<T>(grp, d[i], m[i]);
     }
     for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
       for (int i = 0; i < gn; ++i) {
@@ -1325,12 +1332,8 @@ JACOBI_AMX_TARGET void int8_panel_amx(const uint8_t* panel, int64_t groups, int6
           const __m512 vdx = _mm512_set1_ps(dx[row * ldg + g0 + i]);
           const __m512 vmsx = _mm512_set1_ps(msx[row * ldg + g0 + i]);
           for (int h = 0; h < 2; ++h) {
-            const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i][h][r]));
-            const __m512 dd = _mm512_mul_ps(_mm512_load_ps(scales[i][0][h]), vdx);
-            acc[h] = _mm512_fmadd_ps(dd, isum, acc[h]);
-            if constexpr (T == GgufType::q4_1) {
-              acc[h] = _mm512_fmadd_ps(_mm512_load_ps(scales[i][1][h]), vmsx, acc[h]);
-            }
+            const __m512i isum = _mm512_load_si512(sums[i][h][r]);
+            acc[h] = group_step<T>(acc[h], d[i][h], m[i][h], vdx, vmsx, isum);
           }
         }
         _mm512_storeu_ps(o, acc[0]);

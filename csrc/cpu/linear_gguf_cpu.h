@@ -133,8 +133,9 @@ JACOBI_DECLARE_CPU_KERNEL(void linear_gguf_int8(::jacobi::cpu::GgufType type,
                                                 const ::jacobi::cpu::LinearArgs& args,
                                                 const ::jacobi::cpu::GgufLora& lora))
 // The tile linear_gguf_int8 runs in this variant on this CPU: "amx-int8" (AMX tile products for
-// calls of 65 rows or more, prefills and batches, the "avx512-vnni-vbmi" tile for fewer; where the CPU has AMX-INT8 and
-// the OS grants it, unless JACOBI_EXT_CPU_AMX=0), "avx512-vnni-vbmi" (vpdpbusd, the
+// calls of 65 rows or more, prefills and batches, and the "avx512-vnni-vbmi" tile for fewer;
+// where the CPU has AMX-INT8 and the OS grants it, unless JACOBI_EXT_CPU_AMX=0),
+// "avx512-vnni-vbmi" (vpdpbusd, the
 // codes arranged by vpermt2b; where the CPU has AVX512-VNNI and AVX512-VBMI, unless
 // JACOBI_EXT_CPU_VBMI=0), "avx512-vnni" (vpdpbusd; AVX512-VNNI, unless JACOBI_EXT_CPU_VNNI=0),
 // "avx2" (maddubs) or "scalar". The same bits on every tile.
