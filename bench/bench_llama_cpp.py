@@ -157,9 +157,10 @@ def gguf_weight_bytes(path) -> tuple[int, dict]:
 class BandwidthProbe:
     """GB/s of `x.sum()` over `nbytes` of fp32 (the bytes a forward reads: the GGUF's weights)
     with torch's current threads, one reading a call: the buffer read once untimed, then the
-    fastest of READS timed reads back to back. A decode loop reads the same weights every
-    forward, so they stream from wherever a working set of their size settles: on a CPU whose
-    cache holds them, that cache, and a floor is the fastest such pace. (On a 2-core Xeon with
+    fastest of four timed reads back to back (jacobi_ext.decoding.roofline.reread_gbps). A decode
+    loop reads the same weights every forward, so they stream from wherever a working set of
+    their size settles: on a CPU whose cache holds them, that cache, and a floor is the fastest
+    such pace. (On a 2-core Xeon with
     AMX, 2026-12-01: repeated reads of 24-97 MB ran at 51-55 GB/s, of 200-800 MB at 27-30; after
     400 MB of other reads, four reads of 97 MB in a row ran at 22-32, 23-32, 27-38, 36-44 GB/s.
     A fixed 400 MB buffer, the first version, put the default model's floor at half the pace its
@@ -168,21 +169,15 @@ class BandwidthProbe:
     forwards it is compared with (on a shared 2-core machine the readings moved 12-58 GB/s within
     one run)."""
 
-    READS = 4
-
     def __init__(self, nbytes: int) -> None:
         self.x = torch.ones(max(nbytes // 4, 1))
         self.x.sum()  # warm-up: pages touched, threads up
         self.readings: list[float] = []
 
     def __call__(self) -> float:
-        self.x.sum()
-        fastest = float("inf")
-        for _ in range(self.READS):
-            t0 = time.perf_counter()
-            self.x.sum()
-            fastest = min(fastest, time.perf_counter() - t0)
-        self.readings.append(self.x.numel() * 4 / fastest / 1e9)
+        from jacobi_ext.decoding.roofline import reread_gbps  # the tune command's floor, too
+
+        self.readings.append(reread_gbps(self.x))
         return self.readings[-1]
 
 

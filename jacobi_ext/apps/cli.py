@@ -142,8 +142,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     console.print(
         f"model: {cost.weight_bytes / 1e6:.1f} MB of weights read per forward, "
         f"{2 * cost.linear_params / 1e6:.0f} MFLOP per token in its linears; "
-        "floor t_min(q) = max(bytes / bandwidth, FLOPs(q) / peak), the bandwidth that of as many "
-        "bytes read over and over"
+        "floor t_min(q) = max(bytes / bandwidth, FLOPs(q) / peak), with the bandwidth of reading "
+        "as many bytes over and over"
     )
     t = Table(
         title=f"forward time vs new tokens ({curve.hardware}, {curve.dtype}, "

@@ -178,14 +178,20 @@ def for_working_set(m: Machine, nbytes: int) -> Machine:
     put at half the pace its weights come at. ~5 reads of nbytes (~0.01-0.1 s)."""
     if m.device.startswith("cuda") or nbytes <= 0:
         return m
-    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    return replace(m, read_gbps=reread_gbps(torch.ones(max(nbytes // 4, 1))))
+
+
+@torch.inference_mode()
+def reread_gbps(buf: torch.Tensor, reads: int = 4) -> float:
+    """GB/s of `buf.sum()` on a CPU tensor read over and over: read once untimed, then the
+    fastest of `reads` reads in a row (the pace of a working set of its size, where it settles)."""
     buf.sum()
     fastest = float("inf")
-    for _ in range(4):
+    for _ in range(reads):
         t0 = time.perf_counter()
         buf.sum()
         fastest = min(fastest, time.perf_counter() - t0)
-    return replace(m, read_gbps=buf.numel() * 4 / fastest / 1e9)
+    return buf.numel() * buf.element_size() / fastest / 1e9
 
 
 _MEMO: dict[Path, Machine] = {}
