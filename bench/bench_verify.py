@@ -87,8 +87,7 @@ def test_forward_latency_vs_tokens(benchmark, bench_model, q, record_property):
     probe = StepProbe(model, context=256, max_q=q)
     p = next(model.parameters())
     dev = p.device
-    cost = roofline.model_cost(model)
-    machine = roofline.for_working_set(roofline.machine(dev, p.dtype), cost.weight_bytes)
+    machine, cost = roofline.model_machine(model)
     floor = roofline.floor_seconds(machine, cost, q, 256)
 
     def fwd():

@@ -134,10 +134,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     prof = tuning.load_profile(model)
     rho = args.rho if args.rho is not None else prof.get("rho", tuning.PRIOR_RHO)
     # The roofline: what this machine allows each width to cost.
-    p = next(model.parameters())
-    cost = roofline.model_cost(model)
     with console.status("measuring read bandwidth and compute peak"):
-        machine = roofline.for_working_set(roofline.machine(p.device, p.dtype), cost.weight_bytes)
+        machine, cost = roofline.model_machine(model)
     console.print(machine.describe())
     console.print(
         f"model: {cost.weight_bytes / 1e6:.1f} MB of weights read per forward, "

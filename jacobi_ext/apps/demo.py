@@ -184,11 +184,7 @@ def _forward_curve(model, out_dir: Path):
     from jacobi_ext.decoding import roofline, tuning
 
     curve = tuning.step_curve(model, progress=True, full=True)
-    param = next(model.parameters())
-    cost = roofline.model_cost(model)
-    machine = roofline.machine(param.device, param.dtype)
-    machine = roofline.for_working_set(machine, cost.weight_bytes)
-    floor = roofline.floor_curve(machine, cost, curve)
+    floor = roofline.floor_curve(*roofline.model_machine(model), curve)
     png = plot_step_curve(curve, out_dir / "forward_latency_vs_tokens.png", floor=floor)
     return curve, floor, png
 

@@ -9,8 +9,8 @@ small), and does 2 FLOPs per linear weight per token plus the attention over the
 `machine()` measures the two ceilings (once per hardware / device / dtype / threads, cached as
 JSON next to the tuner's profiles, ~0.2-0.4 s on a 2-core CPU), `for_working_set()` the read
 bandwidth of as many bytes as a model's weights, read over and over (where they fit in a cache,
-faster than memory); `model_cost()` reads the bytes and FLOPs off the model; `floor_seconds()`
-combines them; `roofline_rows()` puts a measured
+faster than memory); `model_cost()` reads the bytes and FLOPs off the model; `model_machine()`
+gives both for a model; `floor_seconds()` combines them; `roofline_rows()` puts a measured
 StepCurve beside the floor (`jacobi-forcing tune`, the forward-latency benchmark and plot).
 """
 
@@ -179,6 +179,15 @@ def for_working_set(m: Machine, nbytes: int) -> Machine:
     if m.device.startswith("cuda") or nbytes <= 0:
         return m
     return replace(m, read_gbps=reread_gbps(torch.ones(max(nbytes // 4, 1))))
+
+
+def model_machine(model) -> tuple[Machine, ModelCost]:
+    """The floor's inputs for `model`: this machine's ceilings for the model's device and dtype
+    (machine()) with the read bandwidth of a working set of its weights' bytes
+    (for_working_set), and the model's cost (model_cost)."""
+    p = next(model.parameters())
+    cost = model_cost(model)
+    return for_working_set(machine(p.device, p.dtype), cost.weight_bytes), cost
 
 
 @torch.inference_mode()
