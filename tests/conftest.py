@@ -20,6 +20,14 @@ def pytest_configure(config: pytest.Config) -> None:
     _isolation_configure(config)
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """The versions a failure may depend on, first in every log (CI installs the newest
+    transformers in range: a failure there names the version it met)."""
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

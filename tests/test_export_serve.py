@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from hf_fixtures import tiny_chat_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -169,11 +171,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@functools.cache
+def _older_server() -> bool:
+    """transformers 5.0's `serve`: told its model with `--force-model` (5.25: a positional
+    FORCE_MODEL), streams through a TextIteratorStreamer, and passes no tokenizer to `generate`,
+    so transformers' own generate refuses a request's `stop` there too. Read off its help."""
+    cli = [sys.executable, "-m", "transformers.cli.transformers", "serve", "--help"]
+    usage = subprocess.run(cli, capture_output=True, text=True, timeout=120).stdout
+    return "--force-model" in usage
+
+
 @contextlib.contextmanager
 def _server(folder: Path, env: dict):
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder),
+        sys.executable, "-m", "transformers.cli.transformers", "serve",
+        *(["--force-model", str(folder)] if _older_server() else [str(folder)]),
         "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
     ]  # fmt: skip
     proc = subprocess.Popen(
@@ -211,44 +224,78 @@ def _server(folder: Path, env: dict):
     reason=f"transformers serve needs {', '.join(SERVE_MISSING)}: pip install 'jacobi_ext[serve]'",
 )
 def test_transformers_serve_openai_client(exported, tmp_path):
+    """Plain and streamed chat completions give transformers' greedy answer, and a request's
+    `stop` ends it where transformers' generate ends it with those stop strings. transformers
+    5.25 passes `stopping_criteria=[stop_if_cancelled]` to every plain request: it is honoured."""
     from openai import OpenAI
 
+    version = f"transformers {transformers.__version__}"  # failures name the version they met
     calls = tmp_path / "calls.jsonl"
     env = dict(os.environ, JACOBI_EXT_GENERATE_LOG=str(calls), HF_HUB_OFFLINE="1")
     tok = AutoTokenizer.from_pretrained(exported)
     model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
     enc = _chat_ids(tok)
+    P = enc["input_ids"].shape[1]
     n_new = 48
-    want_ids = model.generate(**enc, max_new_tokens=n_new)[0, enc["input_ids"].shape[1] :]
+    want_ids = model.generate(**enc, max_new_tokens=n_new)[0, P:]
     want = tok.decode(want_ids, skip_special_tokens=True)
-    assert want
-    calls.unlink(missing_ok=True)  # the reference call above is logged too
+    assert len(want) > 12
+    stop = want[8:10]  # a stop string the answer meets: serve passes it as stop_strings
+    plain = AutoModelForCausalLM.from_pretrained(exported)  # transformers' own generate
+    stopped_ids = plain.generate(**enc, max_new_tokens=n_new, stop_strings=[stop],
+                                 tokenizer=tok)[0, P:]  # fmt: skip
+    assert len(stopped_ids) < len(want_ids)
+    calls.unlink(missing_ok=True)  # the reference calls above are logged too
 
     with _server(exported, env) as (port, log):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         t0 = time.perf_counter()
-        reply = client.chat.completions.create(
-            model=str(exported), messages=CHAT, max_tokens=n_new, timeout=60
-        )
+        try:
+            reply = client.chat.completions.create(
+                model=str(exported), messages=CHAT, max_tokens=n_new, timeout=120
+            )
+        except Exception as e:  # e.g. HTTP 400 from an argument a new transformers passes
+            raise AssertionError(f"{version}: plain request failed: {e}") from e
         t_plain = time.perf_counter() - t0
-        assert reply.choices[0].message.content == want
-        assert reply.usage.completion_tokens == len(want_ids)
+        assert reply.choices[0].message.content == want, version
+        if reply.usage is not None:  # 5.0's server reports no usage
+            assert reply.usage.completion_tokens == len(want_ids), version
         t0 = time.perf_counter()
         chunks = client.chat.completions.create(
-            model=str(exported), messages=CHAT, max_tokens=n_new, stream=True, timeout=60
+            model=str(exported), messages=CHAT, max_tokens=n_new, stream=True, timeout=120
         )
         pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
         t_stream = time.perf_counter() - t0
-        assert "".join(pieces) == want
-        assert sum(1 for p in pieces if p) > 1  # it did stream
+        assert "".join(pieces) == want, version
+        # It did stream: 5.25's server sends each token's text, 5.0's (TextIteratorStreamer) whole
+        # words, so one piece is all an answer of one word can give there.
+        assert sum(1 for p in pieces if p) > 1 or len(want.split()) == 1, (version, pieces)
+        if _older_server():  # no tokenizer reaches generate: `stop` fails on any model there
+            stopped = streamed_stop = None
+        else:
+            stopped = client.chat.completions.create(
+                model=str(exported), messages=CHAT, max_tokens=n_new, stop=[stop], timeout=120
+            )
+            streamed_stop = client.chat.completions.create(
+                model=str(exported), messages=CHAT, max_tokens=n_new, stop=[stop], stream=True,
+                timeout=120,
+            )  # fmt: skip
+        if stopped is not None:
+            text = stopped.choices[0].message.content
+            ref = tok.decode(stopped_ids, skip_special_tokens=True)
+            assert text in (ref, ref.removesuffix(stop)), (version, text)
+            streamed = "".join(c.choices[0].delta.content or "" for c in streamed_stop if c.choices)
+            assert streamed == text, version
     out = log[0]
     assert "Application shutdown complete" in out and "Finished server process" in out
     with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    # Both answers came from our decoding (one JSON line per generate call).
+    # Every answer came from our decoding (one JSON line per generate call).
     records = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert len(records) == 2 and all(r["method"].startswith("multiblock") for r in records)
-    print(f"serve: non-streaming {t_plain * 1e3:.0f} ms, streaming {t_stream * 1e3:.0f} ms")
+    assert len(records) == (2 if stopped is None else 4), records
+    assert all(r["method"].startswith("multiblock") for r in records)
+    print(f"serve ({version}): non-streaming {t_plain * 1e3:.0f} ms, streaming "
+          f"{t_stream * 1e3:.0f} ms")  # fmt: skip
 
 
 # --- the real model ------------------------------------------------------------------------

@@ -156,7 +156,6 @@ def test_max_length_and_context():
         ({"repetition_penalty": 1.3}, "repetition_penalty"),
         ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
         ({"logits_processor": [lambda ids, scores: scores]}, "logits_processor"),
-        ({"stop_strings": ["x"]}, "stop_strings"),
         ({"return_dict_in_generate": True, "output_scores": True}, "output_scores"),
     ],
 )

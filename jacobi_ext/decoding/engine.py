@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .loop import DecodeConfig, decode
+from .stopping import stop_check
 from .trajectory import TrajectoryRecorder
 from .tuning import Tuner
 
@@ -165,6 +166,10 @@ def generate(
     top_p: float | None = None,
     min_p: float | None = None,
     tuner=None,
+    stopping_criteria=None,
+    stop_strings: str | list[str] | None = None,
+    max_time: float | None = None,
+    tokenizer=None,
     **generation_kwargs,
 ) -> GenerateResult:
     """Generate with `method` ("ar" | "jacobi" | "multiblock"), greedily or (do_sample=True)
@@ -211,6 +216,15 @@ def generate(
     `tuner`: the `tuning.Tuner` a tuned call consults and informs (default: one of `model`'s,
     which reads its profile from disk once and writes it once, after the call).
 
+    Stopping (jacobi_ext.decoding.stopping): besides EOS and `max_new_tokens`,
+    `stopping_criteria` (transformers `StoppingCriteria`, a `StoppingCriteriaList` or functions
+    `(input_ids, scores) -> BoolTensor[batch]`), `stop_strings` (with `tokenizer`) and
+    `max_time` (seconds) end a row where transformers' `generate` would end it with the same
+    criteria: they are asked at every committed position with the ids transformers would pass
+    there, and a row ends at its first True, that token kept. They decide where the output ends,
+    never its tokens; a criterion that turns true between steps (a cancellation, the clock)
+    stops the call within one step.
+
     `seed`: one seed for both random choices of a call: the initial draft tokens (which change
     only the speed, never the tokens) and, with do_sample, the sampling noise (which picks the
     sample). None: 0 for greedy; for sampling, drawn from torch's default generator, so
@@ -231,6 +245,15 @@ def generate(
     if lookup is None:
         lookup = method == "multiblock" or (method == "jacobi" and block_size is None)
     eos = eos_ids(model, eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+    stop = stop_check(
+        stopping_criteria, stop_strings, max_time, tokenizer, input_ids, pad, max_new_tokens
+    )
+    if stop is not None and recorders is not None:
+        raise ValueError(
+            "a trajectory records a generation to EOS or max_new_tokens: leave stopping_criteria, "
+            "stop_strings and max_time unset when recording"
+        )
     tuner = tuner if tuner is not None else Tuner(model)
     plan = _plan(tuner, method, block_size, num_blocks, pool_size, lookup)
     cfg = DecodeConfig(
@@ -240,7 +263,7 @@ def generate(
     )  # fmt: skip
     gen = torch.Generator(device="cpu").manual_seed(seed)
     keys = stream_keys(prompts, seed) if sampling is not None else None
-    results, stats = decode(model, prompts, cfg, gen, streamer, recorders, keys)
+    results, stats = decode(model, prompts, cfg, gen, streamer, recorders, keys, stop)
     if streamer is not None:
         streamer.end()
     tuner.observe(
@@ -249,7 +272,6 @@ def generate(
         tuned=plan.cost_ratio is not None, greedy=sampling is None,
     )  # fmt: skip
     tuner.save()
-    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     return _result(results, stats, plan, lookup, pad, seed, sampling)
 
 

@@ -34,6 +34,7 @@ from .lookup import NgramIndex
 from .runtime import StaticRuntime, runtime_for
 from .sequence import DecodeConfig, SeqResult, _Seq
 from .step import MAX_AR_DRAFT, BatchStep
+from .stopping import StopCheck
 from .trajectory import TrajectoryRecorder
 
 __all__ = ["DecodeConfig", "DecodeStats", "SeqResult", "decode"]
@@ -64,6 +65,17 @@ def _own_copy(gen: torch.Generator) -> torch.Generator:
     return g
 
 
+def _settle(seqs: list[_Seq], before: list[int], stop: StopCheck | None, streamer) -> None:
+    """After the sequences took their step's tokens: the stopping criteria cut each row where
+    they fire, then the streamer (batch 1) gets what stays, so it never sees a token past a stop."""
+    if stop is not None:
+        stop.check(seqs, before)
+    if streamer is not None:
+        new = seqs[0].out[before[seqs[0].b] :]
+        if new:
+            streamer.put(torch.tensor(new, dtype=torch.long))
+
+
 @torch.inference_mode()
 def decode(
     model,
@@ -73,10 +85,11 @@ def decode(
     streamer=None,
     recorders: list[TrajectoryRecorder] | None = None,
     keys: torch.Tensor | None = None,
+    stop: StopCheck | None = None,
 ) -> tuple[list[SeqResult], DecodeStats]:
     """Decode every prompt, greedily or (cfg.sampling) with the sampled argmax under the noise
     keys [B, 2] (jacobi_ext.decoding.sampling.stream_keys); one forward per step for the whole
-    batch."""
+    batch. `stop`: stopping criteria asked at every committed position (stopping.py)."""
     dev = next(model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
     n, K, p = cfg.block_size, cfg.num_blocks, cfg.pool_size
@@ -96,13 +109,11 @@ def decode(
             rt, n, K, p, cfg.activation_ratio, cfg.eos, cfg.sampling
         )
     bs.reset(prompts, keys)
-    seqs = [
-        _Seq(b, pr, cfg, _own_copy(gen), streamer if B == 1 else None, bs.cand0, bs.host0)
-        for b, pr in enumerate(prompts)
-    ]
+    seqs = [_Seq(b, pr, cfg, _own_copy(gen), bs.cand0, bs.host0) for b, pr in enumerate(prompts)]
+    streamer = streamer if B == 1 else None  # transformers' streamers take one sequence
     for s, rec in zip(seqs, recorders or [], strict=False):
         s.recorder = rec
-    if streamer is not None and B == 1:
+    if streamer is not None:
         streamer.put(torch.tensor(prompts[0], dtype=torch.long))
     stats = DecodeStats()
 
@@ -125,6 +136,7 @@ def decode(
         if s.policy is not None:
             s.index = NgramIndex(s.prompt + [s.seed])
         s._maybe_finish_with_seed()
+    _settle(seqs, [0] * B, stop, streamer)
     _sync(dev)
     t1 = time.perf_counter()
     stats.prefill_seconds = t1 - t0
@@ -148,10 +160,12 @@ def decode(
         rows = packed.tolist()  # the step's one device -> host copy
         tv = time.perf_counter()
         stats.step_seconds.append(tv - ts)
+        before = [len(s.out) for s in seqs]
         for s in active:
             row = rows[s.b]
             hi_host[s.b] += row[1]
             s.advance(row, width, plans[s.b].q)
+        _settle(active, before, stop, streamer)
         stats.host_seconds += time.perf_counter() - tv
     _sync(dev)
     stats.seconds = time.perf_counter() - t1

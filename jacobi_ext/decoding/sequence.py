@@ -52,9 +52,10 @@ class _Seq:
     """One sequence's host state: output, lengths of its rows, candidate slots, lookup index,
     policy, controller (its device state is in the batch's buffers, step.BatchStep)."""
 
-    def __init__(self, b: int, prompt: list[int], cfg: DecodeConfig, gen, streamer,
-                 cand0: int, host0: int) -> None:  # fmt: skip
-        self.b, self.cfg, self.gen, self.streamer = b, cfg, gen, streamer
+    def __init__(
+        self, b: int, prompt: list[int], cfg: DecodeConfig, gen, cand0: int, host0: int
+    ) -> None:
+        self.b, self.cfg, self.gen = b, cfg, gen
         self.cand0, self.host0 = cand0, host0  # source buffer offsets (step.BatchStep)
         self.out: list[int] = []
         self.accepted: list[int] = []
@@ -138,7 +139,6 @@ class _Seq:
         if self.ratio is not None:
             self.cost += self.ratio(fed)
         self.wins += self.parallel and w > 0
-        self._put(committed)
         stop = bool(finished) or len(self.out) >= cfg.max_new
         if self.recorder is not None:
             self.recorder.after_commit(committed, self.main_len, stop)
@@ -169,16 +169,11 @@ class _Seq:
         completes the output without another forward (credited to the forward that made it)."""
         if len(self.out) + 1 >= self.cfg.max_new or self.seed in self.cfg.eos:
             self.out.append(self.seed)
-            self._put([self.seed])
             if self.accepted:
                 self.accepted[-1] += 1
             if self.recorder is not None:
                 self.recorder.finish_with_seed(self.seed)
             self.done = True
-
-    def _put(self, toks: list[int]) -> None:
-        if self.streamer is not None and toks:
-            self.streamer.put(torch.tensor(toks, dtype=torch.long))
 
     def _add_lookup_candidate(self, main_head: list[int], cands: list[list[int]]) -> None:
         """Add the context-lookup row for the next first block (length m, starting with the

@@ -242,7 +242,8 @@ print(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
   `do_sample=True` with `temperature` / `top_k` / `top_p` / `min_p`,
   `return_dict_in_generate=True`.
 - Refused with a `ValueError` (not lossless with these methods): `num_beams > 1`,
-  repetition / n-gram penalties, `logits_processor`, `stopping_criteria`, stop strings.
+  repetition / n-gram penalties, `logits_processor`. Stopping criteria, stop strings (with
+  `tokenizer=`) and `max_time` end an answer where transformers' own `generate` ends it.
 - `JACOBI_EXT_GENERATE_LOG=/some/file` in the environment appends one JSON line a call: the
   method that ran, new tokens, forwards, tokens per forward, seconds.
 

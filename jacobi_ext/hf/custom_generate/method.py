@@ -9,7 +9,8 @@ transformers calls `generate(model=..., **every_argument_of_model.generate)` fro
   export`): there transformers binds `functools.partial(generate, model=model)`, so the prompt
   may arrive positionally while `model` is a keyword;
 - `transformers serve DIR --trust-remote-code`, which passes `input_ids`, `attention_mask`,
-  `generation_config`, `streamer` and `tokenizer` as keywords.
+  `generation_config`, `streamer` and `tokenizer` as keywords, the request's `stop` as
+  `stop_strings`, and (5.25 on, not streamed) `stopping_criteria=[stop_if_cancelled]`.
 
 It returns what transformers' `generate` returns for a decoder-only model: the prompt followed
 by the new tokens, `LongTensor[B, prompt + new]` (rows that stopped early padded with
@@ -66,7 +67,6 @@ _POSITIONAL = (
 # exactly: refused unless empty / None.
 _REFUSED_ARGS = {
     "logits_processor": "an arbitrary logits_processor",
-    "stopping_criteria": "custom stopping_criteria",
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn (constrained decoding)",
     "assistant_model": "assistant_model (use our own parallel decoding instead)",
     "negative_prompt_ids": "negative_prompt_ids (classifier-free guidance)",
@@ -76,9 +76,9 @@ _REFUSED_ARGS = {
     "cache": "cache (a cache is built per call)",
 }
 
-# Accepted and without effect here: how transformers' own generate manages its cache, the
-# tokenizer it reads stop strings with (refused below), serve's modality switch.
-_IGNORED_ARGS = {"use_cache", "tokenizer", "generation_mode", "synced_gpus", "return_legacy_cache"}
+# Accepted and without effect here: how transformers' own generate manages its cache, serve's
+# modality switch.
+_IGNORED_ARGS = {"use_cache", "generation_mode", "synced_gpus", "return_legacy_cache"}
 
 # generation_config fields that ask for outputs this method does not compute.
 _OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -155,12 +155,14 @@ def generate(*args, model=None, **kwargs):
     Takes transformers' arguments: the prompt (`inputs` positionally or `input_ids=`),
     `attention_mask` (left padding), `generation_config` (else the model's) and any of its fields
     as keywords (`max_new_tokens`, `max_length`, `eos_token_id`, `pad_token_id`, `do_sample`,
-    `temperature`, `top_k`, `top_p`, `min_p`, `return_dict_in_generate`), `streamer`. Our
+    `temperature`, `top_k`, `top_p`, `min_p`, `return_dict_in_generate`, `stop_strings`,
+    `max_time`), `streamer`, `stopping_criteria` and `tokenizer` (for stop strings): a row ends
+    where transformers' own generate would end it with the same criteria. Our
     settings come from keywords or from the generation_config's custom keys (JACOBI_KEYS):
     `jacobi_method` (or `method`), `jacobi_block_size` (`block_size`), `jacobi_num_blocks`,
     `jacobi_pool_size`, `jacobi_activation_ratio`, `jacobi_lookup`, `jacobi_seed` (`seed`),
     `jacobi_cuda_graphs`. What cannot be done losslessly (beams, repetition penalties, logits
-    processors, stop strings, ...) raises ValueError.
+    processors, ...) raises ValueError.
     """
     from jacobi_ext.decoding import generate as jacobi_generate
 
@@ -168,6 +170,10 @@ def generate(*args, model=None, **kwargs):
     ids = _prompt(kwargs)
     attention_mask = kwargs.pop("attention_mask", None)
     streamer = kwargs.pop("streamer", None)
+    # Stopping criteria decide where the output ends, never its tokens: honoured, asked at every
+    # committed position (jacobi_ext.decoding.stopping). The tokenizer reads stop strings.
+    stopping_criteria = kwargs.pop("stopping_criteria", None)
+    tokenizer = kwargs.pop("tokenizer", None)
     for name, what in _REFUSED_ARGS.items():
         if not _is_empty(kwargs.pop(name, None)):
             _refuse(name, what)
@@ -195,6 +201,10 @@ def generate(*args, model=None, **kwargs):
         eos_token_id=eos,
         pad_token_id=pad,
         streamer=streamer,
+        stopping_criteria=stopping_criteria,
+        stop_strings=gc.stop_strings,
+        max_time=gc.max_time,
+        tokenizer=tokenizer,
         **ours,
         **_sampling_args(gc, explicit),
     )
@@ -259,8 +269,6 @@ def _check_exact(gc) -> None:
     from jacobi_ext.decoding.sampling import UNSUPPORTED, check_unsupported
 
     check_unsupported({n: getattr(gc, n, None) for n in UNSUPPORTED if n != "logits_processor"})
-    if getattr(gc, "stop_strings", None):
-        _refuse("stop_strings", "stopping at strings (use eos_token_id)")
     if getattr(gc, "return_dict_in_generate", False):
         for flag in _OUTPUT_FLAGS:
             if getattr(gc, flag, False):
