@@ -62,6 +62,13 @@ def _ours(model, ids, mask, settings, **kw):
     return torch.cat([ids, res.tokens], dim=1), res
 
 
+def _custom(model, ids, mask, settings, **kw):
+    """transformers' `generate` running our decoder (custom_generate) with `settings`."""
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, **_cg(settings), **CG, **kw
+    )
+
+
 def _same(ours: torch.Tensor, ref: torch.Tensor) -> None:
     """transformers pads a batch's stopped rows to the longest row; so do we."""
     assert ours.shape == ref.shape, (ours.shape, ref.shape)
@@ -85,11 +92,7 @@ def test_stop_strings_equal_transformers(chat, settings, batch):
     assert ref.shape != full.shape or not torch.equal(ref, full)  # the stop fired
     ours, _ = _ours(model, ids, mask, settings, stop_strings=stops, tokenizer=tok)
     _same(ours, ref)
-    hf = model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, stop_strings=stops,
-        tokenizer=tok, **_cg(settings), **CG,
-    )  # fmt: skip
-    _same(hf, ref)
+    _same(_custom(model, ids, mask, settings, stop_strings=stops, tokenizer=tok), ref)
 
 
 class _LastTokenIn(StoppingCriteria):
@@ -115,14 +118,25 @@ def test_custom_criterion_stops_rows_alone(chat, settings, batch):
     ref = _hf(model, ids, mask, stopping_criteria=StoppingCriteriaList([crit]))
     ours, res = _ours(model, ids, mask, settings, stopping_criteria=[crit])
     _same(ours, ref)
-    hf = model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, stopping_criteria=[crit],
-        **_cg(settings), **CG,
-    )  # fmt: skip
-    _same(hf, ref)
+    _same(_custom(model, ids, mask, settings, stopping_criteria=[crit]), ref)
     assert res.lengths[0] <= 13
     if batch > 1:
         assert max(res.lengths) > res.lengths[0]  # a row that did not stop went on
+
+
+@pytest.mark.parametrize("settings", METHODS, ids=lambda s: "-".join(map(str, s.values())))
+def test_eos_lists_equal_transformers(chat, settings):
+    """Several EOS ids (a list, as generation configs hold them): each row ends at the first."""
+    model, tok = chat
+    ids, mask = _batch(tok, TEXTS)
+    P = ids.shape[1]
+    full = _hf(model, ids, mask)
+    eos = [2, int(full[1, P + 6]), int(full[2, P + 15])]
+    ref = _hf(model, ids, mask, eos_token_id=eos)
+    assert not torch.equal(ref, full[:, : ref.shape[1]])  # an EOS ended a row early
+    ours, _ = _ours(model, ids, mask, settings, eos_token_id=eos)
+    _same(ours, ref)
+    _same(_custom(model, ids, mask, settings, eos_token_id=eos), ref)
 
 
 def test_plain_function_criterion_and_lists(chat):
@@ -296,3 +310,24 @@ def test_shipped_model_stop_strings_equal_transformers():
                 )
                 got = res.tokens[0].tolist()
                 assert got == ref[0, ids.shape[1] :].tolist(), (prob["task_id"], settings, kw)
+
+
+def test_cli_generate_stop(chat, monkeypatch, capsys):
+    """`jacobi-forcing generate --stop TEXT`: the printed answer ends at TEXT."""
+    from jacobi_ext.apps import cli
+
+    model, tok = chat
+    monkeypatch.setattr(cli, "_load", lambda args: (model, tok))
+    argv = ["generate", "--prompt", "hi", "--raw", "--method", "jacobi", "--block-size", "4",
+            "--max-new-tokens", str(NEW)]  # fmt: skip
+    assert cli.main(argv) == 0
+    full = capsys.readouterr().out
+    ids = tok("hi", return_tensors="pt").input_ids
+    answer = jacobi_ext.generate(model, ids, max_new_tokens=NEW, method="ar").tokens[0]
+    stop = _stop_text(tok, answer, 11)
+    assert cli.main([*argv, "--stop", stop, "--max-time", "600"]) == 0
+    out = capsys.readouterr().out
+    text = tok.decode(answer, skip_special_tokens=True)
+    cut = text[: text.index(stop) + len(stop)]
+    assert cut in out and cut != text
+    assert f"{len(answer)} tokens" in full and f"{len(tok(cut).input_ids)} tokens" in out

@@ -78,6 +78,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         activation_ratio=args.activation_ratio,
         streamer=streamer,
         lookup=args.lookup,
+        stop_strings=args.stop or None,
+        max_time=args.max_time,
+        tokenizer=tok,
         **sampling_kwargs(args),
     )
     console.print()
@@ -110,6 +113,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=2)
     p.add_argument("--pool-size", type=int, default=4)
     p.add_argument("--activation-ratio", type=float, default=0.85)
+    p.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end the answer once it holds TEXT (repeatable; kept, as transformers' stop_strings)",
+    )
+    p.add_argument(
+        "--max-time", type=float, default=None, metavar="S", help="end the answer after S seconds"
+    )
     p.add_argument(
         "--lookup",
         action=argparse.BooleanOptionalAction,
