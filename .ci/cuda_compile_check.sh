@@ -57,8 +57,8 @@ PY
 echo "== install + import: $(($(date +%s) - t_import)) s"
 # The CUDA build's _C: no libstdc++ symbol exported, no libstdc++ code linked in (the build
 # folder's unstripped _C and the installed one).
-python .ci/check_cxx_runtime.py build/ci-cuda/_C*.so \
-  "$(cd /tmp && python -c 'import jacobi_ext, os; print(os.path.dirname(jacobi_ext.__file__))')"/_C*.so
+installed=$(cd /tmp && python -c 'import jacobi_ext, os; print(os.path.dirname(jacobi_ext.__file__))')
+python .ci/check_cxx_runtime.py build/ci-cuda/_C*.so "$installed"/_C*.so
 
 # The sm_90a kernels' register and shared-memory views, checked on the host with CuTe (the
 # places where a kernel reinterprets registers and computes garbage without an error if wrong):
