@@ -13,16 +13,17 @@ the CUDA code paths with shapes only (no data, no time). The forward is the one 
 picks itself (`_logits` asks `lean.lean_decoder`, and whatever else it asks): a fused forward
 that applies to a non-CPU model is counted as soon as the runtime picks it, without a change
 here. (A fused path that picks itself by `device.type == "cuda"` rather than by "not the CPU"
-should also take "meta", as the runtime's own branches do, so that this count sees it.) A
-TorchDispatchMode sees every op the step dispatches and counts the ones that launch a kernel:
+should also take "meta", as the runtime's own branches do, so that this count sees it; fake
+"cuda" tensors would pass such a check as they are, but indexing them from Python needs a CUDA
+build of torch, which a CPU machine lacks.) A TorchDispatchMode sees every op the step
+dispatches and counts the ones that launch a kernel:
 
 - counted: every aten op that computes or writes device memory (arithmetic, reductions,
   copies and casts (`_to_copy`, `copy_`, `clone`), fills (`zeros` is an allocation + a
-  `fill_`), indexing writes (`index_copy_`, `index_put_`), GEMMs (`mm`, `addmm`, `bmm`), SDPA,
+  `fill_`), indexing writes (`index_copy_`, `index_put_`), GEMMs (`mm`, `addmm`, `bmm`),
   argmax, ...), each as one kernel;
-- counted as one kernel each: every `torch.ops.jacobi_ext.*` custom op (our fused ops launch one
-  kernel, or one per stream split that a graph replays as one node; `KERNELS_PER_OP` names any
-  that launch more);
+- counted as one kernel each: every `torch.ops.jacobi_ext.*` custom op (`KERNELS_PER_OP` names
+  any that launches more; its fake kernel is what runs on meta);
 - not counted: views and metadata (`view`, `transpose`, `slice`, `expand`, `unsqueeze`,
   `select`, `as_strided`, `alias`, `detach`, `_unsafe_view`; the ops torch marks as views), and
   allocations without a fill (`empty`, `empty_strided`): no kernel runs for them.
