@@ -129,7 +129,8 @@ print(glob.glob(os.path.join(os.path.dirname(jacobi_ext.__file__), "_C*.so"))[0]
     echo "== toolchain: $(c++ --version | head -1) | $(nvcc --version 2>/dev/null | tail -1)"
     env | grep -E "^(LDFLAGS|CXXFLAGS|CFLAGS|CC|CXX|CUDAHOSTCXX)=" || true
     echo "== link line of $so_b:"
-    (cd "$bdir" && ninja -t commands 2>/dev/null | grep -E -- "-o _C[^ ]*\.so" | tail -1)
+    (cd "$bdir" && { ninja -t commands 2>/dev/null || python3 -m ninja -t commands; } \
+      | grep -E -- "-o _C[^ ]*\.so" | tail -1)
     echo "== readelf -p .comment:"
     readelf -p .comment "$so_b" 2>&1 | grep -v "^$"
     echo "== ldd: $(ldd "$so_i" | grep -E 'stdc|gcc_s' | tr -s ' \t' ' ' | tr '\n' ';')"
