@@ -55,6 +55,10 @@ assert info["cuda kernels"], "the CUDA build did not compile the CUDA kernels"
 PY
 ) 2>&1 | grep -v -E "Failed to initialize NumPy|_conversion_method_template"
 echo "== install + import: $(($(date +%s) - t_import)) s"
+# The CUDA build's _C: no libstdc++ symbol exported, no libstdc++ code linked in (the build
+# folder's unstripped _C and the installed one).
+installed=$(cd /tmp && python -c 'import jacobi_ext, os; print(os.path.dirname(jacobi_ext.__file__))')
+python .ci/check_cxx_runtime.py build/ci-cuda/_C*.so "$installed"/_C*.so
 
 # The sm_90a kernels' register and shared-memory views, checked on the host with CuTe (the
 # places where a kernel reinterprets registers and computes garbage without an error if wrong):

@@ -26,6 +26,8 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
             pytest.skip("this build has no CPU linear kernel")
     out = tmp_path / "bench.json"
     env = dict(os.environ, JACOBI_BENCH_QUICK="1", JACOBI_EXT_CACHE=str(tmp_path / "cache"))
+    if suite == "bench_decoding.py":
+        env["JACOBI_BENCH_BATCH"] = "1"  # the batch rows too (their warm-up pins the settings)
     proc = subprocess.run(
         [
             sys.executable,
@@ -63,6 +65,22 @@ def test_bench_suite_runs_in_quick_mode(suite: str, tmp_path: Path) -> None:
 
     text = report.markdown(report.load([out]), {}, {})
     assert "| model | tiny random Llama (quick mode) |" in text
+    if suite == "bench_decoding.py":
+        # The GPU job's figures come from these keys (issue 63): the steady step apart from the
+        # prefill and captures, whole-call tokens/s, and the device read from the model.
+        single = [b["extra_info"] for b in data["benchmarks"] if "test_decoding" in b["name"]]
+        batch = [b["extra_info"] for b in data["benchmarks"] if "test_batch" in b["name"]]
+        assert {r["method"] for r in single} >= {"hf-greedy", "ar", "jacobi", "jacobi-tuned"}
+        assert len(batch) == 2
+        for r in single + batch:
+            for key in ("method", "steady_ms_per_step", "prefill_ms", "tokens_per_s", "device"):
+                assert key in r, (key, r)
+            assert r["device"] == "cpu" and r["tokens_per_s"] > 0
+            if r["method"] != "hf-prompt-lookup":
+                assert r["steady_ms_per_step"] > 0 and r["prefill_ms"] > 0
+        for r in single:
+            if r["method"] in ("ar", "jacobi", "jacobi-tuned"):
+                assert r["tpf"] >= 1 and r["identical_to_ar"] and r["identical_to_greedy"]
     if suite == "bench_attention.py":
         infos = [b["extra_info"] for b in data["benchmarks"]]
         impls = {(e["impl"], e.get("mode")) for e in infos}

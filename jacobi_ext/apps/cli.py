@@ -133,12 +133,37 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_generate)
 
 
+def _cmd_kernels(args: argparse.Namespace) -> int:
+    """tune --kernels: the CUDA step's kernels, counted on this CPU (decoding/kernel_count.py)."""
+    import torch
+
+    from jacobi_ext.decoding import kernel_count
+    from jacobi_ext.models import DTYPE_NAMES
+
+    dtype = DTYPE_NAMES[args.dtype or "bfloat16"]
+    config = kernel_count.config_for(args.model)
+    counts = [kernel_count.count_step(config, "ar", dtype=dtype)]
+    counts += [kernel_count.count_step(config, "jacobi", n=w, dtype=dtype) for w in args.width]
+    arch = config.architectures[0] if getattr(config, "architectures", None) else ""
+    print(
+        f"kernels per decode step on the CUDA path: {args.model or 'SmolLM2-135M'} "
+        f"({arch or type(config).__name__}, {config.num_hidden_layers} layers, hidden "
+        f"{config.hidden_size}), {str(dtype).removeprefix('torch.')}, batch 1, a cache of 256; "
+        f"counted on meta tensors (torch {torch.__version__})"
+    )
+    print(kernel_count.report(counts))
+    return 0
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from jacobi_ext.decoding import roofline, tuning
 
+    if args.kernels:
+        return _cmd_kernels(args)
+    args.dtype = args.dtype or "float32"
     console = Console()
     with console.status("loading model"):
         model, _ = _load(args)
@@ -226,8 +251,23 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=2)
     p.add_argument("--pool-size", type=int, default=4)
     p.add_argument("--plot", default=None, metavar="PNG", help="also write the curve as a PNG")
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="instead: print the device kernels per decode step of the CUDA path (ar and Jacobi "
+        "at each --width), per layer and per step, counted on this CPU with meta tensors; "
+        "nothing is loaded (--model: a checkpoint's config, or smollm2-135m / qwen2.5-7b); "
+        "bf16 unless --dtype says otherwise",
+    )
+    p.add_argument(
+        "--width",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="with --kernels: Jacobi block sizes to count (default 64)",
+    )
     add_model_args(p)
-    p.set_defaults(handler=_cmd_tune)
+    p.set_defaults(handler=_cmd_tune, dtype=None)  # None: float32 to measure, bf16 to count
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

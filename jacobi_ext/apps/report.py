@@ -290,17 +290,26 @@ def _md_decoding(benches) -> list[str]:
             f"## Decoding ({e0['prompts']} prompts, up to {e0['max_new_tokens']} new "
             "tokens, greedy, batch 1)",
             "",
-            "| method | tokens/s | TPF | speedup vs transformers greedy | identical to greedy |",
-            "|---|---|---|---|---|",
+            "| method | tokens/s | TPF | steady ms/step | prefill ms | speedup vs transformers "
+            "greedy | identical to greedy | identical to our ar | device |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for b in dec:
             e = b["extra_info"]
-            ident = e.get("identical_to_greedy")
+            ident, same_ar = e.get("identical_to_greedy"), e.get("identical_to_ar")
             out.append(
                 f"| {e['method']} | {_fmt(e['tokens_per_s'])} | {_fmt(e.get('tpf'), '.2f')}"
+                f" | {_fmt(e.get('steady_ms_per_step'), '.2f')}"
+                f" | {_fmt(e.get('prefill_ms'), '.1f')}"
                 f" | {_fmt(e.get('speedup_vs_hf_greedy'), '.2f')}x | "
-                f"{'-' if ident is None else ('yes' if ident else 'NO')} |"
+                f"{'-' if ident is None else ('yes' if ident else 'NO')} | "
+                f"{'-' if same_ar is None else ('yes' if same_ar else 'NO')} | "
+                f"{e.get('device', '-')} |"
             )
+        out.append(
+            "\nsteady ms/step: the median step after warm-up (prefill and graph captures apart); "
+            "tokens/s: whole calls, prefill included."
+        )
     return out
 
 

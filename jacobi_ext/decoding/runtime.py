@@ -33,7 +33,10 @@ Llama-family model runs the lean forward (lean.py: the same logits, less Python)
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
+import logging
 import os
 import time
 import warnings
@@ -45,6 +48,8 @@ from ..models.quantized import kv_cache_dtype
 from .lean import lean_decoder
 from .masks import for_backend, prefill_mask, step_mask, step_positions
 from .prepack import packed
+
+log = logging.getLogger(__name__)
 
 
 def targets(logits: torch.Tensor) -> torch.Tensor:
@@ -126,6 +131,35 @@ def cache_kwarg(model) -> str:
 
 
 GRAPH_MODES = ("capture", "compile")
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Python's garbage collector off for a CUDA graph capture (and its warm-up), on again after.
+    Old runtimes sit in reference cycles (model -> runtime -> model); a collection that runs
+    during a capture frees their graphs and memory pool on the capturing stream's device, which
+    invalidates the capture (cudaErrorStreamCaptureInvalidated, seen on an H200 run). One
+    collection first, while nothing is being captured, frees them at a harmless moment."""
+    was_on = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def _graph_failure(what: str, exc: BaseException) -> None:
+    """A failed capture or compile, said twice: a warning a user sees once, and the whole
+    traceback in the log (logger jacobi_ext.decoding.runtime), so that the cause is not lost."""
+    log.warning("jacobi_ext: %s failed; traceback:", what, exc_info=exc)
+    warnings.warn(
+        f"jacobi_ext: {what} failed ({type(exc).__name__}: {exc}); decoding eagerly instead "
+        "(the traceback is logged by jacobi_ext.decoding.runtime)",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def _graphs_wanted(device: torch.device, cuda_graphs: bool | str | None) -> str | None:
@@ -334,14 +368,10 @@ class StaticRuntime:
             torch._dynamo.mark_static_address(t)  # mutated in place: graph inputs, fixed address
         f = torch.compile(fn, mode="reduce-overhead", dynamic=False)
         try:
-            out = f()  # compiles (tracing and code generation happen before the step runs)
+            with no_gc():  # its first call records torch.compile's own CUDA graphs
+                out = f()  # compiles (tracing and code generation happen before the step runs)
         except Exception as exc:  # like a failed capture: eager is slower, never wrong
-            warnings.warn(
-                f"jacobi_ext: torch.compile of the step failed ({type(exc).__name__}: {exc}); "
-                "decoding eagerly instead",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            _graph_failure("torch.compile of the step", exc)
             self.graph_mode, self.use_graphs = None, False
             self._graphs.clear()
             out = fn()
@@ -363,27 +393,23 @@ class StaticRuntime:
         t0 = time.perf_counter()
         saved = [t.clone() for t in neutral]
         try:
-            for t in neutral:
-                t.zero_()
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up: lazy inits, kernel selection
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = fn()
+            with no_gc():
+                for t in neutral:
+                    t.zero_()
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):  # warm-up: lazy inits, kernel selection
+                    for _ in range(2):
+                        fn()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = fn()
             self._pool = graph.pool()
             self._graphs[key] = (graph, out)
             return self._graphs[key]
         except Exception as exc:  # an exotic model: eager is slower, never wrong
-            warnings.warn(
-                f"jacobi_ext: CUDA graph capture failed ({type(exc).__name__}: {exc}); "
-                "decoding eagerly instead",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            _graph_failure("CUDA graph capture", exc)
             self.use_graphs = False
             self._graphs.clear()
             return None

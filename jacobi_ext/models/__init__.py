@@ -260,14 +260,20 @@ def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose, 
     state = path / "train_state.json"
     if state.is_file():
         base = json.loads(state.read_text()).get("config", {}).get("model")
+    # The base is loaded on the CPU (peft merges there), but whether it keeps its GGUF codes is
+    # decided for the device asked for: the codes' kernels run on the CPU alone, so for a GPU
+    # the base is dequantized. (Deciding for "cpu" gave an fp32 GPU request GGUF codes on the
+    # CPU, and the model never moved: an H200 run's fp32 rows ran on the CPU.)
+    codes = _wants_codes(dtype, device, dequantize) if _is_gguf_base(base) else False
     model, tok = load_model(
         base, dtype=dtype, device="cpu", attn_implementation=attn_implementation,
-        dequantize=dequantize,
+        dequantize=dequantize if codes or not _is_gguf_base(base) else True,
     )  # fmt: skip
     from .quantized import attach_lora, is_quantized
 
     if is_quantized(model):
         attach_lora(model, path)
+        model.to(device)  # (codes only where the device is the CPU: a no-op, kept for clarity)
         if verbose:
             print(f"adapter {path} unmerged on {base or DEFAULT_MODEL}'s GGUF codes")
         return model.eval(), tok
@@ -277,6 +283,11 @@ def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose, 
     if verbose:
         print(f"merged adapter {path} into {base or DEFAULT_MODEL}")
     return model, tok
+
+
+def _is_gguf_base(base) -> bool:
+    """Whether an adapter's base model loads from a GGUF file (the default model, or a .gguf)."""
+    return base is None or str(base) == DEFAULT_MODEL or Path(str(base)).suffix == ".gguf"
 
 
 @contextlib.contextmanager
