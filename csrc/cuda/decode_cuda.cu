@@ -125,6 +125,9 @@ constexpr int kRows = 16;  // query rows (token, head of the group) per block
 constexpr int kKeys = 32;  // keys per chunk: one per lane in the softmax
 static_assert(kDecodeSplitKeys % kKeys == 0, "a split holds whole chunks");
 static_assert(kRows % kWarps == 0, "each warp owns whole rows in the softmax");
+constexpr int kScores = kRows * kKeys / kThreads;  // scores per thread and chunk
+constexpr int kDotChains = 4;                      // partial sums per score
+static_assert(kRows * kKeys % kThreads == 0 && kDotChains == 4, "the score loop's shape");
 
 // Feature d of head `head` of token (b, i) of qkv, rotated (rope_element) and rounded to T.
 template <typename T>
@@ -223,9 +226,28 @@ __global__ void __launch_bounds__(kThreads, 1) rope_attention_kernel(RopeAttenti
       key_off[threadIdx.x] = scratch ? a.off[b * a.off_stride + tok] : 0;
     }
     __syncthreads();
-    // Scores, masked by the plan (decode_step.h: step_sees_*), in raw units.
-    for (int p = threadIdx.x; p < kRows * kKeys; p += kThreads) {
-      const int r = p / kKeys, j = p % kKeys;
+    // Scores, masked by the plan (decode_step.h: step_sees_*), in raw units. This thread's
+    // kScores scores side by side, each in kDotChains interleaved partial sums (feature d in
+    // chain d % kDotChains): independent FMA chains instead of one dependent chain of D. A
+    // row's score is the same expression whichever tile, warp or step it falls in.
+    float dots[kScores][kDotChains];
+#pragma unroll
+    for (int u = 0; u < kScores; ++u)
+#pragma unroll
+      for (int c = 0; c < kDotChains; ++c) dots[u][c] = 0.f;
+#pragma unroll 4
+    for (int d = 0; d < D; d += kDotChains) {
+#pragma unroll
+      for (int u = 0; u < kScores; ++u) {
+        const int p = threadIdx.x + u * kThreads, r = p / kKeys, j = p % kKeys;
+#pragma unroll
+        for (int c = 0; c < kDotChains; ++c)
+          dots[u][c] = fmaf(qs[r][d + c], ks[j][d + c], dots[u][c]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kScores; ++u) {
+      const int p = threadIdx.x + u * kThreads, r = p / kKeys, j = p % kKeys;
       const int64_t tok = key_tok[j];
       bool visible = row_tok[r] >= 0 && tok != -2;
       if (visible) {
@@ -233,13 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1) rope_attention_kernel(RopeAttenti
                           : dm::step_sees_scratch(row_seg[r], row_off[r], key_seg[j], key_off[j],
                                                   tok == row_tok[r]);
       }
-      float s = -INFINITY;
-      if (visible) {
-        s = 0.f;
-#pragma unroll 16
-        for (int d = 0; d < D; ++d) s = fmaf(qs[r][d], ks[j][d], s);
-      }
-      ps[r][j] = s;
+      ps[r][j] = visible ? (dots[u][0] + dots[u][1]) + (dots[u][2] + dots[u][3]) : -INFINITY;
     }
     __syncthreads();
     // Online softmax: warp w owns rows w, w + kWarps, ...; lane j holds key j.

@@ -31,7 +31,7 @@ cudaError_t silu_mul(DecodeDType dtype, int64_t rows, int64_t n, const void* gu,
 
 // Keys per split of the decode attention (a multiple of its chunk of 32 keys): a sequence's
 // keys [s * kDecodeSplitKeys, (s + 1) * kDecodeSplitKeys) in step_key_slot's order go to split s.
-constexpr int64_t kDecodeSplitKeys = 256;
+constexpr int64_t kDecodeSplitKeys = 128;
 inline int64_t decode_attention_splits(int64_t capacity, int64_t Q) {
   return (capacity + Q + kDecodeSplitKeys - 1) / kDecodeSplitKeys;
 }
