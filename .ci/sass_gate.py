@@ -46,6 +46,7 @@ OTHER_KERNELS: list[str] = [
     "rope_attention_kernel",
     "combine_kernel",
     "kv_commit_kernel",
+    "argmax_kernel",
 ]
 ARCH = "sm_90a"
 WGMMA_SERIALIZED = re.compile(r"wgmma.*serializ", re.IGNORECASE)

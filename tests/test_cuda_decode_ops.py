@@ -116,6 +116,22 @@ def test_plan_attention_main_row_is_independent_of_the_rest_of_the_step():
     assert torch.equal(one[0, 0], wide[0, 3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_argmax_matches_the_cpu_op_and_torch(dtype):
+    """The first NaN, else the first of tied maxima: torch's max(-1).indices, on every row."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 49152, generator=g).to(dtype)
+    x[1, 100] = x[1, 40000] = x[1].max() + 1  # a tie: the first
+    x[2, 7] = float("nan")
+    x[2, 3] = float("nan")  # two NaNs: the first
+    x[3] = 0.0  # all equal: index 0
+    x[4, -1] = float("inf")
+    got = ops.cpu_argmax(x.cuda()).cpu()
+    assert torch.equal(got, ops.cpu_argmax(x))
+    assert torch.equal(got, x.max(-1).indices)
+    assert got[1] == 100 and got[2] == 3 and got[3] == 0 and got[4] == 49151
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kv_commit_matches_the_cpu_op(dtype):
     g = torch.Generator().manual_seed(0)

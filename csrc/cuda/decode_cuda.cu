@@ -13,8 +13,10 @@
 // sequence's end only writes an empty partial. Rows of a GQA group share their kv head's loads
 // (no repeat_kv).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/decode_cuda.h"
 #include "jacobi/decode_step.h"
@@ -336,6 +338,53 @@ cudaError_t launch_attention(const RopeAttentionLaunch& a, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
+// ---- the greedy pick ----------------------------------------------------------------------------
+constexpr int kArgmaxThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ auto logit(const T* p) {
+  if constexpr (std::is_same_v<T, double>) {
+    return *p;
+  } else if constexpr (std::is_same_v<T, float>) {
+    return *p;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(*p);  // (exact: the order of values and NaNs is kept)
+  } else {
+    return __bfloat162float(*p);
+  }
+}
+
+// Each thread scans a strided share of the row, then the block's picks combine by the same
+// order (greedy_better: any combination order gives the same index).
+template <typename T>
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const T* x, int64_t vocab,
+                                                                int64_t* out) {
+  using V = decltype(logit(x));
+  const T* row = x + int64_t{blockIdx.x} * vocab;
+  V best = logit(row);
+  int64_t best_i = 0;
+  for (int64_t i = threadIdx.x; i < vocab; i += kArgmaxThreads) {
+    const V v = logit(row + i);
+    if (dm::greedy_better(v, i, best, best_i)) best = v, best_i = i;
+  }
+  __shared__ V vals[kArgmaxThreads];
+  __shared__ int64_t idx[kArgmaxThreads];
+  vals[threadIdx.x] = best;
+  idx[threadIdx.x] = best_i;
+  __syncthreads();
+  for (int half = kArgmaxThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      const int o = threadIdx.x + half;
+      if (dm::greedy_better(vals[o], idx[o], vals[threadIdx.x], idx[threadIdx.x])) {
+        vals[threadIdx.x] = vals[o];
+        idx[threadIdx.x] = idx[o];
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = idx[0];
+}
+
 // ---- K/V commit --------------------------------------------------------------------------------
 // One block per (cache, sequence, head): the rows move as 32-bit words. Disjoint ranges (the
 // runtime's: scratch to after the committed tokens) copy in parallel; overlapping ones slot by
@@ -395,6 +444,31 @@ cudaError_t silu_mul(DecodeDType dtype, int64_t rows, int64_t n, const void* gu,
   else
     silu_mul_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(
         rows, n, static_cast<const __nv_bfloat16*>(gu), static_cast<__nv_bfloat16*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t argmax(LogitsDType dtype, const void* x, int64_t rows, int64_t vocab, int64_t* out,
+                   cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (vocab <= 0) return cudaErrorInvalidValue;
+  const unsigned grid = static_cast<unsigned>(rows);
+  switch (dtype) {
+    case LogitsDType::kFloat32:
+      argmax_kernel<<<grid, kArgmaxThreads, 0, stream>>>(static_cast<const float*>(x), vocab, out);
+      break;
+    case LogitsDType::kBFloat16:
+      argmax_kernel<<<grid, kArgmaxThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
+                                                         vocab, out);
+      break;
+    case LogitsDType::kFloat16:
+      argmax_kernel<<<grid, kArgmaxThreads, 0, stream>>>(static_cast<const __half*>(x), vocab,
+                                                         out);
+      break;
+    case LogitsDType::kFloat64:
+      argmax_kernel<<<grid, kArgmaxThreads, 0, stream>>>(static_cast<const double*>(x), vocab,
+                                                         out);
+      break;
+  }
   return cudaGetLastError();
 }
 

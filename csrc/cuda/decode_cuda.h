@@ -59,6 +59,12 @@ struct RopeAttentionLaunch {
 bool decode_attention_head_dim_ok(int64_t D);
 cudaError_t rope_attention(const RopeAttentionLaunch& a, cudaStream_t stream);
 
+// out[r] = the greedy pick of row r of x [rows, vocab] (jacobi/decode_step.h: greedy_better;
+// torch's max(-1).indices): one block a row.
+enum class LogitsDType { kFloat32, kBFloat16, kFloat16, kFloat64 };
+cudaError_t argmax(LogitsDType dtype, const void* x, int64_t rows, int64_t vocab, int64_t* out,
+                   cudaStream_t stream);
+
 // The K/V commit of every layer in one launch: in each of the `count` caches [B, H, capacity,
 // D] (elements of elem_bytes; all of one shape), sequence b's slots [src[b], src[b] + n[b])
 // move to [dst[b], ...) (overlapping ranges as memmove). A sequence whose ranges fall outside the

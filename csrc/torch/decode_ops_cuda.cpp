@@ -1,7 +1,7 @@
 // The CUDA implementations of the fused decode-step ops (kernels: csrc/cuda/decode_cuda.cu),
 // under the CPU ops' names and schemas where they compute the same thing, so that the lean
 // forward calls one op on either device: cpu_rms_norm, cpu_add_rms_norm, cpu_silu_mul,
-// cpu_kv_commit; and decode_rope_attention (its CPU twin is in decode_ops.cpp). Argument checks
+// cpu_kv_commit, cpu_argmax; and decode_rope_attention (its CPU twin is in decode_ops.cpp). Argument checks
 // read shapes, dtypes and devices only: no device value is read on the host, so a step made of
 // these ops is capturable in a CUDA graph.
 #include <ATen/core/Tensor.h>
@@ -170,6 +170,32 @@ at::Tensor decode_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t k
   return out;
 }
 
+// cpu_argmax's CUDA twin: the same pick (jacobi/decode_step.h: greedy_better), one block a row.
+at::Tensor argmax(const at::Tensor& logits) {
+  c10::cuda::CUDAGuard guard(logits.device());
+  TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) >= 1,
+                    "logits must be [..., vocab] with vocab >= 1, got shape ", logits.sizes());
+  using jacobi::cuda::LogitsDType;
+  LogitsDType type;
+  switch (logits.scalar_type()) {
+    case at::kFloat: type = LogitsDType::kFloat32; break;
+    case at::kBFloat16: type = LogitsDType::kBFloat16; break;
+    case at::kHalf: type = LogitsDType::kFloat16; break;
+    case at::kDouble: type = LogitsDType::kFloat64; break;
+    default:
+      TORCH_CHECK_VALUE(false, "logits must be float32, bfloat16, float16 or float64, got ",
+                        logits.scalar_type());
+  }
+  const int64_t V = logits.size(-1), rows = logits.numel() / V;
+  std::vector<int64_t> shape(logits.sizes().begin(), logits.sizes().end() - 1);
+  at::Tensor out = at::empty(shape, logits.options().dtype(at::kLong));
+  if (rows == 0) return out;
+  const at::Tensor x = logits.contiguous();
+  launched(jacobi::cuda::argmax(type, x.data_ptr(), rows, V, out.data_ptr<int64_t>(), stream()),
+           "cpu_argmax");
+  return out;
+}
+
 void kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst,
                const at::Tensor& count, at::TensorList transposed) {
   TORCH_CHECK_VALUE(transposed.empty(),
@@ -218,6 +244,7 @@ TORCH_LIBRARY_IMPL(jacobi_ext, CUDA, m) {
   m.impl("cpu_add_rms_norm", &add_rms_norm);
   m.impl("cpu_silu_mul", &silu_mul);
   m.impl("cpu_kv_commit", &kv_commit);
+  m.impl("cpu_argmax", &argmax);
   m.impl("decode_rope_attention", &decode_rope_attention);
 }
 

@@ -55,7 +55,8 @@ def targets(logits: torch.Tensor) -> torch.Tensor:
     as transformers' greedy takes it; tests), with the vocabulary read in parallel halves, where
     the LM head's threads left them: torch's max took 0.17-0.26 ms of a ~10 ms step there
     (~0.05 ms on logits in one cache)."""
-    if logits.device.type == "cpu":
+    dev = logits.device.type
+    if dev == "cpu" or (dev == "cuda" and cuda_decode_available()):  # (CUDA: its twin)
         return torch.ops.jacobi_ext.cpu_argmax(logits)
     return logits.argmax(-1)
 

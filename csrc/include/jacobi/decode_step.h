@@ -132,6 +132,17 @@ JACOBI_HD bool commit_fits(int64_t src, int64_t dst, int64_t count, int64_t capa
          dst + count <= capacity;
 }
 
+// ---- the greedy pick (torch's max(-1).indices) ---------------------------------------------------
+// Whether value x at index i beats the best so far: a NaN beats every number (the first NaN
+// wins), otherwise the larger value wins and a tie goes to the lower index. Any order of
+// comparisons then picks the same index (the CUDA block reduction, the CPU's chunks).
+template <typename T>
+JACOBI_HD bool greedy_better(T x, int64_t i, T best, int64_t best_i) {
+  const bool x_nan = x != x, best_nan = best != best;
+  if (x_nan || best_nan) return x_nan && (!best_nan || i < best_i);
+  return x > best || (x == best && i < best_i);
+}
+
 // ---- split-K attention: merging the partials of one row ----------------------------------------
 // A split that saw keys of the row left (max, sum, unnormalised output acc) in the units of
 // jacobi/online_softmax.h. Its weight against the row's overall max: exp(max - all_max), 0 for
