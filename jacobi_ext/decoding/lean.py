@@ -36,7 +36,7 @@ On CUDA (prepack.lean_backend == "cuda": a float32 / bfloat16 model of those cla
 64 or 128, on a build with the CUDA decode ops) `CudaLeanDecoder` runs the same layer loop: torch
 linears (cuBLAS) over weights concatenated once (q/k/v, gate/up), our CUDA twins of the fused ops
 (csrc/cuda/decode_cuda.cu), and an attention that reads the step plan (StepPlan) on the device
-instead of a bool mask; ten kernels a layer, one CUDA graph a step (docs/kernels.md).
+instead of a bool mask; nine kernels a layer, one CUDA graph a step (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -501,8 +501,8 @@ class _CatLinear:
 class CudaLeanDecoder(LeanDecoder):
     """The lean forward on a CUDA model (bf16 or fp32): per layer the add + RMSNorm, one q/k/v
     GEMM, rotary + K/V write + attention over the step plan (decode_rope_attention: split-K and
-    its combine), the o GEMM, add + RMSNorm, one gate/up GEMM, SiLU * up and the down GEMM: ten
-    kernels, against ~57 ops in transformers' layer. The fused ops are ours
+    its combine), the o GEMM, add + RMSNorm, one gate/up GEMM, SiLU * up and the down GEMM: nine
+    kernels (a q/k/v bias cuBLAS does not fuse: ten), against ~57 ops in transformers' layer. The fused ops are ours
     (csrc/cuda/decode_cuda.cu, under the CPU ops' names where they compute the same thing); the
     GEMMs are torch's. Nothing reads a host value and every buffer has the step's fixed shape, so
     the runtime captures a step in one CUDA graph. A prefill (a causal prompt, not a step plan)
