@@ -239,3 +239,31 @@ def test_every_method_is_our_ar_on_cuda(dtype):
     }
     for name, kw in runs.items():
         assert torch.equal(generate(model, ids, max_new_tokens=48, **kw).tokens, ar), name
+
+
+def test_bad_arguments_raise_value_errors():
+    """Shapes, dtypes and devices the kernels do not take are refused with ValueError (never a
+    crash): head dim 96, float16, a plan on the CPU, a CPU cache beside CUDA q/k/v."""
+    B, Hq, Hkv, D, Q, cap, ctx = CASES[1]
+    g = [t.cuda() for t in make_case(B, Hq, Hkv, D, Q, cap, ctx, torch.float32)]
+    qkv, cos, sin, kc, vc, seg, off, lo, hi = g
+    op = ops.decode_rope_attention
+    with pytest.raises(ValueError, match="head dims"):
+        k96 = torch.zeros(B, Hkv, cap, 96, device="cuda")
+        op(qkv, Hq, Hkv, cos, sin, k96, k96.clone(), seg, off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        op(qkv.half(), Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="must be on"):
+        op(qkv, Hq, Hkv, cos, sin, kc, vc, seg.cpu(), off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        op(qkv.cpu(), Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="multiple"):
+        op(qkv, Hq, 2, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="transposed"):
+        ops.cpu_kv_commit([kc], lo, hi, lo, [kc])
+    with pytest.raises(ValueError, match="one shape"):
+        ops.cpu_kv_commit([kc, kc[:, :, :10].contiguous()], lo, hi, lo, [])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ops.cpu_silu_mul(torch.zeros(3, 8, device="cuda", dtype=torch.float16))
+    with pytest.raises(ValueError, match="features"):
+        ops.cpu_rms_norm(torch.zeros(3, 8, device="cuda"), torch.ones(7, device="cuda"), 1e-6)

@@ -30,6 +30,13 @@ DecodeDType decode_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(false, name, " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
+// The tensor that decides the device: a CUDA tensor (the dispatcher may route here a call whose
+// other tensors are on the CPU; the guard below needs a CUDA device).
+const at::Tensor& cuda_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+  return t;
+}
+
 void on_device(const at::Tensor& t, const char* name, const at::Tensor& ref) {
   TORCH_CHECK_VALUE(t.device() == ref.device(), name, " must be on ", ref.device(), ", got ",
                     t.device());
@@ -44,7 +51,7 @@ cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                          double eps, at::Tensor* h_out) {
-  c10::cuda::CUDAGuard guard(x.device());
+  c10::cuda::CUDAGuard guard(cuda_tensor(x, "x").device());
   const DecodeDType d = decode_dtype(x, "x");
   ck::rank(weight, "weight", 1, "[features]");
   on_device(weight, "weight", x);
@@ -84,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {
-  c10::cuda::CUDAGuard guard(gu.device());
+  c10::cuda::CUDAGuard guard(cuda_tensor(gu, "gu").device());
   const DecodeDType d = decode_dtype(gu, "gu");
   TORCH_CHECK_VALUE(gu.dim() >= 1 && gu.size(-1) % 2 == 0,
                     "gu must be [..., 2 n] (gate then up), got ", gu.sizes());
@@ -104,7 +111,7 @@ at::Tensor decode_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t k
                                  at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& seg,
                                  const at::Tensor& off, const at::Tensor& lo,
                                  const at::Tensor& hi, double scale) {
-  c10::cuda::CUDAGuard guard(qkv.device());
+  c10::cuda::CUDAGuard guard(cuda_tensor(qkv, "qkv").device());
   const DecodeDType d = decode_dtype(qkv, "qkv");
   ck::rank(qkv, "qkv", 3, "[B, Q, (heads + 2 kv_heads) * D]");
   ck::rank(k_cache, "k_cache", 4, "[B, kv_heads, capacity, D]");
@@ -172,7 +179,7 @@ at::Tensor decode_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t k
 
 // cpu_argmax's CUDA twin: the same pick (jacobi/decode_step.h: greedy_better), one block a row.
 at::Tensor argmax(const at::Tensor& logits) {
-  c10::cuda::CUDAGuard guard(logits.device());
+  c10::cuda::CUDAGuard guard(cuda_tensor(logits, "logits").device());
   TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) >= 1,
                     "logits must be [..., vocab] with vocab >= 1, got shape ", logits.sizes());
   using jacobi::cuda::LogitsDType;
@@ -202,7 +209,7 @@ void kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& d
                     "cpu_kv_commit on CUDA moves [B, H, capacity, D] caches only; transposed "
                     "keys are a CPU layout (got ", transposed.size(), ")");
   if (caches.empty()) return;
-  const at::Tensor& ref = caches[0];
+  const at::Tensor& ref = cuda_tensor(caches[0], "caches[0]");
   c10::cuda::CUDAGuard guard(ref.device());
   for (auto [t, name] : {std::pair{&src, "src"}, {&dst, "dst"}, {&count, "count"}}) {
     ck::dtype(*t, name, at::kLong);
