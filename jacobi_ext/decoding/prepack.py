@@ -120,8 +120,11 @@ def cuda_decode_available() -> bool:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return all(
         has(f"jacobi_ext::{op}", "CUDA")
-        for op in ("decode_rope_attention", "cpu_add_rms_norm", "cpu_silu_mul", "cpu_kv_commit")
-    )
+        for op in (
+            "decode_rope_attention", "cpu_rms_norm", "cpu_add_rms_norm", "cpu_silu_mul",
+            "cpu_kv_commit", "cpu_argmax",
+        )
+    )  # fmt: skip
 
 
 def lean_backend(model) -> str | None:
