@@ -132,10 +132,14 @@ def test_argmax_matches_the_cpu_op_and_torch(dtype):
     assert got[1] == 100 and got[2] == 3 and got[3] == 0 and got[4] == 49151
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_kv_commit_matches_the_cpu_op(dtype):
+@pytest.mark.parametrize(
+    "dtype,D",
+    [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 33), (torch.float64, 512)],
+    ids=str,
+)  # (33: rows of 16-bit units; 512 fp64: rows longer than one pass of the kernel)
+def test_kv_commit_matches_the_cpu_op(dtype, D):
     g = torch.Generator().manual_seed(0)
-    caches = [torch.randn(3, 2, 80, 64, generator=g).to(dtype) for _ in range(6)]
+    caches = [torch.randn(3, 2, 80, D, generator=g).to(dtype) for _ in range(6)]
     src = torch.tensor([0, 20, 5])
     dst = torch.tensor([40, 24, 5])  # apart, overlapping (moving up), no move
     count = torch.tensor([7, 9, 4])

@@ -390,34 +390,41 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const T* x, int6
 // runtime's: scratch to after the committed tokens) copy in parallel; overlapping ones slot by
 // slot in commit_nth's order.
 constexpr int kCommitThreads = 128;
-constexpr int kCommitWordsPerThread = 4;  // a slot's row of up to 2 KB (D <= 512 in fp32)
+constexpr int kCommitUnitsPerThread = 4;  // units staged per thread and pass (a pass: 2 KB of u32)
 
+// U: the unit rows move in (32 bits, or 16 where a row is not a multiple of 4 bytes).
+template <typename U>
 __global__ void __launch_bounds__(kCommitThreads) kv_commit_kernel(KvCommitLaunch a) {
   const int64_t b = blockIdx.y, h = blockIdx.z;
   const int64_t s = a.src[b], d = a.dst[b], n = a.n[b];
   if (!dm::commit_moves(s, d, n) || !dm::commit_fits(s, d, n, a.capacity)) return;
-  const int64_t words = a.row_bytes / 4;
-  auto* head = static_cast<uint32_t*>(a.caches[blockIdx.x]) + (b * a.H + h) * a.capacity * words;
+  const int64_t units = a.row_bytes / static_cast<int64_t>(sizeof(U));
+  auto* head = static_cast<U*>(a.caches[blockIdx.x]) + (b * a.H + h) * a.capacity * units;
   if (!dm::commit_overlaps(s, d, n)) {
-    for (int64_t e = threadIdx.x; e < n * words; e += blockDim.x)
-      head[(d + e / words) * words + e % words] = head[(s + e / words) * words + e % words];
+    for (int64_t e = threadIdx.x; e < n * units; e += blockDim.x)
+      head[(d + e / units) * units + e % units] = head[(s + e / units) * units + e % units];
     return;
   }
+  // Overlapping: slot by slot in commit_nth's order, each slot read before any thread writes
+  // (a write may land on a slot another thread still reads: the barriers order them).
+  constexpr int64_t kPass = int64_t{kCommitThreads} * kCommitUnitsPerThread;
   for (int64_t k = 0; k < n; ++k) {
     const int64_t x = dm::commit_nth(k, s, d, n);
-    uint32_t v[kCommitWordsPerThread];
+    for (int64_t u0 = 0; u0 < units; u0 += kPass) {
+      U v[kCommitUnitsPerThread];
 #pragma unroll
-    for (int u = 0; u < kCommitWordsPerThread; ++u) {
-      const int64_t e = threadIdx.x + u * kCommitThreads;
-      v[u] = e < words ? head[(s + x) * words + e] : 0u;
-    }
-    __syncthreads();  // every word of the slot is read before any is written
+      for (int u = 0; u < kCommitUnitsPerThread; ++u) {
+        const int64_t e = u0 + threadIdx.x + u * kCommitThreads;
+        v[u] = e < units ? head[(s + x) * units + e] : U{0};
+      }
+      __syncthreads();
 #pragma unroll
-    for (int u = 0; u < kCommitWordsPerThread; ++u) {
-      const int64_t e = threadIdx.x + u * kCommitThreads;
-      if (e < words) head[(d + x) * words + e] = v[u];
+      for (int u = 0; u < kCommitUnitsPerThread; ++u) {
+        const int64_t e = u0 + threadIdx.x + u * kCommitThreads;
+        if (e < units) head[(d + x) * units + e] = v[u];
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
 }
 
@@ -488,11 +495,13 @@ cudaError_t rope_attention(const RopeAttentionLaunch& a, cudaStream_t stream) {
 
 cudaError_t kv_commit(const KvCommitLaunch& a, cudaStream_t stream) {
   if (a.count <= 0 || a.B <= 0 || a.H <= 0) return cudaSuccess;
-  if (a.row_bytes % 4 != 0 || a.row_bytes / 4 > kCommitWordsPerThread * kCommitThreads)
-    return cudaErrorInvalidValue;
+  if (a.row_bytes <= 0 || a.row_bytes % 2 != 0) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(a.count), static_cast<unsigned>(a.B),
                   static_cast<unsigned>(a.H));
-  kv_commit_kernel<<<grid, kCommitThreads, 0, stream>>>(a);
+  if (a.row_bytes % 4 == 0)
+    kv_commit_kernel<uint32_t><<<grid, kCommitThreads, 0, stream>>>(a);
+  else
+    kv_commit_kernel<uint16_t><<<grid, kCommitThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -73,7 +73,7 @@ constexpr int kCommitMaxCaches = 256;  // per launch (the caller launches again 
 struct KvCommitLaunch {
   void* caches[kCommitMaxCaches];
   int count;
-  int64_t B, H, capacity, row_bytes;  // row_bytes = D * element size, a multiple of 4
+  int64_t B, H, capacity, row_bytes;  // row_bytes = D * element size, a multiple of 2
   const int64_t* src;
   const int64_t* dst;
   const int64_t* n;

@@ -229,8 +229,7 @@ void kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& d
                       t.scalar_type());
   }
   const int64_t row_bytes = ref.size(3) * ref.element_size();
-  TORCH_CHECK_VALUE(row_bytes % 4 == 0 && row_bytes <= 2048,
-                    "a cache slot must be a multiple of 4 bytes and at most 2 KB, got ",
+  TORCH_CHECK_VALUE(row_bytes % 2 == 0, "a cache slot must be a multiple of 2 bytes, got ",
                     row_bytes);
   const at::Tensor sc = src.contiguous(), dc = dst.contiguous(), cc = count.contiguous();
   jacobi::cuda::KvCommitLaunch a{};
