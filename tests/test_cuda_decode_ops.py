@@ -156,6 +156,13 @@ def test_kv_commit_matches_the_cpu_op(dtype, D):
                       torch.tensor([10, 12, 0]).cuda(), [])  # fmt: skip
     for a, b in zip(gdown, down, strict=True):
         assert torch.equal(a.cpu(), b)
+    # caches of two shapes in one call (layers with their own head counts): one launch each
+    mixed = [caches[0].clone(), caches[1][:, :1].clone(), caches[2].clone()]
+    gmixed = [c.cuda() for c in mixed]
+    ops.cpu_kv_commit(mixed, src, dst, count, [])
+    ops.cpu_kv_commit(gmixed, src.cuda(), dst.cuda(), count.cuda(), [])
+    for a, b in zip(gmixed, mixed, strict=True):
+        assert torch.equal(a.cpu(), b)
 
 
 def test_fused_ops_capture_in_a_cuda_graph():
@@ -265,8 +272,8 @@ def test_bad_arguments_raise_value_errors():
         op(qkv, Hq, 2, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
     with pytest.raises(ValueError, match="transposed"):
         ops.cpu_kv_commit([kc], lo, hi, lo, [kc])
-    with pytest.raises(ValueError, match="one shape"):
-        ops.cpu_kv_commit([kc, kc[:, :, :10].contiguous()], lo, hi, lo, [])
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.cpu_kv_commit([kc, kc.transpose(1, 2)], lo, hi, lo, [])
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         ops.cpu_silu_mul(torch.zeros(3, 8, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="features"):

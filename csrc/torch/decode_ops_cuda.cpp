@@ -216,29 +216,34 @@ void kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& d
     TORCH_CHECK_VALUE(t->dim() == 1, name, " must be [B] int64, got ", t->sizes());
     on_device(*t, name, ref);
   }
-  TORCH_CHECK_VALUE(ref.dim() == 4, "each cache must be [B, H, capacity, D], got ", ref.sizes());
   const int64_t B = src.size(0);
-  TORCH_CHECK_VALUE(dst.size(0) == B && count.size(0) == B && ref.size(0) == B,
-                    "src, dst, count and the caches must share B, got ", src.sizes(), ", ",
-                    dst.sizes(), ", ", count.sizes(), " and ", ref.sizes());
+  TORCH_CHECK_VALUE(dst.size(0) == B && count.size(0) == B, "src, dst and count must be [B], got ",
+                    src.sizes(), ", ", dst.sizes(), ", ", count.sizes());
   for (const at::Tensor& t : caches) {
-    TORCH_CHECK_VALUE(t.sizes() == ref.sizes() && t.scalar_type() == ref.scalar_type() &&
-                          t.is_contiguous() && t.device() == ref.device(),
-                      "the caches must be contiguous CUDA tensors of one shape and dtype (",
-                      ref.sizes(), " ", ref.scalar_type(), "), got ", t.sizes(), " ",
-                      t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == B && t.is_contiguous() &&
+                          t.device() == ref.device(),
+                      "each cache must be a contiguous tensor [B = ", B, ", H, capacity, D] on ",
+                      ref.device(), ", got ", t.sizes(), " on ", t.device());
+    TORCH_CHECK_VALUE(t.size(3) * t.element_size() % 2 == 0,
+                      "a cache slot must be a multiple of 2 bytes, got ",
+                      t.size(3) * t.element_size());
   }
-  const int64_t row_bytes = ref.size(3) * ref.element_size();
-  TORCH_CHECK_VALUE(row_bytes % 2 == 0, "a cache slot must be a multiple of 2 bytes, got ",
-                    row_bytes);
   const at::Tensor sc = src.contiguous(), dc = dst.contiguous(), cc = count.contiguous();
-  jacobi::cuda::KvCommitLaunch a{};
-  a.B = B, a.H = ref.size(1), a.capacity = ref.size(2), a.row_bytes = row_bytes;
-  a.src = sc.data_ptr<int64_t>(), a.dst = dc.data_ptr<int64_t>(), a.n = cc.data_ptr<int64_t>();
+  // One launch per run of caches of one shape and element size (a model's layers: one launch
+  // for all of them), at most kCommitMaxCaches each.
   const int64_t total = static_cast<int64_t>(caches.size());
-  for (int64_t i0 = 0; i0 < total; i0 += jacobi::cuda::kCommitMaxCaches) {
-    a.count = static_cast<int>(std::min<int64_t>(jacobi::cuda::kCommitMaxCaches, total - i0));
-    for (int k = 0; k < a.count; ++k) a.caches[k] = caches[i0 + k].data_ptr();
+  for (int64_t i0 = 0; i0 < total;) {
+    const at::Tensor& first = caches[i0];
+    jacobi::cuda::KvCommitLaunch a{};
+    a.B = B, a.H = first.size(1), a.capacity = first.size(2);
+    a.row_bytes = first.size(3) * first.element_size();
+    a.src = sc.data_ptr<int64_t>(), a.dst = dc.data_ptr<int64_t>(), a.n = cc.data_ptr<int64_t>();
+    a.count = 0;
+    while (i0 < total && a.count < jacobi::cuda::kCommitMaxCaches &&
+           caches[i0].sizes() == first.sizes() &&
+           caches[i0].element_size() == first.element_size()) {
+      a.caches[a.count++] = caches[i0++].data_ptr();
+    }
     launched(jacobi::cuda::kv_commit(a, stream()), "cpu_kv_commit");
   }
 }
