@@ -502,12 +502,12 @@ class CudaLeanDecoder(LeanDecoder):
     """The lean forward on a CUDA model (bf16 or fp32): per layer the add + RMSNorm, one q/k/v
     GEMM, rotary + K/V write + attention over the step plan (decode_rope_attention: split-K and
     its combine), the o GEMM, add + RMSNorm, one gate/up GEMM, SiLU * up and the down GEMM: nine
-    kernels (a q/k/v bias cuBLAS does not fuse: ten), against ~57 ops in transformers' layer. The fused ops are ours
-    (csrc/cuda/decode_cuda.cu, under the CPU ops' names where they compute the same thing); the
-    GEMMs are torch's. Nothing reads a host value and every buffer has the step's fixed shape, so
-    the runtime captures a step in one CUDA graph. A prefill (a causal prompt, not a step plan)
-    runs the model's own norms, rotary and attention over these linears, as the CPU forward does
-    with JACOBI_EXT_FUSED=0."""
+    kernels (a q/k/v bias cuBLAS does not fuse: ten), against ~57 ops in transformers' layer.
+    The fused ops are ours (csrc/cuda/decode_cuda.cu, under the CPU ops' names where they
+    compute the same thing); the GEMMs are torch's. Nothing reads a host value and every buffer
+    has the step's fixed shape, so the runtime captures a step in one CUDA graph. A prefill (a
+    causal prompt, not a step plan) runs the model's own norms, rotary and attention over these
+    linears, as the CPU forward does with JACOBI_EXT_FUSED=0."""
 
     LINEAR = _CatLinear
     takes_plan = True
