@@ -132,7 +132,7 @@ JACOBI_HD bool commit_fits(int64_t src, int64_t dst, int64_t count, int64_t capa
          dst + count <= capacity;
 }
 
-// ---- the greedy pick (torch's max(-1).indices) ---------------------------------------------------
+// ---- the greedy pick (torch's max(-1).indices) --------------------------------------------------
 // Whether value x at index i beats the best so far: a NaN beats every number (the first NaN
 // wins), otherwise the larger value wins and a tie goes to the lower index. Any order of
 // comparisons then picks the same index (the CUDA block reduction, the CPU's chunks).
