@@ -9,8 +9,9 @@
 # once for bfloat16 (registers and spills do not depend on the 16-bit type; measured 1679 s on a
 # loaded 2-core box, too long for CI); =full compiles what a GPU machine's build compiles.
 #
-# Then the SASS gate (.ci/sass_gate.py) reads the sm_90a object library's machine code: HGMMA in
-# the Hopper kernels, no HMMA, no local memory (LDL/STL), no "wgmma serialized" from ptxas.
+# Then the SASS gate (.ci/sass_gate.py) reads the sm_90a object libraries' machine code (the
+# attention's and the decode step's): HGMMA in the Hopper kernels, no HMMA, no local memory
+# (LDL/STL), no "wgmma serialized" from ptxas.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t_start=$(date +%s)
@@ -43,6 +44,7 @@ echo "== ptxas report: $(wc -l < "$report_dir/ptxas-report.txt") lines, $(wc -c 
 python .ci/check_ptxas.py "$report_dir/ptxas-report.txt" --require-arch sm_80 --require-arch sm_90a --table
 t_gate=$(date +%s)
 python .ci/sass_gate.py build/ci-cuda/CMakeFiles/jacobi_cuda_sm90.dir \
+  build/ci-cuda/CMakeFiles/jacobi_cuda_decode.dir \
   --build-log "$report_dir/cuda-build.log" --require-hopper-kernels
 echo "== SASS gate: $(($(date +%s) - t_gate)) s"
 t_import=$(date +%s)

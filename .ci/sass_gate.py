@@ -1,7 +1,8 @@
 """The SASS gate of the sm_90a attention objects: reads the machine code that ptxas made for
 sm_90a and fails loudly where a Hopper kernel would be slow in a way no CPU test sees.
 
-Checks, over every function of the sm_90a objects given (the jacobi_cuda_sm90 object library):
+Checks, over every function of the sm_90a objects given (the jacobi_cuda_sm90 object library,
+and jacobi_cuda_decode's sm_90a code):
   - every Hopper attention kernel (HOPPER_KERNELS) exists, uses warpgroup MMAs (HGMMA > 0) and no
     Ampere-style MMAs (HMMA = 0);
   - no function uses local memory (LDL/STL: register spills or stack arrays);
@@ -38,6 +39,14 @@ OTHER_KERNELS: list[str] = [
     "expand_tile_lists_kernel",  # the tile-list consumer of the debug op (attention_sm90.cu)
     "bwd_sm90_prep_kernel",  # the backward's lse / delta preprocessing (attention_sm90.cu)
     "bwd_sm90_dq_convert_kernel",  # the backward's dQ scale + scatter (attention_sm90.cu)
+    # the decode step's fused small ops (csrc/cuda/decode_cuda.cu, object library
+    # jacobi_cuda_decode): fp32 CUDA-core code, no MMA of either kind
+    "rms_norm_kernel",
+    "silu_mul_kernel",
+    "rope_attention_kernel",
+    "combine_kernel",
+    "kv_commit_kernel",
+    "argmax_kernel",
 ]
 ARCH = "sm_90a"
 WGMMA_SERIALIZED = re.compile(r"wgmma.*serializ", re.IGNORECASE)

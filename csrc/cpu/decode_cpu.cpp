@@ -11,6 +11,8 @@
 // computed alone in the same order whatever the others are, as decode_cpu.h promises.
 #include "cpu/decode_cpu.h"
 
+#include "jacobi/decode_step.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -38,6 +40,12 @@ template <typename T>
 inline float to_f(T v) {
   return static_cast<float>(v);
 }
+
+// Rounds an fp32 value to T and back: the `round` of jacobi/decode_step.h's formulas.
+template <typename T>
+struct RoundTo {
+  float operator()(float v) const { return static_cast<float>(static_cast<T>(v)); }
+};
 
 // dst[0, n) = src[0, n) in fp32.
 template <typename T>
@@ -522,17 +530,16 @@ inline void rotate_row(const T* x, const T* cos, const T* sin, int64_t D, T* dst
   const int64_t half = D / 2;
   // The two halves apart (rotate_half: -x[d + half], then x[d - half]): loops without a branch,
   // which the compiler vectorises; the same roundings per element.
-  for (int64_t d = 0; d < half; ++d) {
-    const T rh = static_cast<T>(-to_f(x[d + half]));
-    const T a = static_cast<T>(to_f(x[d]) * to_f(cos[d]));
-    const T b = static_cast<T>(to_f(rh) * to_f(sin[d]));
-    dst[d] = static_cast<T>(to_f(a) + to_f(b));
-  }
-  for (int64_t d = half; d < D; ++d) {
-    const T a = static_cast<T>(to_f(x[d]) * to_f(cos[d]));
-    const T b = static_cast<T>(to_f(x[d - half]) * to_f(sin[d]));
-    dst[d] = static_cast<T>(to_f(a) + to_f(b));
-  }
+  // (jacobi/decode_step.h: rope_element, the CUDA kernel's formula too)
+  const RoundTo<T> round;
+  for (int64_t d = 0; d < half; ++d)
+    dst[d] = static_cast<T>(
+        decode::rope_element(to_f(x[d]), to_f(x[d + half]), true, to_f(cos[d]), to_f(sin[d]),
+                             round));
+  for (int64_t d = half; d < D; ++d)
+    dst[d] = static_cast<T>(
+        decode::rope_element(to_f(x[d]), to_f(x[d - half]), false, to_f(cos[d]), to_f(sin[d]),
+                             round));
 }
 
 // T: the dtype of qkv, cos, sin and out; KV: the cache's element type, T or (T = fp32) fp16.
@@ -618,6 +625,7 @@ void rms(const RmsNormArgs& a) {
   T* hout = static_cast<T*>(a.h);
   T* y = static_cast<T*>(a.y);
   const int64_t n = a.n;
+  const RoundTo<T> round;  // (the formulas: jacobi/decode_step.h, the CUDA kernel's too)
   at::parallel_for(0, a.rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)),
                    [&](int64_t r0, int64_t r1) {
                      std::vector<T> hbuf(hout == nullptr && res != nullptr ? n : 0);
@@ -628,19 +636,18 @@ void rms(const RmsNormArgs& a) {
                          T* hw = hout != nullptr ? hout + r * n : hbuf.data();
                          const T* rr = res + r * n;
                          for (int64_t i = 0; i < n; ++i)
-                           hw[i] = static_cast<T>(to_f(rr[i]) + to_f(xr[i]));
+                           hw[i] = static_cast<T>(
+                               decode::residual_add(to_f(rr[i]), to_f(xr[i]), round));
                          hr = hw;
                        } else if (hout != nullptr) {
                          std::copy(xr, xr + n, hout + r * n);
                        }
                        T* yr = y + r * n;
-                       const double ss = sum_of_squares(hr, n);
-                       const float var = static_cast<float>(ss / static_cast<double>(n));
-                       const float inv = 1.f / std::sqrt(var + a.eps);
-                       for (int64_t i = 0; i < n; ++i) {
-                         const T normed = static_cast<T>(to_f(hr[i]) * inv);
-                         yr[i] = static_cast<T>(to_f(w[i]) * to_f(normed));
-                       }
+                       const float inv =
+                           decode::rms_inverse(sum_of_squares(hr, n), n, a.eps);
+                       for (int64_t i = 0; i < n; ++i)
+                         yr[i] = static_cast<T>(
+                             decode::rms_output(to_f(hr[i]), inv, to_f(w[i]), round));
                      }
                    });
 }
@@ -665,7 +672,8 @@ void silu_mul_impl(const SiluMulArgs& a) {
                          (gv / (one + gv.neg().exp_u20())).store(act.data() + i, c);
                        }
                        for (int64_t i = 0; i < n; ++i)  // silu rounded to T, then times up
-                         o[i] = static_cast<T>(to_f(static_cast<T>(act[i])) * to_f(u[i]));
+                         o[i] = static_cast<T>(
+                             decode::silu_times_up(act[i], to_f(u[i]), RoundTo<T>{}));
                      }
                    });
 }

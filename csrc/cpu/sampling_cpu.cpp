@@ -7,6 +7,8 @@
 // over the vocabulary and ~50 noise draws.
 #include "cpu/sampling_cpu.h"
 
+#include "jacobi/decode_step.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -158,13 +160,10 @@ void argmax_rows(const T* x, int64_t rows, int64_t vocab, int64_t* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = x + r * vocab;
     int64_t best = -1;
-    for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t c = 0; c < chunks; ++c) {  // (jacobi/decode_step.h: the CUDA kernel's order)
       const auto [nan, top] = picks[r * chunks + c];
-      if (nan >= 0) {
-        best = nan;
-        break;
-      }
-      if (best < 0 || row[top] > row[best]) best = top;  // a later chunk wins only when greater
+      const int64_t pick = nan >= 0 ? nan : top;
+      if (best < 0 || decode::greedy_better(row[pick], pick, row[best], best)) best = pick;
     }
     out[r] = best;
   }

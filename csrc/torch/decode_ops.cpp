@@ -4,9 +4,11 @@
 // the fused small ops of a decoding step (csrc/cpu/decode_cpu.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -16,6 +18,7 @@
 #include "checks.h"
 #include "cpu_step_ops.h"
 #include "cpu/decode_cpu.h"
+#include "jacobi/decode_step.h"
 
 namespace jacobi::ops {
 namespace {
@@ -238,15 +241,14 @@ void move_transposed(E* base, const at::Tensor& t, int64_t B, const int64_t* s, 
                      const int64_t* c) {
   const int64_t H = t.size(1), L = t.size(2) * cpu::kKeyPad, D = t.size(3);
   for (int64_t b = 0; b < B; ++b) {
-    if (c[b] == 0 || s[b] == d[b]) continue;
-    const bool forward = d[b] < s[b];
+    if (!decode::commit_moves(s[b], d[b], c[b])) continue;
     for (int64_t h = 0; h < H; ++h) {
       E* head = base + (b * H + h) * L * D;
       auto at = [&](int64_t slot, int64_t f) {
         return head + cpu::kt_slot(slot, D) + f * cpu::kKeyPad;
       };
       for (int64_t n = 0; n < c[b]; ++n) {
-        const int64_t x = forward ? n : c[b] - 1 - n;
+        const int64_t x = decode::commit_nth(n, s[b], d[b], c[b]);
         for (int64_t f = 0; f < D; ++f) *at(d[b] + x, f) = *at(s[b] + x, f);
       }
     }
@@ -270,8 +272,7 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
                       ", H, capacity, D], got ", t.sizes());
     const int64_t cap = t.size(2);
     for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK_VALUE(c[b] >= 0 && s[b] >= 0 && d[b] >= 0 && s[b] + c[b] <= cap &&
-                            d[b] + c[b] <= cap,
+      TORCH_CHECK_VALUE(decode::commit_fits(s[b], d[b], c[b], cap),
                         "sequence ", b, ": slots [", s[b], ", ", s[b] + c[b], ") -> [", d[b], ", ",
                         d[b] + c[b], ") are outside the cache [0, ", cap, ")");
     }
@@ -302,7 +303,7 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
         const int64_t H = t.size(1), cap = t.size(2), row = t.size(3) * t.element_size();
         auto* base = static_cast<char*>(t.data_ptr());
         for (int64_t b = 0; b < B; ++b) {
-          if (c[b] == 0 || s[b] == d[b]) continue;
+          if (!decode::commit_moves(s[b], d[b], c[b])) continue;
           for (int64_t h = 0; h < H; ++h) {
             char* head = base + (b * H + h) * cap * row;
             std::memmove(head + d[b] * row, head + s[b] * row, static_cast<size_t>(c[b] * row));
@@ -319,6 +320,22 @@ void cpu_kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tenso
       }
     }
   });
+}
+
+// The step plan's mask [B, Q, width] (bool, contiguous) by jacobi/decode_step.h's rule.
+void fill_step_mask(const int64_t* sg, const int64_t* of, const int64_t* l, const int64_t* h,
+                    int64_t B, int64_t Q, int64_t width, bool* m) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* sb = sg + b * Q;
+    const int64_t* ob = of + b * Q;
+    for (int64_t i = 0; i < Q; ++i) {
+      bool* row = m + (b * Q + i) * width;
+      for (int64_t j = 0; j < width; ++j)
+        row[j] = decode::step_sees_committed(sb[i], j, l[b], h[b]);
+      for (int64_t j = 0; j < Q; ++j)
+        row[j] = row[j] || decode::step_sees_scratch(sb[i], ob[i], sb[j], ob[j], j == i);
+    }
+  }
 }
 
 // masks.step_mask's rule, element by element: query i (row seg[b, i], offset off[b, i]; seg < 0:
@@ -343,21 +360,49 @@ at::Tensor cpu_step_mask(const at::Tensor& seg, const at::Tensor& off, const at:
   const int64_t *sg = sc.data_ptr<int64_t>(), *of = oc.data_ptr<int64_t>(),
                 *l = lc.data_ptr<int64_t>(), *h = hc.data_ptr<int64_t>();
   at::Tensor mask = at::empty({B, 1, Q, width}, seg.options().dtype(at::kBool));
-  bool* m = mask.data_ptr<bool>();
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t* sb = sg + b * Q;
-    const int64_t* ob = of + b * Q;
-    for (int64_t i = 0; i < Q; ++i) {
-      bool* row = m + (b * Q + i) * width;
-      const bool real = sb[i] >= 0;
-      for (int64_t j = 0; j < width; ++j) row[j] = real && j >= l[b] && j < h[b];
-      for (int64_t j = 0; j < Q; ++j) {
-        const bool local = real ? sb[j] >= 0 && sb[j] == sb[i] && ob[j] <= ob[i] : j == i;
-        row[j] = row[j] || local;
-      }
-    }
-  }
+  fill_step_mask(sg, of, l, h, B, Q, width, mask.data_ptr<bool>());
   return mask;
+}
+
+// decode_rope_attention on a CPU: the step plan's mask made here (fill_step_mask, over the
+// slots up to the longest sequence's end), query i's K/V written to scratch slot i, then
+// cpu_rope_attention: the CUDA kernel's twin (which reads the plan itself, no mask built).
+at::Tensor decode_rope_attention_cpu(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                                     const at::Tensor& cos, const at::Tensor& sin,
+                                     at::Tensor& k_cache, at::Tensor& v_cache,
+                                     const at::Tensor& seg, const at::Tensor& off,
+                                     const at::Tensor& lo, const at::Tensor& hi, double scale) {
+  ck::rank(qkv, "qkv", 3, "[B, Q, (heads + 2 kv_heads) * D]");
+  ck::rank(k_cache, "k_cache", 4, "[B, kv_heads, capacity, D]");
+  const int64_t B = qkv.size(0), Q = qkv.size(1), cap = k_cache.size(2);
+  for (auto [t, name] : {std::pair{&seg, "seg"}, {&off, "off"}, {&lo, "lo"}, {&hi, "hi"}}) {
+    ck::dtype(*t, name, at::kLong);
+    TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be on the CPU, got ", t->device());
+  }
+  TORCH_CHECK_VALUE(seg.dim() == 2 && seg.size(0) == B && seg.size(1) == Q &&
+                        off.sizes() == seg.sizes(),
+                    "seg and off must be [B, Q] = [", B, ", ", Q, "], got ", seg.sizes(), " and ",
+                    off.sizes());
+  TORCH_CHECK_VALUE(lo.dim() == 1 && lo.size(0) == B && hi.dim() == 1 && hi.size(0) == B,
+                    "lo and hi must be [B = ", B, "], got ", lo.sizes(), ", ", hi.sizes());
+  TORCH_CHECK_VALUE(Q <= cap, "the step's ", Q, " tokens do not fit the cache's ", cap,
+                    " slots");
+  const at::Tensor sc = seg.contiguous(), oc = off.contiguous(), lc = lo.contiguous(),
+                   hc = hi.contiguous();
+  const int64_t *sg = sc.data_ptr<int64_t>(), *of = oc.data_ptr<int64_t>(),
+                *l = lc.data_ptr<int64_t>(), *h = hc.data_ptr<int64_t>();
+  int64_t width = std::max<int64_t>(Q, 1);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(l[b] >= Q && l[b] <= h[b] && h[b] <= cap, "sequence ", b,
+                      ": committed slots [", l[b], ", ", h[b], ") must lie in [Q = ", Q,
+                      ", capacity = ", cap, ")");
+    width = std::max(width, h[b]);
+  }
+  at::Tensor mask = at::empty({B, 1, Q, width}, seg.options().dtype(at::kBool));
+  fill_step_mask(sg, of, l, h, B, Q, width, mask.data_ptr<bool>());
+  const at::Tensor slots = at::arange(std::max<int64_t>(Q, 1), seg.options());
+  return cpu_rope_attention(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, width,
+                            mask, scale, std::nullopt, 0);
 }
 
 }  // namespace
@@ -370,6 +415,7 @@ TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("cpu_add_rms_norm", &cpu_add_rms_norm);
   m.impl("cpu_silu_mul", &cpu_silu_mul);
   m.impl("cpu_rope_attention", &cpu_rope_attention);
+  m.impl("decode_rope_attention", &decode_rope_attention_cpu);
 }
 
 }  // namespace jacobi::ops

@@ -144,6 +144,16 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def("cpu_rope_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int attend, Tensor mask, "
         "float scale, Tensor(c!)? kt_cache=None, int context_start=0) -> Tensor");
+  // The attention block of a decoding step from the step plan itself (no mask): as
+  // cpu_rope_attention, with query i's k and v written to scratch slot i, and query i seeing the
+  // committed slots [lo[b], hi[b]) and the scratch slots of its own row (seg [B, Q], -1:
+  // padding) at offsets (off [B, Q]) up to its own (jacobi/decode_step.h: step_sees_*; the rule
+  // of jacobi_ext.decoding.masks.step_mask). On CUDA nothing is read on the host and only
+  // slots up to hi[b] are read (device-side lengths: capturable in a CUDA graph); the CPU twin
+  // builds the mask and calls cpu_rope_attention. Returns [B, Q, heads, D].
+  m.def("decode_rope_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor seg, Tensor off, Tensor lo, Tensor hi, "
+        "float scale) -> Tensor");
   // The decoding step's commit on a CPU: in every cache [B, H, capacity, D] of caches, for each
   // sequence b, the slots [src[b], src[b] + count[b]) move to [dst[b], dst[b] + count[b]) (as one
   // gather then scatter: the ranges may overlap). One call for all layers, in place. transposed:

@@ -31,13 +31,21 @@ Where it applies (`lean_decoder(model)`): a CPU model whose linears run on our k
 (prepack.backend == "kernel"), of a class whose layers are exactly Llama's (Llama, Qwen2 and
 Mistral without sliding windows; checked module by module), with sdpa or eager attention.
 Anything else runs transformers' forward. JACOBI_EXT_LEAN=0 switches it off.
+
+On CUDA (prepack.lean_backend == "cuda": a float32 / bfloat16 model of those classes, head dims
+64 or 128, on a build with the CUDA decode ops) `CudaLeanDecoder` runs the same layer loop: torch
+linears (cuBLAS) over weights concatenated once (q/k/v, gate/up), our CUDA twins of the fused ops
+(csrc/cuda/decode_cuda.cu), and an attention that reads the step plan (StepPlan) on the device
+instead of a bool mask; nine kernels a layer, one CUDA graph a step (docs/kernels.md).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..models.quantized import GGUFEmbedding, GGUFLinear
@@ -198,13 +206,14 @@ class _Layer:
         "ln1", "ln2", "attn", "qkv", "o", "gate_up", "down", "act", "silu", "splits", "mlp_split",
     )  # fmt: skip
 
-    def __init__(self, layer) -> None:
+    def __init__(self, layer, linear=None) -> None:
+        linear = linear or _Packed  # (the CUDA forward's: _CatLinear)
         a, m = layer.self_attn, layer.mlp
         self.ln1, self.ln2, self.attn = layer.input_layernorm, layer.post_attention_layernorm, a
-        self.qkv = _Packed(a.q_proj, a.k_proj, a.v_proj)
-        self.o = _Packed(a.o_proj)
-        self.gate_up = _Packed(m.gate_proj, m.up_proj)
-        self.down = _Packed(m.down_proj)
+        self.qkv = linear(a.q_proj, a.k_proj, a.v_proj)
+        self.o = linear(a.o_proj)
+        self.gate_up = linear(m.gate_proj, m.up_proj)
+        self.down = linear(m.down_proj)
         self.act = m.act_fn
         self.silu = type(m.act_fn).__name__ in ("SiLU", "SiLUActivation")
         self.splits = self.qkv.splits
@@ -217,12 +226,17 @@ class _Layer:
 class LeanDecoder:
     """The lean forward of one model (see the module docstring)."""
 
+    LINEAR = None  # the linears' class (None: _Packed, our CPU kernel); CudaLeanDecoder's
+    takes_plan = False  # whether a step passes its StepPlan rather than a mask (CUDA)
+
     def __init__(self, model) -> None:
         self.model = model
         inner = model.model
         self.inner = inner
-        self.layers = [_Layer(layer) for layer in inner.layers[: model.config.num_hidden_layers]]
-        self.head = _Packed(model.lm_head)
+        self.layers = [
+            _Layer(layer, self.LINEAR) for layer in inner.layers[: model.config.num_hidden_layers]
+        ]
+        self.head = (self.LINEAR or _Packed)(model.lm_head)
         modeling = sys.modules[type(inner.layers[0].self_attn).__module__]
         self.rotary = modeling.apply_rotary_pos_emb
         impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
@@ -423,6 +437,147 @@ class LeanDecoder:
         return L.act(g) * u
 
 
+class StepPlan(NamedTuple):
+    """What a decoding step's attention sees, as the runtime keeps it on the device (masks.py):
+    each fed token's row seg [B, Q] (-1: padding) and offset off [B, Q], and each sequence's
+    committed slots [lo[b], hi[b]). The CUDA lean forward takes it in place of the bool mask
+    that step_mask would build from it (jacobi/decode_step.h has the rule, for both devices)."""
+
+    seg: torch.Tensor
+    off: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
+class _CatLinear:
+    """The CUDA forward's linear: one or several nn.Linear side by side along the outputs (q/k/v,
+    gate/up) as one torch linear (cuBLAS) over their concatenated weights, made once and
+    rewritten in place (the same buffer: captured CUDA graphs keep reading it) when any of them
+    changes. A single linear uses the module's own weight."""
+
+    __slots__ = ("mods", "stamp", "weight", "bias", "n", "splits")
+
+    def __init__(self, *mods) -> None:
+        self.mods = mods
+        self.stamp = None
+        self.weight = self.bias = None
+        self.splits = [m.out_features for m in mods]
+        self.n = sum(self.splits)
+
+    def refresh(self) -> None:
+        stamp = tuple(weight_stamp(m.weight) for m in self.mods)  # prepack.weight_stamp
+        if self.stamp is not None and all(map(same_stamp, stamp, self.stamp)):
+            return
+        with torch.inference_mode():  # (the buffer may be an inference tensor: made in a step)
+            if len(self.mods) == 1:
+                m = self.mods[0]
+                self.weight = m.weight.detach()
+                self.bias = None if m.bias is None else m.bias.detach()
+            else:
+                weight = torch.cat([m.weight.detach() for m in self.mods])
+                bias = None
+                if any(m.bias is not None for m in self.mods):
+                    bias = torch.cat([
+                        m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
+                        for m in self.mods
+                    ])  # fmt: skip
+                same = self.weight is not None and self.weight.shape == weight.shape
+                if same and (bias is None) == (self.bias is None):
+                    self.weight.copy_(weight)
+                    if bias is not None:
+                        self.bias.copy_(bias)
+                else:
+                    self.weight, self.bias = weight, bias
+        self.stamp = stamp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def call(self) -> tuple:
+        """(fn, args): fn(x, *args) is this linear (as _Packed.call)."""
+        return F.linear, (self.weight, self.bias)
+
+
+class CudaLeanDecoder(LeanDecoder):
+    """The lean forward on a CUDA model (bf16 or fp32): per layer the add + RMSNorm, one q/k/v
+    GEMM, rotary + K/V write + attention over the step plan (decode_rope_attention: split-K and
+    its combine), the o GEMM, add + RMSNorm, one gate/up GEMM, SiLU * up and the down GEMM: nine
+    kernels (a q/k/v bias cuBLAS does not fuse: ten), against ~57 ops in transformers' layer.
+    The fused ops are ours (csrc/cuda/decode_cuda.cu, under the CPU ops' names where they
+    compute the same thing); the GEMMs are torch's. Nothing reads a host value and every buffer
+    has the step's fixed shape, so the runtime captures a step in one CUDA graph. A prefill (a
+    causal prompt, not a step plan) runs the model's own norms, rotary and attention over these
+    linears, as the CPU forward does with JACOBI_EXT_FUSED=0."""
+
+    LINEAR = _CatLinear
+    takes_plan = True
+
+    def refresh(self) -> None:
+        super().refresh()
+        self.takes_plan = self.fused
+
+    def _native_layers(self):
+        return None  # (LeanLayers runs the CPU ops)
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache,
+                 keep: int | None = None) -> torch.Tensor:  # fmt: skip
+        if isinstance(mask, StepPlan):
+            return self._head(self._fused_plan(ids, pos, mask, cache), keep)
+        self.fused, fused = False, self.fused  # a prefill: the model's own pieces
+        try:
+            return super().__call__(ids, pos, mask, cache, keep)
+        finally:
+            self.fused = fused
+
+    def _fused_plan(self, ids, pos, plan: StepPlan, cache) -> torch.Tensor:
+        ops = torch.ops.jacobi_ext
+        inner = self.inner
+        h = inner.embed_tokens.forward(ids)
+        cos, sin = self._cos_sin(h, pos, cache.layers[0]._rt.capacity)
+        B, Q = ids.shape
+        first = self.layers[0].ln1
+        x = ops.cpu_rms_norm(h, first.weight, first.variance_epsilon)
+        attention = ops.decode_rope_attention.default
+        add_rms_norm, silu_mul = ops.cpu_add_rms_norm.default, ops.cpu_silu_mul.default
+        for layer, p in zip(cache.layers, self.plans, strict=False):
+            (qkv_fn, qkv_args, heads, kv_heads, head_dim, scaling, o_fn, o_args, ln2_w, ln2_eps,
+             gu_fn, gu_args, act_layer, down_fn, down_args, norm_w, norm_eps) = p  # fmt: skip
+            if not layer.is_initialized:  # (a prefill made them; a bare probe may not have)
+                kv = h.new_empty(B, kv_heads, 1, head_dim)
+                layer.lazy_initialization(kv, kv)
+            qkv = qkv_fn(x, *qkv_args)
+            out = attention(
+                qkv, heads, kv_heads, cos, sin, layer.keys, layer.values, plan.seg, plan.off,
+                plan.lo, plan.hi, scaling,
+            )  # fmt: skip
+            h, x = add_rms_norm(o_fn(out.view(B, Q, -1), *o_args), h, ln2_w, ln2_eps)
+            gu = gu_fn(x, *gu_args)
+            m = silu_mul(gu) if act_layer is None else self._act_mul(act_layer, gu)
+            h, x = add_rms_norm(down_fn(m, *down_args), h, norm_w, norm_eps)
+        return x
+
+
+def _unsupported_cuda(model) -> str | None:
+    """Why `model` (on a CUDA device) cannot run the CUDA lean forward (None: it can)."""
+    reason = _unsupported(model)
+    if reason is not None:
+        return reason
+    p = next(model.parameters())
+    if p.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {p.dtype} (float32 or bfloat16 only)"
+    inner = model.model
+    if type(inner.embed_tokens) is not nn.Embedding:
+        return "embed_tokens is not an nn.Embedding (GGUF codes run on the CPU)"
+    for i, layer in enumerate(inner.layers):
+        mods = [*layer.self_attn.children(), *layer.mlp.children(), model.lm_head]
+        if any(isinstance(m, GGUFLinear) for m in mods):
+            return f"layer {i} reads GGUF codes (a CPU format)"
+        if layer.self_attn.head_dim not in (64, 128):
+            return f"head dim {layer.self_attn.head_dim} (the CUDA attention takes 64 and 128)"
+    return None
+
+
 def keys_transposed(keys: torch.Tensor) -> torch.Tensor:
     """A cache layer's keys [B, H, capacity, D] kept transposed in blocks of 16 slots, float32
     (float16 for a half cache) [B, H, L / 16, D, 16] (L the capacity rounded up to 16):
@@ -441,14 +596,21 @@ def lean_decoder(model) -> LeanDecoder | None:
     """The model's lean forward, packed and up to date, or None where it does not apply."""
     if env_off("JACOBI_EXT_LEAN"):
         return None
-    if torch.is_grad_enabled() or prepack.backend(model) != "kernel":
+    which = prepack.lean_backend(model)
+    if torch.is_grad_enabled() or which is None:
         return None  # (the runtime's forwards run under inference mode)
     entry = model.__dict__.get(_ATTR)
     if isinstance(entry, LeanDecoder) and not entry.current():
         entry = None  # modules were replaced (an adapter wrapped or unloaded): rebuild
+    if isinstance(entry, LeanDecoder) and isinstance(entry, CudaLeanDecoder) != (which == "cuda"):
+        entry = None  # the model moved between devices
     if entry is None:
-        reason = _unsupported(model)
-        entry = LeanDecoder(model) if reason is None else reason
+        if which == "cuda":
+            reason = _unsupported_cuda(model)
+            entry = CudaLeanDecoder(model) if reason is None else reason
+        else:
+            reason = _unsupported(model)
+            entry = LeanDecoder(model) if reason is None else reason
         object.__setattr__(model, _ATTR, entry)
     if isinstance(entry, str):
         return None
@@ -460,6 +622,12 @@ def why_not(model) -> str | None:
     """Why the lean forward does not run for `model` (None: it does)."""
     if env_off("JACOBI_EXT_LEAN"):
         return "JACOBI_EXT_LEAN=0"
-    if prepack.backend(model) != "kernel":
-        return f"its linears do not run on the CPU kernel (backend {prepack.backend(model)})"
+    which = prepack.lean_backend(model)
+    if which == "cuda":
+        return _unsupported_cuda(model)
+    if which is None:
+        return (
+            f"its linears do not run on the CPU kernel (backend {prepack.backend(model)}) and it "
+            "is not a float32 / bfloat16 model on a CUDA build's GPU"
+        )
     return _unsupported(model)

@@ -110,6 +110,34 @@ def backend(model) -> str | None:
     return _measured_bf16_choice(model)
 
 
+@functools.cache
+def cuda_decode_available() -> bool:
+    """This jacobi_ext has the CUDA decode ops (csrc/cuda/decode_cuda.cu): a CUDA build."""
+    from ..kernels._native import ops
+
+    if not hasattr(ops, "decode_rope_attention"):
+        return False
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return all(
+        has(f"jacobi_ext::{op}", "CUDA")
+        for op in (
+            "decode_rope_attention", "cpu_rms_norm", "cpu_add_rms_norm", "cpu_silu_mul",
+            "cpu_kv_commit", "cpu_argmax",
+        )
+    )  # fmt: skip
+
+
+def lean_backend(model) -> str | None:
+    """Which lean forward (lean.py) the model's steps can run on: "kernel" (a CPU model on our
+    packed linears), "cuda" (a float32 / bfloat16 model on a CUDA device, with this build's CUDA
+    decode ops), or None (transformers' forward). The model's class is checked in lean.py."""
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type == "cuda":
+        ok = p.dtype in (torch.float32, torch.bfloat16) and cuda_decode_available()
+        return "cuda" if ok else None
+    return "kernel" if backend(model) == "kernel" else None
+
+
 def wanted(model) -> bool:
     """Whether `packed(model)` packs anything."""
     return backend(model) is not None

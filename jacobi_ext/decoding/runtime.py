@@ -45,9 +45,9 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from ..models.quantized import kv_cache_dtype
-from .lean import lean_decoder
+from .lean import StepPlan, lean_decoder
 from .masks import for_backend, prefill_mask, step_mask, step_positions
-from .prepack import packed
+from .prepack import cuda_decode_available, packed
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ def targets(logits: torch.Tensor) -> torch.Tensor:
     as transformers' greedy takes it; tests), with the vocabulary read in parallel halves, where
     the LM head's threads left them: torch's max took 0.17-0.26 ms of a ~10 ms step there
     (~0.05 ms on logits in one cache)."""
-    if logits.device.type == "cpu":
+    dev = logits.device.type
+    if dev == "cpu" or (dev == "cuda" and cuda_decode_available()):  # (CUDA: its twin)
         return torch.ops.jacobi_ext.cpu_argmax(logits)
     return logits.argmax(-1)
 
@@ -216,8 +217,9 @@ class StaticRuntime:
         self.graph_replays = 0
         self._lean = None  # lean.LeanDecoder, False where it does not apply; set at prefill
         ops = torch.ops.jacobi_ext
-        self._kv_commit = (
-            ops.cpu_kv_commit if dev.type == "cpu" and hasattr(ops, "cpu_kv_commit") else None
+        native_commit = dev.type == "cpu" or (dev.type == "cuda" and cuda_decode_available())
+        self._kv_commit = (  # (on CUDA: one kernel for every layer, csrc/cuda/decode_cuda.cu)
+            ops.cpu_kv_commit if native_commit and hasattr(ops, "cpu_kv_commit") else None
         )
 
     def fits(self, model, batch: int, committed: int, scratch: int) -> bool:
@@ -297,7 +299,8 @@ class StaticRuntime:
         CPU, ~60 scattered copies). Only on our fused CPU attention, which sums a row's keys in
         position order wherever they sit (DecodeAttnArgs::first): the same bits as from scratch."""
         lean = self._lean
-        return self.device.type == "cpu" and self.B == 1 and bool(lean) and lean.fused
+        cpu_fused = bool(lean) and lean.fused and not lean.takes_plan
+        return self.device.type == "cpu" and self.B == 1 and cpu_fused
 
     def _forward(self, Q: int, attend: int, rule=None, in_place: bool = False) -> torch.Tensor:
         seg, off = self.seg[:, :Q], self.off[:, :Q]
@@ -311,11 +314,14 @@ class StaticRuntime:
         else:
             self.write_slots = self._slots[:Q]
             self.attend = attend
-            if self.device.type == "cpu":  # one native pass, the same mask (~0.15 ms a step less)
+            if self._lean and self._lean.takes_plan:  # CUDA lean forward: no mask built
+                mask = StepPlan(seg, off, self.lo, self.hi)
+            elif self.device.type == "cpu":  # one native pass, the same mask (~0.15 ms less)
                 mask = torch.ops.jacobi_ext.cpu_step_mask(seg, off, self.lo, self.hi, attend)
             else:
                 mask = step_mask(seg, off, self.lo, self.hi, attend)
-        mask = for_backend(self.model, mask, self.dtype)
+        if not isinstance(mask, StepPlan):
+            mask = for_backend(self.model, mask, self.dtype)
         pos = step_positions(off, self.lo, self.hi)
         logits = self._logits(self.ids[:, :Q], pos, mask)
         return targets(logits) if rule is None else rule(logits, pos)

@@ -267,6 +267,37 @@ def _cpu_step_mask_fake(seg, off, lo, hi, width):
     return seg.new_empty((B, 1, Q, width), dtype=torch.bool)
 
 
+# ---- the decode step's fused ops (csrc/torch/decode_ops.cpp, decode_ops_cuda.cpp) ---------------
+# Fakes for torch.compile and for meta tensors (the step's kernel count is taken on meta tensors).
+
+
+@torch.library.register_fake("jacobi_ext::cpu_rms_norm")
+def _cpu_rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("jacobi_ext::cpu_add_rms_norm")
+def _cpu_add_rms_norm_fake(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("jacobi_ext::cpu_silu_mul")
+def _cpu_silu_mul_fake(gu):
+    return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
+
+
+@torch.library.register_fake("jacobi_ext::cpu_kv_commit")
+def _cpu_kv_commit_fake(caches, src, dst, count, transposed):
+    return None
+
+
+@torch.library.register_fake("jacobi_ext::decode_rope_attention")
+def _decode_rope_attention_fake(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, seg, off, lo,
+                                hi, scale):  # fmt: skip
+    B, Q = qkv.shape[:2]
+    return qkv.new_empty((B, Q, heads, k_cache.shape[-1]))
+
+
 @torch.library.register_fake("jacobi_ext::cpu_ar_accept")
 def _cpu_ar_accept_fake(toks, tgt, fed, eos, width, tail):
     B = toks.shape[0]

@@ -1,0 +1,280 @@
+"""The CUDA decode ops (csrc/cuda/decode_cuda.cu) against their CPU twins and float64
+references, and the CUDA lean forward (jacobi_ext/decoding/lean.py: CudaLeanDecoder) against
+transformers' forward and our own AR. All marked `gpu`: they skip without a CUDA device."""
+
+import pytest
+import torch
+from test_decode_plan_attention import CASES, make_case, reference
+
+from jacobi_ext.decoding import lean, prepack
+from jacobi_ext.kernels import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.bfloat16]
+ops = torch.ops.jacobi_ext
+
+
+def _tol(dtype):
+    return dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_ops():
+    if not prepack.cuda_decode_available():
+        pytest.fail("this jacobi_ext has no CUDA decode ops (build it with JACOBI_EXT_CUDA=ON)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,n", [(1, 576), (64, 576), (3, 4096), (5, 100)])
+def test_add_rms_norm_matches_the_cpu_op(rows, n, dtype):
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=g).to(dtype)
+    r = torch.randn(rows, n, generator=g).to(dtype)
+    w = torch.randn(n, generator=g).to(dtype)
+    h_cpu, y_cpu = ops.cpu_add_rms_norm(x, r, w, 1e-5)
+    h, y = ops.cpu_add_rms_norm(x.cuda(), r.cuda(), w.cuda(), 1e-5)
+    assert torch.equal(h.cpu(), h_cpu)  # the residual add: one rounding, the same bits
+    torch.testing.assert_close(y.cpu(), y_cpu, **_tol(dtype))
+    torch.testing.assert_close(ops.cpu_rms_norm(x.cuda(), w.cuda(), 1e-5).cpu(),
+                               ops.cpu_rms_norm(x, w, 1e-5), **_tol(dtype))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_matches_the_cpu_op(dtype):
+    gu = (torch.randn(37, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    torch.testing.assert_close(ops.cpu_silu_mul(gu.cuda()).cpu(), ops.cpu_silu_mul(gu),
+                               **_tol(dtype))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-D{c[3]}-Q{c[4]}")
+def test_plan_attention_matches_cpu_twin_and_float64(case, dtype):
+    """Rotary, cache write and attention over the plan: the cache's new slots bitwise the CPU
+    twin's (one formula, jacobi/decode_step.h), the output to rounding of both and of float64;
+    slots past a sequence's end (garbage here) are never read."""
+    B, Hq, Hkv, D, Q, cap, ctx = case
+    cpu = make_case(B, Hq, Hkv, D, Q, cap, ctx, dtype)
+    qkv, cos, sin, kc, vc, seg, off, lo, hi = cpu
+    scale = D**-0.5
+    want, _, _ = reference(*cpu[:1], Hq, Hkv, *cpu[1:], scale)
+    g = [t.cuda() for t in cpu]
+    for b in range(B):  # poison every slot outside the plan: a kernel reading them sees NaN
+        for cache in (g[3], g[4]):
+            cache[b, :, Q : int(lo[b])] = float("nan")
+            cache[b, :, int(hi[b]) :] = float("nan")
+    twin = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, scale)
+    got = ops.decode_rope_attention(g[0], Hq, Hkv, *g[1:], scale)
+    assert torch.equal(g[3][:, :, :Q].cpu(), kc[:, :, :Q])
+    assert torch.equal(g[4][:, :, :Q].cpu(), vc[:, :, :Q])
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.cpu(), twin, **_tol(dtype))
+    torch.testing.assert_close(got.cpu().double(), want, **_tol(dtype))
+
+
+def test_plan_attention_reads_the_plan_from_strided_views():
+    """The runtime passes seg[:, :Q] of its [B, scratch] buffers: rows strided."""
+    B, Hq, Hkv, D, Q, cap, ctx = CASES[1]
+    cpu = make_case(B, Hq, Hkv, D, Q, cap, ctx, torch.float32)
+    g = [t.cuda() for t in cpu]
+    wide_seg = torch.full((B, 2 * Q), -1, dtype=torch.long, device="cuda")
+    wide_off = torch.zeros(B, 2 * Q, dtype=torch.long, device="cuda")
+    wide_seg[:, :Q], wide_off[:, :Q] = g[5], g[6]
+    a = ops.decode_rope_attention(g[0], Hq, Hkv, *g[1:5], g[5], g[6], g[7], g[8], 0.1)
+    b = ops.decode_rope_attention(
+        g[0], Hq, Hkv, *g[1:5], wide_seg[:, :Q], wide_off[:, :Q], g[7], g[8], 0.1
+    )
+    assert torch.equal(a, b)
+
+
+def test_plan_attention_main_row_is_independent_of_the_rest_of_the_step():
+    """Row 0's tokens at positions p meet their keys at the same places in any step: the output
+    of a one-token step and of the same token inside a wider step (with candidates) agree
+    bitwise when the committed prefix makes up the difference."""
+    torch.manual_seed(0)
+    Hq, Hkv, D, cap, dtype = 9, 3, 64, 600, torch.bfloat16
+    n_ctx, Q = 300, 8
+    qkv = torch.randn(1, Q, (Hq + 2 * Hkv) * D, device="cuda").to(dtype)
+    theta = torch.rand(1, Q, D // 2, device="cuda") * 6
+    cos = torch.cat([theta.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([theta.sin()] * 2, -1).to(dtype)
+    kc = torch.randn(1, Hkv, cap, D, device="cuda").to(dtype)
+    vc = torch.randn(1, Hkv, cap, D, device="cuda").to(dtype)
+    lo = torch.tensor([Q], device="cuda")
+    hi = lo + n_ctx
+    seg = torch.tensor([[0, 0, 0, 0, 1, 1, -1, -1]], device="cuda")
+    off = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 0]], device="cuda")
+    wide = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.125)
+    # The same token 3 of row 0 as an AR step: its row's first three tokens committed.
+    kc2, vc2 = kc.clone(), vc.clone()
+    end = Q + n_ctx  # hi
+    kc2[:, :, end : end + 3] = kc[:, :, :3]
+    vc2[:, :, end : end + 3] = vc[:, :, :3]
+    one = ops.decode_rope_attention(
+        qkv[:, 3:4], Hq, Hkv, cos[:, 3:4], sin[:, 3:4], kc2, vc2, seg[:, :1], off[:, :1], lo,
+        hi + 3, 0.125,
+    )  # fmt: skip
+    assert torch.equal(one[0, 0], wide[0, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_argmax_matches_the_cpu_op_and_torch(dtype):
+    """The first NaN, else the first of tied maxima: torch's max(-1).indices, on every row."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 49152, generator=g).to(dtype)
+    x[1, 100] = x[1, 40000] = x[1].max() + 1  # a tie: the first
+    x[2, 7] = float("nan")
+    x[2, 3] = float("nan")  # two NaNs: the first
+    x[3] = 0.0  # all equal: index 0
+    x[4, -1] = float("inf")
+    got = ops.cpu_argmax(x.cuda()).cpu()
+    assert torch.equal(got, ops.cpu_argmax(x))
+    assert torch.equal(got, x.max(-1).indices)
+    assert got[1] == 100 and got[2] == 3 and got[3] == 0 and got[4] == 49151
+
+
+@pytest.mark.parametrize(
+    "dtype,D",
+    [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 33), (torch.float64, 512)],
+    ids=str,
+)  # (33: rows of 16-bit units; 512 fp64: rows longer than one pass of the kernel)
+def test_kv_commit_matches_the_cpu_op(dtype, D):
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(3, 2, 80, D, generator=g).to(dtype) for _ in range(6)]
+    src = torch.tensor([0, 20, 5])
+    dst = torch.tensor([40, 24, 5])  # apart, overlapping (moving up), no move
+    count = torch.tensor([7, 9, 4])
+    gpu = [c.cuda() for c in caches]
+    ops.cpu_kv_commit(caches, src, dst, count, [])
+    ops.cpu_kv_commit(gpu, src.cuda(), dst.cuda(), count.cuda(), [])
+    for a, b in zip(gpu, caches, strict=True):
+        assert torch.equal(a.cpu(), b)
+    down = [c.clone() for c in caches]
+    ops.cpu_kv_commit(down, torch.tensor([30, 10, 0]), torch.tensor([25, 2, 0]),
+                      torch.tensor([10, 12, 0]), [])  # fmt: skip
+    gdown = [c.cuda() for c in caches]
+    ops.cpu_kv_commit(gdown, torch.tensor([30, 10, 0]).cuda(), torch.tensor([25, 2, 0]).cuda(),
+                      torch.tensor([10, 12, 0]).cuda(), [])  # fmt: skip
+    for a, b in zip(gdown, down, strict=True):
+        assert torch.equal(a.cpu(), b)
+    # caches of two shapes in one call (layers with their own head counts): one launch each
+    mixed = [caches[0].clone(), caches[1][:, :1].clone(), caches[2].clone()]
+    gmixed = [c.cuda() for c in mixed]
+    ops.cpu_kv_commit(mixed, src, dst, count, [])
+    ops.cpu_kv_commit(gmixed, src.cuda(), dst.cuda(), count.cuda(), [])
+    for a, b in zip(gmixed, mixed, strict=True):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_fused_ops_capture_in_a_cuda_graph():
+    """A layer's fused ops replay from one CUDA graph with new plan values (no host reads)."""
+    B, Hq, Hkv, D, Q, cap, ctx = CASES[2]
+    cpu = make_case(B, Hq, Hkv, D, Q, cap, ctx, torch.bfloat16)
+    g = [t.cuda() for t in cpu]
+    qkv, cos, sin, kc, vc, seg, off, lo, hi = g
+    x = torch.randn(B, Q, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
+        h, y = ops.cpu_add_rms_norm(x, x, w, 1e-6)
+        return out, ops.cpu_silu_mul(y)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    hi.sub_(5)  # a new plan, read on the device at replay
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], step()[0])
+
+
+# ---- the CUDA lean forward ---------------------------------------------------------------------
+
+
+def _model(family, dtype, seed=0):
+    from jacobi_ext.models import tiny_llama
+
+    m = tiny_llama(
+        vocab_size=101, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=1, seed=seed,
+        family=family,
+    )  # head dim 64, GQA 4  # fmt: skip
+    return m.to(device="cuda", dtype=dtype)
+
+
+@pytest.mark.gpu_timeout(180)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_cuda_lean_logits_match_transformers_forward(family, dtype, monkeypatch):
+    from jacobi_ext.decoding.runtime import StaticRuntime
+
+    model = _model(family, dtype)
+    assert lean.why_not(model) is None
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 101, (2, 11), generator=g).cuda()
+    pad = torch.tensor([0, 3]).cuda()
+    got = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv("JACOBI_EXT_LEAN", env)
+        rt = StaticRuntime(model, 2, 64, 16, cuda_graphs=False)
+        keep = lambda logits, pos: logits.clone()  # noqa: E731
+        rt.prefill(ids, pad, None, rule=keep)
+        assert isinstance(rt._lean, lean.CudaLeanDecoder) == (env == "1")
+        with torch.inference_mode():
+            rt.ids[:, :5] = torch.arange(5, device="cuda")[None] + 7
+            rt.seg[:, :5] = 0
+            rt.off[:, :5] = torch.arange(5, device="cuda")[None]
+            got[env] = rt.forward(5, rt.scratch + 11, rule=keep)
+    scale = float(got["0"].abs().max())
+    tol = dict(rtol=0, atol=(0.03 if dtype == torch.bfloat16 else 1e-4) * scale)
+    torch.testing.assert_close(got["1"], got["0"], **tol)
+
+
+@pytest.mark.gpu_timeout(300)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_method_is_our_ar_on_cuda(dtype):
+    from jacobi_ext.decoding.engine import generate
+
+    model = _model("llama", dtype, seed=4)
+    ids = torch.randint(0, 101, (3, 9), generator=torch.Generator().manual_seed(2)).cuda()
+    ar = generate(model, ids, max_new_tokens=48, method="ar").tokens
+    assert isinstance(model.__dict__.get(lean._ATTR), lean.CudaLeanDecoder)
+    runs = {
+        "jacobi n=8": dict(method="jacobi", block_size=8, lookup=False),
+        "jacobi n=16 lookup": dict(method="jacobi", block_size=16, lookup=True),
+        "multiblock": dict(method="multiblock", block_size=4, num_blocks=3, pool_size=2),
+    }
+    for name, kw in runs.items():
+        assert torch.equal(generate(model, ids, max_new_tokens=48, **kw).tokens, ar), name
+
+
+def test_bad_arguments_raise_value_errors():
+    """Shapes, dtypes and devices the kernels do not take are refused with ValueError (never a
+    crash): head dim 96, float16, a plan on the CPU, a CPU cache beside CUDA q/k/v."""
+    B, Hq, Hkv, D, Q, cap, ctx = CASES[1]
+    g = [t.cuda() for t in make_case(B, Hq, Hkv, D, Q, cap, ctx, torch.float32)]
+    qkv, cos, sin, kc, vc, seg, off, lo, hi = g
+    op = ops.decode_rope_attention
+    with pytest.raises(ValueError, match="head dims"):
+        k96 = torch.zeros(B, Hkv, cap, 96, device="cuda")
+        op(qkv, Hq, Hkv, cos, sin, k96, k96.clone(), seg, off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        op(qkv.half(), Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="must be on"):
+        op(qkv, Hq, Hkv, cos, sin, kc, vc, seg.cpu(), off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        op(qkv.cpu(), Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="multiple"):
+        op(qkv, Hq, 2, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
+    with pytest.raises(ValueError, match="transposed"):
+        ops.cpu_kv_commit([kc], lo, hi, lo, [kc])
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.cpu_kv_commit([kc, kc.transpose(1, 2)], lo, hi, lo, [])
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ops.cpu_silu_mul(torch.zeros(3, 8, device="cuda", dtype=torch.float16))
+    with pytest.raises(ValueError, match="features"):
+        ops.cpu_rms_norm(torch.zeros(3, 8, device="cuda"), torch.ones(7, device="cuda"), 1e-6)
