@@ -12,11 +12,12 @@ the next drafts) take their non-CPU branches for any device other than "cpu", so
 the CUDA code paths with shapes only (no data, no time). The forward is the one the runtime
 picks itself (`_logits` asks `lean.lean_decoder`, and whatever else it asks): a fused forward
 that applies to a non-CPU model is counted as soon as the runtime picks it, without a change
-here. (A fused path that picks itself by `device.type == "cuda"` rather than by "not the CPU"
-should also take "meta", as the runtime's own branches do, so that this count sees it; fake
-"cuda" tensors would pass such a check as they are, but indexing them from Python needs a CUDA
-build of torch, which a CPU machine lacks.) A TorchDispatchMode sees every op the step
-dispatches and counts the ones that launch a kernel:
+here. The fused CUDA decode ops (lean.CudaLeanDecoder, the one-launch K/V commit, the argmax)
+are chosen by one predicate, prepack.cuda_decode_on(device), which `meta_as_cuda()` makes true
+for meta while counting: the count is that of a CUDA build, whatever this build has, their fake
+kernels running on meta. (Fake "cuda" tensors would need a CUDA build of torch to be indexed
+from Python, which a CPU machine lacks.) A TorchDispatchMode sees every op the step dispatches
+and counts the ones that launch a kernel:
 
 - counted: every aten op that computes or writes device memory (arithmetic, reductions,
   copies and casts (`_to_copy`, `copy_`, `clone`), fills (`zeros` is an allocation + a
@@ -81,7 +82,10 @@ NO_KERNEL = frozenset(
     }
 )
 # Custom ops that launch more than one kernel (name -> kernels); the rest count one each.
-KERNELS_PER_OP: dict[str, int] = {}
+KERNELS_PER_OP: dict[str, int] = {  # by op name, without the namespace
+    # rotary + K/V write + the attention's key splits, then the splits' combine (decode_cuda.cu)
+    "decode_rope_attention": 2,
+}
 
 
 def kernels_of(func) -> int:
@@ -215,6 +219,7 @@ class StepCount:
 def _one_step(model, method: str, n: int, context: int) -> tuple[KernelCounter, str]:
     """The kernels of one step of `method` (n: the Jacobi block) on a meta model, counted on its
     second run (the first one initialises the cache's buffers, as a graph's warm-up does)."""
+    from .prepack import meta_as_cuda
     from .runtime import StaticRuntime, bucket
     from .step import BatchStep
 
@@ -225,12 +230,13 @@ def _one_step(model, method: str, n: int, context: int) -> tuple[KernelCounter, 
         block, scratch, Q = n, bucket(2 * n), bucket(n)
     else:
         raise ValueError(f"method must be 'ar' or 'jacobi', got {method!r}")
-    with torch.inference_mode():
+    with torch.inference_mode(), meta_as_cuda():  # meta stands for a GPU with a CUDA build
         rt = StaticRuntime(model, 1, context + 256 + scratch, scratch, cuda_graphs=False)
         bs = BatchStep(rt, block, 1, 0, 0.85, eos)
         bs.reset([[0] * context])
         attend = rt.capacity  # a graph attends every slot
-        bs._step(Q, attend)
+        for _ in range(2):  # the first picks the forward, the second builds what it caches once
+            bs._step(Q, attend)
         c, _ = count(bs._step, Q, attend)
     lean = rt._lean
     return c, (type(lean).__name__ if lean else "transformers")

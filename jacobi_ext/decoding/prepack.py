@@ -127,13 +127,39 @@ def cuda_decode_available() -> bool:
     )  # fmt: skip
 
 
+# Set by kernel_count.counting_cuda_path(): a model on the meta device stands for one on a GPU
+# with a CUDA build, so that the kernel count (made on a CPU, shapes only) sees the CUDA path a
+# GPU would run: the fused decode ops (their fake kernels run on meta) where a CUDA build has them.
+_META_IS_CUDA = False
+
+
+@contextlib.contextmanager
+def meta_as_cuda():
+    """Within: `cuda_decode_on(meta)` is True (the kernel count's view of a CUDA build)."""
+    global _META_IS_CUDA
+    was, _META_IS_CUDA = _META_IS_CUDA, True
+    try:
+        yield
+    finally:
+        _META_IS_CUDA = was
+
+
+def cuda_decode_on(device: torch.device) -> bool:
+    """Whether steps on `device` run the fused CUDA decode ops: a CUDA device with this build's
+    ops, or (counting kernels, meta_as_cuda) the meta device. One predicate for every place that
+    chooses them (the lean forward, the argmax, the K/V commit)."""
+    if device.type == "cuda":
+        return cuda_decode_available()
+    return device.type == "meta" and _META_IS_CUDA
+
+
 def lean_backend(model) -> str | None:
     """Which lean forward (lean.py) the model's steps can run on: "kernel" (a CPU model on our
     packed linears), "cuda" (a float32 / bfloat16 model on a CUDA device, with this build's CUDA
     decode ops), or None (transformers' forward). The model's class is checked in lean.py."""
     p = next(model.parameters(), None)
-    if p is not None and p.device.type == "cuda":
-        ok = p.dtype in (torch.float32, torch.bfloat16) and cuda_decode_available()
+    if p is not None and p.device.type in ("cuda", "meta"):
+        ok = p.dtype in (torch.float32, torch.bfloat16) and cuda_decode_on(p.device)
         return "cuda" if ok else None
     return "kernel" if backend(model) == "kernel" else None
 
@@ -177,7 +203,10 @@ def _measured_bf16_choice(model) -> str:
 
 
 def _probe(w: torch.Tensor) -> float:
-    """A few values of a weight, summed: changes when its data is rewritten in place."""
+    """A few values of a weight, summed: changes when its data is rewritten in place. (A meta
+    weight, in the kernel count, has no values: its version and identity stand alone.)"""
+    if w.device.type == "meta":
+        return 0.0
     flat = w.detach().reshape(-1)
     return float(flat[:: max(1, flat.numel() // 16)][:16].double().sum())
 

@@ -47,7 +47,7 @@ from transformers.cache_utils import StaticCache, StaticLayer
 from ..models.quantized import kv_cache_dtype
 from .lean import StepPlan, lean_decoder
 from .masks import for_backend, prefill_mask, step_mask, step_positions
-from .prepack import cuda_decode_available, packed
+from .prepack import cuda_decode_on, packed
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ def targets(logits: torch.Tensor) -> torch.Tensor:
     as transformers' greedy takes it; tests), with the vocabulary read in parallel halves, where
     the LM head's threads left them: torch's max took 0.17-0.26 ms of a ~10 ms step there
     (~0.05 ms on logits in one cache)."""
-    dev = logits.device.type
-    if dev == "cpu" or (dev == "cuda" and cuda_decode_available()):  # (CUDA: its twin)
+    if logits.device.type == "cpu" or cuda_decode_on(logits.device):  # (CUDA: its twin)
         return torch.ops.jacobi_ext.cpu_argmax(logits)
     return logits.argmax(-1)
 
@@ -217,7 +216,7 @@ class StaticRuntime:
         self.graph_replays = 0
         self._lean = None  # lean.LeanDecoder, False where it does not apply; set at prefill
         ops = torch.ops.jacobi_ext
-        native_commit = dev.type == "cpu" or (dev.type == "cuda" and cuda_decode_available())
+        native_commit = dev.type == "cpu" or cuda_decode_on(dev)
         self._kv_commit = (  # (on CUDA: one kernel for every layer, csrc/cuda/decode_cuda.cu)
             ops.cpu_kv_commit if native_commit and hasattr(ops, "cpu_kv_commit") else None
         )
