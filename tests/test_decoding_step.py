@@ -82,13 +82,13 @@ def test_the_step_reads_no_host_value(models, monkeypatch, kw) -> None:
     real = step.BatchStep._step
     steps = []
 
-    def guarded(self, Q, attend):
+    def guarded(self, Q, attend, *mix):
         def no_tolist(*a, **k):
             raise AssertionError("the device step reads a host value: .tolist()")
 
         with monkeypatch.context() as mp, _NoHostReads():
             mp.setattr(torch.Tensor, "tolist", no_tolist)
-            out = real(self, Q, attend)
+            out = real(self, Q, attend, *mix)
         steps.append(Q)
         return out
 
@@ -169,11 +169,11 @@ def test_the_step_traces_as_one_graph(models, monkeypatch) -> None:
     real = step.BatchStep._step
     compiled = {}
 
-    def traced(self, Q, attend):
-        if Q not in compiled:
-            fn = lambda: real(self, Q, self.rt.capacity)  # noqa: E731  (as graphs attend)
-            compiled[Q] = torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)
-        return compiled[Q]()
+    def traced(self, Q, attend, mix):
+        if (Q, mix) not in compiled:
+            fn = lambda: real(self, Q, self.rt.capacity, mix)  # noqa: E731  (as graphs attend)
+            compiled[Q, mix] = torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)
+        return compiled[Q, mix]()
 
     monkeypatch.setattr(step.BatchStep, "_step", traced)
     model.__dict__.pop("_jacobi_runtime", None)

@@ -235,9 +235,10 @@ def _one_step(model, method: str, n: int, context: int) -> tuple[KernelCounter, 
         bs = BatchStep(rt, block, 1, 0, 0.85, eos)
         bs.reset([[0] * context])
         attend = rt.capacity  # a graph attends every slot
+        mix = (method == "ar", method != "ar")  # every sequence AR, or every one parallel
         for _ in range(2):  # the first picks the forward, the second builds what it caches once
-            bs._step(Q, attend)
-        c, _ = count(bs._step, Q, attend)
+            bs._step(Q, attend, mix)
+        c, _ = count(bs._step, Q, attend, mix)
     lean = rt._lean
     return c, (type(lean).__name__ if lean else "transformers")
 

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
 from .lookup import LookupPolicy
@@ -172,16 +173,22 @@ class BatchStep:
             self.inputs.copy_(host.pin_memory(), non_blocking=True)
         else:
             self.inputs.copy_(host)
+        # Which acceptances the step computes: a parallel step of every sequence skips the AR
+        # rows, an AR step (fallback, or method "ar" with lookup) the verify op and its state;
+        # a graph per width and mix (each path costs ~20-45 kernels a step on a GPU).
+        mix = (any(pl.ar for pl in plans.values()), any(not pl.ar for pl in plans.values()))
         # A first step at this width captures on neutral inputs, then replays on these.
-        fn = lambda: self._step(Q, attend)  # noqa: E731
-        return self.rt.replay(("step", id(self), Q), fn, (self.inputs,))
+        fn = lambda: self._step(Q, attend, mix)  # noqa: E731
+        return self.rt.replay(("step", id(self), Q, mix), fn, (self.inputs,))
 
     def _field(self, name: str) -> torch.Tensor:
         o, size = self.at[name]
         return self.inputs[:, o : o + size]
 
-    def _step(self, Q: int, attend: int) -> torch.Tensor:
-        """The step on the device (captured as a graph on CUDA): no host values."""
+    def _step(self, Q: int, attend: int, mix: tuple[bool, bool] = (True, True)) -> torch.Tensor:
+        """The step on the device (captured as a graph on CUDA): no host values. `mix`: whether
+        any sequence feeds an AR row, and any a parallel one (what is not fed is not computed:
+        a sequence without a plan commits nothing either way)."""
         rt = self.rt
         rt.seg[:, :Q] = self._field("seg")[:, :Q]
         rt.off[:, :Q] = self._field("off")[:, :Q]
@@ -193,6 +200,12 @@ class BatchStep:
         in_place = not self.parallel and rt.writes_in_place()
         tgt = rt.forward(Q, attend, self.rule, in_place)
         toks = rt.ids[:, :Q]
+        has_ar, has_par = mix
+        has_par = has_par and self.parallel
+        if has_par and not has_ar:  # (a sequence outside the verify commits nothing: count 0)
+            row, src, count, _ = self._verify(toks, tgt, Q)
+            rt.commit(src, count, in_place)
+            return row
         ar_len = self._field("ar_len")[:, 0]
         if toks.device.type == "cpu":  # one native pass, the same rows (~0.25 ms a step less)
             ar_rows = torch.ops.jacobi_ext.cpu_ar_accept
@@ -200,7 +213,7 @@ class BatchStep:
         else:
             row, count = self._ar_rows(toks, tgt, ar_len, Q)
         src = torch.zeros_like(count)
-        if self.parallel:
+        if has_par:
             par_row, par_src, par_count, par = self._verify(toks, tgt, Q)
             row = torch.where(par[:, None], par_row, row)
             src = torch.where(par, par_src, src)
@@ -276,11 +289,8 @@ class BatchStep:
         ok = keep & (i[None, :] < acc[:, None])
         self.ctx.scatter_(1, torch.where(ok, at, self.ctx_cap), commit)
         self.ctx_len.add_(torch.where(par, acc, 0))
-        commit_s = torch.full((B, self.S), -1, dtype=torch.long, device=dev)
-        commit_s[:, :Wv] = commit
-        row = torch.cat(
-            [summary, commit_s, ends.long(), cand_len.long(), accept.long(), nxt[:, :n], cands],
-            dim=1,
-        )
+        commit_s = F.pad(commit, (0, self.S - Wv), value=-1)
+        counts = torch.cat([ends, cand_len, accept], dim=1).long()  # (int32: one cast)
+        row = torch.cat([summary, commit_s, counts, nxt[:, :n], cands], dim=1)
         src = start.gather(1, summary[:, :1])[:, 0]  # the winner row's first query
         return row, src, torch.where(par, acc, 0), par
