@@ -95,3 +95,21 @@ def test_plan_forward_decodes_as_transformers_greedy(plan_path, monkeypatch):
         got = generate(model, ids, max_new_tokens=32, **kw).tokens
         assert isinstance(model.__dict__.get(lean._ATTR), lean.CudaLeanDecoder)
         assert torch.equal(got, want), name
+
+
+def test_weight_probes_read_at_once_equal_one_by_one() -> None:
+    """prepack.probes: every weight's probe in one device -> host read (the CUDA lean forward's
+    refresh: a read per linear would be a synchronisation each), the same values as one by
+    one; a weight rewritten through .data (no version bump) changes its probe."""
+    from jacobi_ext.decoding import prepack
+    from jacobi_ext.models import tiny_llama
+
+    model = tiny_llama(dtype=torch.float32)
+    ws = [p for p in model.parameters() if p.dim() == 2]
+    at_once = prepack.probes(ws)
+    assert at_once == {id(w): prepack._probe(w) for w in ws}
+    w = ws[3]
+    stamp = prepack.weight_stamp(w, at_once)
+    w.data.mul_(2)
+    assert not prepack.same_stamp(prepack.weight_stamp(w, prepack.probes(ws)), stamp)
+    assert prepack.probes([torch.empty(4, 4, device="meta")]) != {}

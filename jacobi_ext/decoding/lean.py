@@ -464,8 +464,10 @@ class _CatLinear:
         self.splits = [m.out_features for m in mods]
         self.n = sum(self.splits)
 
-    def refresh(self) -> None:
-        stamp = tuple(weight_stamp(m.weight) for m in self.mods)  # prepack.weight_stamp
+    def refresh(self, probed: dict[int, float] | None = None) -> None:
+        """Rewrite the concatenated weights if any module's changed (`probed`: their probes,
+        read for every linear at once by CudaLeanDecoder.refresh)."""
+        stamp = tuple(weight_stamp(m.weight, probed) for m in self.mods)  # prepack.weight_stamp
         if self.stamp is not None and all(map(same_stamp, stamp, self.stamp)):
             return
         with torch.inference_mode():  # (the buffer may be an inference tensor: made in a step)
@@ -513,7 +515,15 @@ class CudaLeanDecoder(LeanDecoder):
     takes_plan = True
 
     def refresh(self) -> None:
-        super().refresh()
+        """As LeanDecoder.refresh, with every linear's weight probe read in one device -> host
+        copy (a read per linear would be ~200 synchronisations at each call's start)."""
+        self.fused = not env_off("JACOBI_EXT_FUSED")
+        linears = [lin for layer in self.layers for lin in layer.linears()] + [self.head]
+        probed = prepack.probes([m.weight for lin in linears for m in lin.mods])
+        for lin in linears:
+            lin.refresh(probed)
+        self.plans = [self._plan(i) for i in range(len(self.layers))]
+        self.native = None
         self.takes_plan = self.fused
 
     def _native_layers(self):
