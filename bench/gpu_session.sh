@@ -215,6 +215,9 @@ case "$stage" in
     export JACOBI_BENCH_DEVICE=cuda JACOBI_BENCH_PROMPTS="${JF_PROMPTS:-8}" JACOBI_BENCH_MODEL=smollm2-jf
     # The kernel-count proxy of the same commit (a CPU count, seconds).
     step 30 kernel-count bash -c 'cd / && jacobi-forcing tune --kernels --width 16 64'
+    # One step, the fused lean forward against transformers' (seconds): the step's figure
+    # first, and whether the two forwards pick the same tokens, before anything decodes.
+    step 45 step-ab "$PY" bench/step_ab.py --device cuda --dtype bf16 --json "$RES/step_ab.json"
     # The shipped model, bf16, batch 1 (8 HumanEval prompts x 256 tokens) and batch 1 / 8 in one
     # pytest (the model loads once, ~15 s), with transformers' static cache + torch.compile in
     # the same job as the rows it is compared with (its compile is its warm-up, reported apart).

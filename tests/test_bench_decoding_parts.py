@@ -66,3 +66,25 @@ def test_row_info(bench) -> None:
     assert info["steady_ms_per_step"] == pytest.approx(20.0)
     assert info["prefill_ms"] == pytest.approx(200.0)
     assert info["tokens_per_s"] == pytest.approx(10.0) and info["tpf"] == pytest.approx(1.25)
+
+
+def test_step_ab_runs_on_a_cpu(tmp_path) -> None:
+    """bench/step_ab.py (the GPU job's first decoding figure) runs here on a tiny model: both
+    forwards timed, and their targets agree."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "step_ab.py"
+    spec = importlib.util.spec_from_file_location("step_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ab.json"
+    argv = ["--device", "cpu", "--dtype", "fp32", "--tiny", "--iters", "2", "--rounds", "2",
+            "--widths", "1,8", "--json", str(out)]  # fmt: skip
+    assert mod.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert [r["lean"] for r in res["rows"]] == [False, False, True, True]
+    forwards = [r["forward"] for r in res["rows"]]
+    assert forwards[0] == "transformers" and forwards[2] == "LeanDecoder"
+    assert all(r["ms_per_step"] > 0 for r in res["rows"]) and res["argmax_agree"] == "8/8"
