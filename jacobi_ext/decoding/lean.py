@@ -267,12 +267,15 @@ class LeanDecoder:
     def refresh(self) -> None:
         """Repack what changed; read JACOBI_EXT_FUSED (at each prefill: a call's steps agree)."""
         self.fused = not env_off("JACOBI_EXT_FUSED")
+        self._refresh_linears()
+        self.plans = [self._plan(i) for i in range(len(self.layers))]
+        self.native = None if env_off("JACOBI_EXT_NATIVE") else self._native_layers()
+
+    def _refresh_linears(self) -> None:
         for layer in self.layers:
             for lin in layer.linears():
                 lin.refresh()
         self.head.refresh()
-        self.plans = [self._plan(i) for i in range(len(self.layers))]
-        self.native = None if env_off("JACOBI_EXT_NATIVE") else self._native_layers()
 
     def _plan(self, i: int) -> tuple:
         """What _fused needs of layer i, looked up once: at one token a step's 30 layers spent
@@ -417,19 +420,27 @@ class LeanDecoder:
             ops.cpu_silu_mul.default,
         )
         for layer, plan in zip(cache.layers, self.plans, strict=False):
-            (qkv_fn, qkv_args, heads, kv_heads, _, scaling, o_fn, o_args, ln2_w, ln2_eps,
-             gu_fn, gu_args, act_layer, down_fn, down_args, norm_w, norm_eps) = plan  # fmt: skip
+            qkv_fn, qkv_args, heads, kv_heads, _, scaling = plan[:6]
             qkv = qkv_fn(x, *qkv_args)
             kt = self._layer_cache(layer, plan, h)
             out = rope_attention(
                 qkv, heads, kv_heads, cos, sin, layer.keys, layer.values, slots, attend, mask,
                 scaling, kt, ctx0,
             )  # fmt: skip
-            h, x = add_rms_norm(o_fn(out.view(B, Q, -1), *o_args), h, ln2_w, ln2_eps)
-            gu = gu_fn(x, *gu_args)
-            m = silu_mul(gu) if act_layer is None else self._act_mul(act_layer, gu)
-            h, x = add_rms_norm(down_fn(m, *down_args), h, norm_w, norm_eps)
+            h, x = self._after_attention(plan, out.view(B, Q, -1), h, add_rms_norm, silu_mul)
         return x
+
+    def _after_attention(self, plan: tuple, attn: torch.Tensor, h: torch.Tensor, add_rms_norm,
+                         silu_mul) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A layer after its attention, as both fused forwards (CPU and CUDA) run it: the o
+        projection added to the residual and normed, gate/up, SiLU * up, the down projection
+        added and normed by the next layer's norm. Returns (residual stream, normed input)."""
+        (o_fn, o_args, ln2_w, ln2_eps, gu_fn, gu_args, act_layer, down_fn, down_args, norm_w,
+         norm_eps) = plan[6:]  # fmt: skip
+        h, x = add_rms_norm(o_fn(attn, *o_args), h, ln2_w, ln2_eps)
+        gu = gu_fn(x, *gu_args)
+        m = silu_mul(gu) if act_layer is None else self._act_mul(act_layer, gu)
+        return add_rms_norm(down_fn(m, *down_args), h, norm_w, norm_eps)
 
     @staticmethod
     def _act_mul(L, gu: torch.Tensor) -> torch.Tensor:
@@ -515,16 +526,16 @@ class CudaLeanDecoder(LeanDecoder):
     takes_plan = True
 
     def refresh(self) -> None:
-        """As LeanDecoder.refresh, with every linear's weight probe read in one device -> host
-        copy (a read per linear would be ~200 synchronisations at each call's start)."""
-        self.fused = not env_off("JACOBI_EXT_FUSED")
+        super().refresh()
+        self.takes_plan = self.fused
+
+    def _refresh_linears(self) -> None:
+        """Every linear's weight probe read in one device -> host copy (a read per linear would
+        be ~200 synchronisations at each call's start), then each rewritten if it changed."""
         linears = [lin for layer in self.layers for lin in layer.linears()] + [self.head]
         probed = prepack.probes([m.weight for lin in linears for m in lin.mods])
         for lin in linears:
             lin.refresh(probed)
-        self.plans = [self._plan(i) for i in range(len(self.layers))]
-        self.native = None
-        self.takes_plan = self.fused
 
     def _native_layers(self):
         return None  # (LeanLayers runs the CPU ops)
@@ -551,8 +562,7 @@ class CudaLeanDecoder(LeanDecoder):
         attention = ops.decode_rope_attention.default
         add_rms_norm, silu_mul = ops.cpu_add_rms_norm.default, ops.cpu_silu_mul.default
         for layer, p in zip(cache.layers, self.plans, strict=False):
-            (qkv_fn, qkv_args, heads, kv_heads, head_dim, scaling, o_fn, o_args, ln2_w, ln2_eps,
-             gu_fn, gu_args, act_layer, down_fn, down_args, norm_w, norm_eps) = p  # fmt: skip
+            qkv_fn, qkv_args, heads, kv_heads, head_dim, scaling = p[:6]
             if not layer.is_initialized:  # (a prefill made them; a bare probe may not have)
                 kv = h.new_empty(B, kv_heads, 1, head_dim)
                 layer.lazy_initialization(kv, kv)
@@ -561,10 +571,7 @@ class CudaLeanDecoder(LeanDecoder):
                 qkv, heads, kv_heads, cos, sin, layer.keys, layer.values, plan.seg, plan.off,
                 plan.lo, plan.hi, scaling,
             )  # fmt: skip
-            h, x = add_rms_norm(o_fn(out.view(B, Q, -1), *o_args), h, ln2_w, ln2_eps)
-            gu = gu_fn(x, *gu_args)
-            m = silu_mul(gu) if act_layer is None else self._act_mul(act_layer, gu)
-            h, x = add_rms_norm(down_fn(m, *down_args), h, norm_w, norm_eps)
+            h, x = self._after_attention(p, out.view(B, Q, -1), h, add_rms_norm, silu_mul)
         return x
 
 

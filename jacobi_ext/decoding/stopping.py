@@ -28,6 +28,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers.generation.stopping_criteria import (
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 
 
 class StopCheck:
@@ -129,8 +134,6 @@ def stop_check(
                     )
                 criteria.append(c)
     if max_time is not None:
-        from transformers.generation.stopping_criteria import MaxTimeCriteria
-
         if max_time < 0:
             raise ValueError(f"max_time must be >= 0 seconds, got {max_time}")
         criteria.append(MaxTimeCriteria(max_time=float(max_time)))
@@ -140,11 +143,7 @@ def stop_check(
                 "stop_strings need the model's tokenizer to match strings against tokens: pass "
                 "tokenizer=... (as transformers' generate asks)"
             )
-        from transformers.generation.stopping_criteria import StopStringCriteria
-
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     if not criteria:
         return None
-    from transformers.generation.stopping_criteria import StoppingCriteriaList
-
     return StopCheck(StoppingCriteriaList(criteria), input_ids, pad, max_new)
