@@ -22,16 +22,17 @@ import time
 import torch
 
 
-def _config(tiny: bool):
-    from transformers import LlamaConfig
+def _model(tiny: bool, dev: torch.device, dtype: torch.dtype):
+    """Random weights: SmolLM2-135M's architecture (kernel_count's, as the kernel count uses),
+    or with `tiny` the tests' tiny Llama."""
+    from transformers import LlamaForCausalLM
 
-    if tiny:
-        return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
-                           max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
-    return LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                       num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                       max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
+    from jacobi_ext.decoding.kernel_count import smollm2_135m_config
+    from jacobi_ext.models import tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0) if tiny else LlamaForCausalLM(smollm2_135m_config())
+    return model.to(dev, dtype).eval()
 
 
 def _time(fn, dev: torch.device, iters: int, rounds: int) -> float:
@@ -58,13 +59,10 @@ def _time(fn, dev: torch.device, iters: int, rounds: int) -> float:
 
 def run(device: str, dtype: torch.dtype, widths: list[int], tiny: bool, iters: int,
         rounds: int, context: int) -> dict:  # fmt: skip
-    from transformers import LlamaForCausalLM
-
     from jacobi_ext.decoding.runtime import StepProbe
 
     dev = torch.device(device)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(_config(tiny)).to(dev, dtype).eval()
+    model = _model(tiny, dev, dtype)
     rows, argmax = [], {}
     saved = os.environ.get("JACOBI_EXT_LEAN")
     try:

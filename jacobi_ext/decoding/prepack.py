@@ -127,9 +127,9 @@ def cuda_decode_available() -> bool:
     )  # fmt: skip
 
 
-# Set by kernel_count.counting_cuda_path(): a model on the meta device stands for one on a GPU
-# with a CUDA build, so that the kernel count (made on a CPU, shapes only) sees the CUDA path a
-# GPU would run: the fused decode ops (their fake kernels run on meta) where a CUDA build has them.
+# Set by meta_as_cuda() (kernel_count._one_step): a model on the meta device stands for one on
+# a GPU with a CUDA build, so that the kernel count (made on a CPU, shapes only) sees the CUDA
+# path a GPU would run: the fused decode ops (their fake kernels run on meta).
 _META_IS_CUDA = False
 
 
