@@ -7,9 +7,9 @@ multiblock, the tuned default. Each benchmark decodes all prompts once (one roun
 are the repetitions), after a warm-up call. What goes into extra_info, and how it is measured:
 
 - `steady_ms_per_step`: the median over every timed step of one step's wall time, from its
-  launch to its result on the host (ours: DecodeStats.step_seconds, read where the engine turns
-  a call's stats into its result; transformers: the gap between consecutive calls of a logits
-  processor, i.e. one step, the first step after the prefill excluded). A step that captured a
+  launch to its result on the host (ours: GenerateResult.step_seconds; transformers: the gap
+  between consecutive calls of a logits processor, i.e. one step, the first step after the
+  prefill excluded). A step that captured a
   CUDA graph is one of hundreds: the median leaves it out; captures are reported apart.
 - `prefill_ms`: the mean prefill of a call (ours: GenerateResult.prefill_seconds; transformers:
   from the call's start to its first logits processor call).
@@ -31,7 +31,6 @@ is pinned after its first choice (PinnedTuner), so the timed calls neither pick 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
@@ -40,30 +39,10 @@ import pytest
 import torch
 
 from jacobi_ext import generate, left_pad
-from jacobi_ext.decoding import engine
 from jacobi_ext.decoding.baselines import hf_greedy
 from jacobi_ext.decoding.tuning import Tuner
 
 _ref: dict[str, object] = {}  # reference outputs and speeds of this run (hf-greedy, ar, ...)
-
-
-@contextlib.contextmanager
-def step_times():
-    """Each `generate` call's per-step seconds (DecodeStats.step_seconds), collected where the
-    engine turns a call's stats into its result (`engine._result`), which is wrapped, not
-    changed: decoding does exactly what it does without it."""
-    calls: list[list[float]] = []
-    real = engine._result
-
-    def recording(results, stats, *args, **kwargs):
-        calls.append(list(stats.step_seconds))
-        return real(results, stats, *args, **kwargs)
-
-    engine._result = recording
-    try:
-        yield calls
-    finally:
-        engine._result = real
 
 
 class PinnedTuner(Tuner):
@@ -159,14 +138,13 @@ def _run(method, model, prompts, max_new, tuner=None) -> dict:
                 kw["cuda_graphs"] = "compile"
             if tuner is not None:
                 kw["tuner"] = tuner
-            with step_times() as calls:
-                t0 = time.perf_counter()
-                res = generate(model, ids, max_new_tokens=max_new, **kw)
-                _sync(model)
-                r["seconds"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            res = generate(model, ids, max_new_tokens=max_new, **kw)
+            _sync(model)
+            r["seconds"] += time.perf_counter() - t0
             toks = res.tokens[0].tolist()
             r["forwards"] += res.forwards
-            r["steps"] += calls[0] if calls else []
+            r["steps"] += res.step_seconds
             r["prefill"].append(res.prefill_seconds)
             r["capture"] += res.warmup_seconds
             r["host"] += res.verify_seconds
@@ -390,11 +368,10 @@ def test_batch(benchmark, bench_model, method, batch):
     box = {}
 
     def timed():
-        with step_times() as calls:
-            t0 = time.perf_counter()
-            box["r"] = generate(model, ids, **kw)
-            _sync(model)
-            box["wall"], box["steps"] = time.perf_counter() - t0, calls[0]
+        t0 = time.perf_counter()
+        box["r"] = generate(model, ids, **kw)
+        _sync(model)
+        box["wall"], box["steps"] = time.perf_counter() - t0, box["r"].step_seconds
 
     benchmark.pedantic(timed, rounds=1, iterations=1)
     r = box["r"]
@@ -560,9 +537,8 @@ def test_qwen7b_ar(benchmark):
     box = {}
 
     def timed():
-        with step_times() as calls:
-            box["r"] = generate(model, ids, max_new_tokens=128, method="ar", eos_token_id=[])
-        box["steps"] = calls[0]
+        box["r"] = generate(model, ids, max_new_tokens=128, method="ar", eos_token_id=[])
+        box["steps"] = box["r"].step_seconds
 
     benchmark.pedantic(timed, rounds=3, iterations=1)
     r = box["r"]

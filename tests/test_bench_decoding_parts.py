@@ -36,15 +36,13 @@ def test_pinned_tuner_keeps_its_first_choice(bench, monkeypatch) -> None:
     t.save()
 
 
-def test_step_times_collects_each_calls_steps_and_restores(bench) -> None:
+def test_a_calls_step_times_come_with_its_result(bench) -> None:
     model = tiny_llama(vocab_size=64, seed=0)
     ids = torch.tensor([[3, 5, 7, 9]])
-    real = engine._result
-    with bench.step_times() as calls:
-        res = generate(model, ids, max_new_tokens=6, method="ar", eos_token_id=[])
-    assert engine._result is real
-    assert len(calls) == 1 and len(calls[0]) == res.forwards and all(t > 0 for t in calls[0])
-    assert bench.steady_ms(calls[0]) > 0 and bench.steady_ms([]) is None
+    res = generate(model, ids, max_new_tokens=6, method="ar", eos_token_id=[])
+    steps = res.step_seconds
+    assert len(steps) == res.forwards and all(t > 0 for t in steps)
+    assert bench.steady_ms(steps) > 0 and bench.steady_ms([]) is None
 
 
 def test_weight_bytes_read(bench) -> None:

@@ -48,6 +48,7 @@ class GenerateResult:
     candidate_wins: int = 0  # steps whose committed tokens came from a candidate row
     lookup_wins: int = 0  # of those, steps won by the context-lookup candidate
     warmup_seconds: float = 0.0  # this call's CUDA graph capture / compile (once per width bucket)
+    step_seconds: list[float] = field(default_factory=list)  # each step, launch to host copy
     graph_replays: int = 0  # this call's steps replayed from a captured (or compiled) CUDA graph
     seed: int = 0  # the seed of the initial drafts and (do_sample) of the sampling noise
     sampling: object = None  # the SamplingConfig the call sampled with; None: greedy
@@ -387,6 +388,7 @@ def _result(results, stats, plan: _Plan, lookup, pad, seed, sampling) -> Generat
         candidate_wins=sum(r.candidate_wins for r in results),
         lookup_wins=sum(r.lookup_wins for r in results),
         warmup_seconds=stats.warmup_seconds,
+        step_seconds=list(stats.step_seconds),
         graph_replays=stats.graph_replays,
         seed=seed,
         sampling=sampling,
