@@ -252,6 +252,38 @@ def test_every_method_is_our_ar_on_cuda(dtype):
         assert torch.equal(generate(model, ids, max_new_tokens=48, **kw).tokens, ar), name
 
 
+@pytest.mark.gpu_timeout(180)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_captured_chunked_prefill_is_the_one_pass_prefill(dtype, monkeypatch):
+    """The prefill as CUDA graph replays of 8-token chunks (the plan path) against one eager
+    pass: the same positions and slots, the logits and committed K/V to rounding, and replays
+    counted (two graphs: a middle chunk and the last)."""
+    from jacobi_ext.decoding.runtime import StaticRuntime
+
+    model = _model("llama", dtype, seed=2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 101, (3, 29), generator=g).cuda()
+    pad = torch.tensor([0, 4, 17]).cuda()
+    drafts = torch.randint(0, 101, (3, 3), generator=g).cuda()
+    got = {}
+    for chunk in ("0", "8"):
+        monkeypatch.setenv("JACOBI_EXT_PREFILL_CHUNK", chunk)
+        rt = StaticRuntime(model, 3, 48, 16)
+        keep = lambda logits, pos: logits.clone()  # noqa: E731
+        logits = rt.prefill(ids, pad, drafts, rule=keep)
+        kv = [c.keys[b, :, int(rt.lo[b]) : int(rt.hi[b])].clone()
+              for c in rt.cache.layers for b in range(3)]  # fmt: skip
+        got[chunk] = (logits, rt.lo.clone(), rt.hi.clone(), kv, rt.graph_replays)
+    (l0, lo0, hi0, kv0, _), (l1, lo1, hi1, kv1, replays) = got["0"], got["8"]
+    assert replays == 4  # 29 + 3 tokens: four chunks of 8
+    assert torch.equal(lo0, lo1) and torch.equal(hi0, hi1)
+    scale = float(l0.abs().max())
+    tol = dict(rtol=0, atol=(0.03 if dtype == torch.bfloat16 else 1e-4) * scale)
+    torch.testing.assert_close(l1, l0, **tol)
+    for k1, k0 in zip(kv1, kv0, strict=True):
+        torch.testing.assert_close(k1, k0, **_tol(dtype))
+
+
 def test_bad_arguments_raise_value_errors():
     """Shapes, dtypes and devices the kernels do not take are refused with ValueError (never a
     crash): head dim 96, float16, a plan on the CPU, a CPU cache beside CUDA q/k/v."""

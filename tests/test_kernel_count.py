@@ -95,3 +95,16 @@ def test_tune_kernels_command(capsys) -> None:
     out = capsys.readouterr().out
     assert "kernels per decode step on the CUDA path" in out
     assert "jacobi n=16" in out and "\nar " in out and "per layer" in out
+
+
+def test_a_prefill_chunk_count(record_property) -> None:
+    """A middle chunk of the chunked prefill (64 prompt tokens, no LM head, its commit) on the
+    shipped model's shape: the fused forward, within the per-layer budget, and fewer kernels than
+    an ar step (no head, argmax, verify or drafts)."""
+    c = kc.count_step(method="prefill", n=64)
+    ar = kc.count_step(method="ar")
+    print(f"\n{kc.report([c])}")
+    record_property("kernels", dict(total=c.total, per_layer=c.per_layer, forward=c.forward))
+    assert c.forward == "CudaLeanDecoder" and c.width == 64
+    kc.check_budget(c)
+    assert c.total < ar.total

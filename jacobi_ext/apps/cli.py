@@ -138,12 +138,15 @@ def _cmd_kernels(args: argparse.Namespace) -> int:
     import torch
 
     from jacobi_ext.decoding import kernel_count
+    from jacobi_ext.decoding.runtime import PREFILL_CHUNK
     from jacobi_ext.models import DTYPE_NAMES
 
     dtype = DTYPE_NAMES[args.dtype or "bfloat16"]
     config = kernel_count.config_for(args.model)
     counts = [kernel_count.count_step(config, "ar", dtype=dtype)]
     counts += [kernel_count.count_step(config, "jacobi", n=w, dtype=dtype) for w in args.width]
+    chunk = PREFILL_CHUNK  # a prompt runs as chunks of this many tokens on CUDA
+    counts.append(kernel_count.count_step(config, "prefill", n=chunk, dtype=dtype))
     arch = config.architectures[0] if getattr(config, "architectures", None) else ""
     print(
         f"kernels per decode step on the CUDA path: {args.model or 'SmolLM2-135M'} "

@@ -203,7 +203,7 @@ def meta_model(config, dtype: torch.dtype = torch.bfloat16, layers: int | None =
 class StepCount:
     """The kernels of one decoding step (see the module docstring)."""
 
-    method: str  # "ar" or "jacobi"
+    method: str  # "ar", "jacobi" or "prefill" (a middle chunk of a chunked prefill)
     width: int  # tokens the step feeds (its graph's bucket)
     layers: int
     total: int  # kernels of the whole step
@@ -223,13 +223,15 @@ def _one_step(model, method: str, n: int, context: int) -> tuple[KernelCounter, 
     from .runtime import StaticRuntime, bucket
     from .step import BatchStep
 
+    if method == "prefill":
+        return _one_chunk(model, n, context)
     eos = {int(model.config.eos_token_id or 0)}
     if method == "ar":
         block, scratch, Q = 1, 1, 1
     elif method == "jacobi":  # one block, no pool (engine: K, p = 1, 0), fed in one bucket
         block, scratch, Q = n, bucket(2 * n), bucket(n)
     else:
-        raise ValueError(f"method must be 'ar' or 'jacobi', got {method!r}")
+        raise ValueError(f"method must be 'ar', 'jacobi' or 'prefill', got {method!r}")
     with torch.inference_mode(), meta_as_cuda():  # meta stands for a GPU with a CUDA build
         rt = StaticRuntime(model, 1, context + 256 + scratch, scratch, cuda_graphs=False)
         bs = BatchStep(rt, block, 1, 0, 0.85, eos)
@@ -243,13 +245,38 @@ def _one_step(model, method: str, n: int, context: int) -> tuple[KernelCounter, 
     return c, (type(lean).__name__ if lean else "transformers")
 
 
+def _one_chunk(model, chunk: int, context: int) -> tuple[KernelCounter, str]:
+    """The kernels of one middle chunk of a chunked prefill (runtime._prefill_chunked: a step of
+    `chunk` prompt tokens in one row, no LM head, then its commit) after `context` tokens."""
+    from .lean import lean_decoder
+    from .prepack import meta_as_cuda
+    from .runtime import StaticRuntime
+
+    with torch.inference_mode(), meta_as_cuda():
+        rt = StaticRuntime(model, 1, context + 2 * chunk, chunk, cuda_graphs=False)
+        rt.seg[:, :chunk] = 0
+        rt.off[:, :chunk] = torch.arange(chunk, device=rt.device)
+
+        def middle():
+            rt.forward(chunk, rt.capacity, keep=0)
+            rt.commit(rt._pf_src, rt._pf_count)
+
+        rt._lean = lean_decoder(model) or False  # as a prefill picks it, before its chunks
+        for _ in range(2):
+            middle()
+        c, _ = count(middle)
+    lean = rt._lean
+    return c, (type(lean).__name__ if lean else "transformers")
+
+
 def count_step(
     config=None, method: str = "ar", n: int = 64, dtype: torch.dtype = torch.bfloat16,
     context: int = 256,
 ) -> StepCount:  # fmt: skip
     """The kernels of one decoding step of the CUDA path for a model of `config` (default:
-    SmolLM2-135M's), `method` "ar" or "jacobi" (block of n), the K/V cache holding `context`
-    tokens. Per layer: the step with every layer minus the step with one, over the difference."""
+    SmolLM2-135M's), `method` "ar", "jacobi" (block of n) or "prefill" (a middle chunk of n
+    prompt tokens), the K/V cache holding `context` tokens. Per layer: the step with every
+    layer minus the step with one, over the difference."""
     config = config or smollm2_135m_config()
     L = config.num_hidden_layers
     full, forward = _one_step(meta_model(config, dtype), method, n, context)
@@ -282,6 +309,10 @@ def check_budget(c: StepCount, per_layer: int = BUDGET_PER_LAYER,
         )
 
 
+def _name(c: StepCount) -> str:
+    return {"ar": "ar", "jacobi": f"jacobi n={c.width}"}.get(c.method, f"prefill {c.width}")
+
+
 def report(counts: list[StepCount], top: int = 12) -> str:
     """The counts as the command prints them."""
     lines = [
@@ -289,14 +320,14 @@ def report(counts: list[StepCount], top: int = 12) -> str:
         f"(<= {BUDGET_PER_LAYER}/layer, <= {BUDGET_PER_STEP}/step)"
     ]
     for c in counts:
-        name = "ar" if c.method == "ar" else f"jacobi n={c.width}"
+        name = _name(c)
         ok = "within" if within_budget(c) else "over"
         lines.append(
             f"{name:<14} {c.total:>12} {c.per_layer:>10.1f} {c.outside_layers:>8.0f}  "
             f"{c.forward}  {ok}"
         )
     for c in counts:
-        name = "ar" if c.method == "ar" else f"jacobi n={c.width}"
+        name = _name(c)
         ops = sorted(c.ops.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
         lines.append(f"{name}, most launched: " + ", ".join(f"{k} {v}" for k, v in ops))
     return "\n".join(lines)

@@ -357,7 +357,10 @@ class LeanDecoder:
         return self._head(inner.norm.forward(h), keep)
 
     def _head(self, x: torch.Tensor, keep: int | None) -> torch.Tensor:
-        """The LM head on the normed hidden states x [B, Q, hidden], or on their last `keep`."""
+        """The LM head on the normed hidden states x [B, Q, hidden], or on their last `keep`
+        (0: none, a chunked prefill's middle chunk)."""
+        if keep == 0:
+            return x.new_empty(x.shape[0], 0, self.model.config.vocab_size)
         if keep is not None and keep < x.shape[1]:
             x = x[:, x.shape[1] - keep :].contiguous()
         return self.head(x)

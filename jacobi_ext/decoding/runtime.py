@@ -23,7 +23,8 @@ the batch (step.py: ids, mask, positions, the forward, the targets, the verify o
 and the next drafts); for the tuner's probe, the forward alone (`step`). The runtime (and so its
 graphs) is kept on the model and reused across `generate` calls while the batch size fits and
 the capacity suffices. If capture fails on an exotic model, the runtime warns once and runs
-eagerly: never a crash, never a different token.
+eagerly: never a crash, never a different token. The prefill is replayed too, as chunks of
+PREFILL_CHUNK prompt tokens, each a one-row step committed before the next (`prefill_chunk`).
 
 On CPU the same runtime runs eagerly, with unpadded widths, and attends only up to the longest
 committed sequence (no cost for unused capacity). An fp32 or bf16 model's linears run from weights
@@ -180,6 +181,31 @@ def _graphs_wanted(device: torch.device, cuda_graphs: bool | str | None) -> str 
     return cuda_graphs
 
 
+PREFILL_CHUNK = 64  # prompt tokens per captured prefill chunk on CUDA (see prefill_chunk)
+
+
+def prefill_chunk(graph_mode: str | None) -> int:
+    """Prompt tokens a prefill feeds per forward (0: the whole prompt in one forward). On CUDA
+    with graphs, a prompt runs as chunks of PREFILL_CHUNK tokens, each a step of one row (the
+    step plan's causal rule) replayed from a graph captured once, then committed: a prompt's
+    forward in one eager pass launched every op of every layer from Python (~50 ms for a
+    170-token prompt on an H200, the time of ~200 decoded tokens). On a CPU one pass is faster
+    (one large product per linear, no launches to save). JACOBI_EXT_PREFILL_CHUNK=N sets it
+    (0: one pass), on any device."""
+    env = os.environ.get("JACOBI_EXT_PREFILL_CHUNK")
+    if env is not None and env.strip():
+        try:
+            chunk = int(env)
+        except ValueError:
+            chunk = -1
+        if chunk < 0:
+            raise ValueError(
+                f"JACOBI_EXT_PREFILL_CHUNK must be a token count >= 0 (0: one pass), got {env!r}"
+            )
+        return chunk
+    return PREFILL_CHUNK if graph_mode is not None else 0
+
+
 class StaticRuntime:
     """Preallocated cache + fixed-shape step buffers for a batch of B sequences."""
 
@@ -211,6 +237,10 @@ class StaticRuntime:
         self._graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.batch_steps: dict[object, object] = {}  # step.BatchStep per decoding setting
         self.graphs_requested = self.graph_mode  # stays, even if a capture fails
+        # A chunked prefill's commit of each chunk (static: its graphs read them in place).
+        self.prefill_chunk = min(prefill_chunk(self.graph_mode), scratch)
+        self._pf_src = torch.zeros(batch, dtype=torch.long, device=dev)
+        self._pf_count = torch.zeros(batch, dtype=torch.long, device=dev)
         self._pool = None
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
         self.graph_replays = 0
@@ -248,7 +278,7 @@ class StaticRuntime:
             return lean(ids, pos, mask, self.cache, keep)
         kw = dict(self._cache_arg)
         if keep is not None and self._keeps_logits:
-            kw["logits_to_keep"] = keep
+            kw["logits_to_keep"] = max(keep, 1)  # (transformers reads 0 as "all")
         with packed(self.model):
             logits = self.model(
                 input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kw
@@ -269,6 +299,8 @@ class StaticRuntime:
         n = 0 if drafts is None else drafts.shape[1]
         if P > self.committed or n > self.scratch:
             raise ValueError(f"prompt of {P} tokens does not fit a cache of {self.committed}")
+        if not all_targets and 0 < n + 1 <= self.prefill_chunk:
+            return self._prefill_chunked(ids, pad, drafts, rule)
         dev = self.device
         i = torch.arange(P, device=dev)
         pos = (i[None, :] - pad[:, None]).clamp_(min=0)
@@ -290,6 +322,64 @@ class StaticRuntime:
         self.hi.fill_(self.scratch + P)
         return targets(logits) if rule is None else rule(logits, pos)
 
+    def _prefill_chunked(self, ids: torch.Tensor, pad: torch.Tensor,
+                         drafts: torch.Tensor | None, rule=None) -> torch.Tensor:  # fmt: skip
+        """prefill() as steps of C = prefill_chunk tokens: the same slots, positions and
+        visibility, so the same result up to the order of float sums. The prompt and drafts
+        (P + n tokens, left-padded per row) are left-padded further to T, a multiple of C, so
+        that the last chunk ends with the drafts. Each chunk is one row (seg 0, offsets counting
+        that row's prompt tokens not yet committed; padding -1): the step plan's rule makes it
+        causal over the committed prompt and itself. After its forward, each row's prompt tokens
+        of the chunk move from scratch to [hi, hi + count) (the step's commit); the drafts stay
+        in scratch, as in one pass. Only the last chunk computes logits (its last n + 1). On CUDA
+        each chunk is a graph replay: two graphs per setting (a middle chunk, the last)."""
+        B, P = ids.shape
+        n = 0 if drafts is None else drafts.shape[1]
+        C, dev = self.prefill_chunk, self.device
+        T = -(-(P + n) // C) * C
+        e = T - (P + n)
+        pad_h = pad.to("cpu", torch.long)
+        start = e + pad_h[:, None]  # [B, 1] each row's first prompt token, in [0, T)
+        x = torch.arange(T)[None, :]
+        chunk0 = (x // C) * C  # each position's chunk start
+        committed_before = (torch.minimum(chunk0, torch.tensor(e + P)) - start).clamp(min=0)
+        real = x >= start
+        seg = torch.where(real, 0, -1)
+        off = torch.where(real, x - start - committed_before, 0)
+        k0 = torch.arange(0, T, C)[None, :]  # [1, chunks]
+        src = (start - k0).clamp(0, C)  # [B, chunks] first prompt token's scratch slot
+        count = (torch.clamp(k0 + C, max=e + P) - torch.maximum(k0, start)).clamp(min=0)
+        plan = torch.stack([seg, off]).to(dev)  # one host -> device copy of the whole plan
+        moves = torch.stack([src, count]).to(dev)
+        fed = [ids.new_zeros(B, e), ids] + ([drafts.to(ids.dtype)] if n else [])
+        fed = torch.cat(fed, dim=1)
+        first = int(pad_h.min()) + e  # chunks of padding alone (for every row) are skipped
+        self._lean = lean_decoder(self.model) or False  # refreshed once per call, as prefill
+        self.lo.copy_(self.scratch + pad)
+        self.hi.copy_(self.scratch + pad)
+        attend = self.scratch + P  # eager steps see up to the longest prompt
+        keep = n + 1
+        out = None
+        for c, k in enumerate(range(0, T, C)):
+            if k + C <= first:
+                continue
+            last = k + C == T
+            self.ids[:, :C].copy_(fed[:, k : k + C])
+            self.seg[:, :C].copy_(plan[0, :, k : k + C])
+            self.off[:, :C].copy_(plan[1, :, k : k + C])
+            self._pf_src.copy_(moves[0, :, c])
+            self._pf_count.copy_(moves[1, :, c])
+
+            def chunk(keep=keep if last else 0):
+                got = self.forward(C, attend, rule, keep=keep)
+                self.commit(self._pf_src, self._pf_count)
+                return got
+
+            # (a last chunk's graph holds its setting's rule: one per rule)
+            key = ("prefill", C, keep, id(rule)) if last else ("prefill", C, 0)
+            out = self.replay(key, chunk, neutral=(self._pf_count,))
+        return out
+
     # ---- one step ------------------------------------------------------------------------------
     def writes_in_place(self) -> bool:
         """Whether a step of one sequence feeding one row in order (`ar`, `ar` with lookup
@@ -301,7 +391,8 @@ class StaticRuntime:
         cpu_fused = bool(lean) and lean.fused and not lean.takes_plan
         return self.device.type == "cpu" and self.B == 1 and cpu_fused
 
-    def _forward(self, Q: int, attend: int, rule=None, in_place: bool = False) -> torch.Tensor:
+    def _forward(self, Q: int, attend: int, rule=None, in_place: bool = False,
+                 keep: int | None = None) -> torch.Tensor | None:  # fmt: skip
         seg, off = self.seg[:, :Q], self.off[:, :Q]
         if in_place:  # writes_in_place(): slots [hi, hi + Q), the mask's local columns there
             hi = int(self.hi[0])
@@ -322,19 +413,24 @@ class StaticRuntime:
         if not isinstance(mask, StepPlan):
             mask = for_backend(self.model, mask, self.dtype)
         pos = step_positions(off, self.lo, self.hi)
-        logits = self._logits(self.ids[:, :Q], pos, mask)
+        logits = self._logits(self.ids[:, :Q], pos, mask, keep=keep)
+        if keep is not None:  # (keep 0: the K/V writes alone, a chunked prefill's middle)
+            if keep == 0:
+                return None
+            pos = pos[:, Q - keep :]
         return targets(logits) if rule is None else rule(logits, pos)
 
     def width(self, q: int) -> int:
         """The width a step feeding at most q tokens per sequence runs at."""
         return min(bucket(q), self.scratch) if self.use_graphs else q
 
-    def forward(self, Q: int, attend: int, rule=None, in_place: bool = False) -> torch.Tensor:
+    def forward(self, Q: int, attend: int, rule=None, in_place: bool = False,
+                keep: int | None = None) -> torch.Tensor | None:  # fmt: skip
         """The forward over self.ids/seg/off[:, :Q] (filled by the caller): targets [B, Q], the
         argmax or rule(logits, positions). `attend` is the number of slots an eager step needs
         to see (graphs see them all). in_place (where writes_in_place()): the step's K/V go to
         [hi, hi + Q) rather than to scratch, and its commit (in_place=True) moves none."""
-        return self._forward(Q, self.capacity if self.use_graphs else attend, rule, in_place)
+        return self._forward(Q, self.capacity if self.use_graphs else attend, rule, in_place, keep)
 
     @torch.inference_mode()
     def step(self, Q: int, attend: int) -> torch.Tensor:
@@ -472,6 +568,7 @@ def runtime_for(
     if rt is not None:
         committed = max(committed, rt.committed) if rt.B == batch else committed
         scratch = max(scratch, rt.scratch) if rt.B == batch else scratch
+    scratch = max(scratch, prefill_chunk(want))  # a prefill chunk is a step of that width
     rt = StaticRuntime(model, batch, committed, bucket(scratch), cuda_graphs)
     try:
         object.__setattr__(model, "_jacobi_runtime", rt)  # not a submodule: no state_dict entry
