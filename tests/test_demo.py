@@ -123,6 +123,10 @@ def test_demo_runs_and_is_lossless(tmp_path, monkeypatch):
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("tokens_per_s", "tpf", "speedup"))
     assert (out / "forward_latency_vs_tokens.png").stat().st_size > 10_000
     assert res["curve"]["sizes"][0] == 1 and len(res["curve"]["seconds"]) >= 8
+    modes = res["modes"]  # which CPU mode is faster here, both timed
+    assert modes["exact_ms"] > 0 and modes["int8_ms"] > 0 and modes["why_not"] is None
+    faster = "int8" if modes["int8_ms"] < modes["exact_ms"] else "exact"
+    assert modes["faster"] == faster and modes["speedup"] >= 1
 
 
 def test_shipped_adapter_loads_without_warnings():

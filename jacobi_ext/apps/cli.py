@@ -24,6 +24,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     info = jacobi_ext.build_info()
     if args.json:
+        if args.modes:
+            info["modes"] = _modes(args).as_dict()
         print(json.dumps(info, indent=2))
         return 0
     # First the kernels this build has, then every fact.
@@ -36,12 +38,35 @@ def _cmd_info(args: argparse.Namespace) -> int:
     width = max(len(k) for k in info)
     for k, v in info.items():
         print(f"{k:<{width}}  {v}")
+    if args.modes:
+        print(f"faster mode here ({args.model or 'the default model'}): {_modes(args).advice()}")
+    else:
+        print("(jacobi-forcing info --modes measures which CPU mode decodes faster here)")
     return 0
+
+
+def _modes(args: argparse.Namespace):
+    """The exact and 8-bit modes' one-token forwards on the model asked for, side by side."""
+    from rich.console import Console
+
+    from jacobi_ext.decoding.modes import compare_modes
+    from jacobi_ext.models import load_model
+
+    with Console(stderr=True).status("loading the model and timing both modes"):
+        model, _ = load_model(args.model)
+        return compare_modes(model)
 
 
 def _add_info(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="show how jacobi_ext was built and what it runs on")
     p.add_argument("--json", action="store_true", help="print as JSON")
+    p.add_argument(
+        "--modes",
+        action="store_true",
+        help="also time a one-token forward exact and on 8-bit activations (--int8-activations) "
+        "and say which is faster on this machine (loads the model, a few seconds)",
+    )
+    p.add_argument("--model", default=None, help="the model --modes times (default: SmolLM2)")
     p.set_defaults(handler=_cmd_info)
 
 

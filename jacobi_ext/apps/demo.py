@@ -278,10 +278,23 @@ def _rows(totals: dict, weights: dict, hf_name: str) -> list[dict]:
     return rows
 
 
-def _write_results(path: Path, rows: list[dict], samp: dict | None, curve, floor) -> None:
+def _modes(model, console):
+    """Which CPU mode is faster here (decoding/modes.py; the table then says it); None off a
+    CPU."""
+    from jacobi_ext.decoding.modes import compare_modes
+
+    if next(model.parameters()).device.type != "cpu":
+        return None
+    with console.status("timing a one-token forward exact and on 8-bit activations"):
+        return compare_modes(model)
+
+
+def _write_results(path: Path, rows: list[dict], samp: dict | None, curve, floor,
+                   modes=None) -> None:  # fmt: skip
     path.write_text(
         json.dumps(
             {
+                "modes": modes.as_dict() if modes is not None else None,
                 "rows": rows,
                 "sampling": dict(samp) if samp is not None else None,
                 "curve": {
@@ -312,6 +325,7 @@ def run_demo(args) -> int:
     weights = {m: _weights_label(mt[0]) for m, mt in models.items()}
     model, tok = models[shown]
     curve, floor, png = _forward_curve(model, out_dir)
+    modes = _modes(model, console)
     problems = load_humaneval(args.prompts)
     methods = _methods(shown, hf_name, sampled)
     totals = {
@@ -334,8 +348,10 @@ def run_demo(args) -> int:
             f"[dim]sampled with seed {samp['seed']}: transformers draws from its own generator, "
             "so its rows are other samples of the same law (speed baseline only)[/]"
         )
+    if modes is not None:
+        console.print(f"[bold]mode:[/] {modes.advice()}")
     results = out_dir / "demo_results.json"
-    _write_results(results, rows, samp if sampled else None, curve, floor)
+    _write_results(results, rows, samp if sampled else None, curve, floor, modes)
     console.print(
         f"forward latency vs parallel tokens: [bold]{png}[/] "
         f"(knee at {curve.knee()} tokens); results: {results}"
