@@ -248,7 +248,6 @@ def _one_step(model, method: str, n: int, context: int) -> tuple[KernelCounter, 
 def _one_chunk(model, chunk: int, context: int) -> tuple[KernelCounter, str]:
     """The kernels of one middle chunk of a chunked prefill (runtime._prefill_chunked: a step of
     `chunk` prompt tokens in one row, no LM head, then its commit) after `context` tokens."""
-    from .lean import lean_decoder
     from .prepack import meta_as_cuda
     from .runtime import StaticRuntime
 
@@ -261,7 +260,7 @@ def _one_chunk(model, chunk: int, context: int) -> tuple[KernelCounter, str]:
             rt.forward(chunk, rt.capacity, keep=0)
             rt.commit(rt._pf_src, rt._pf_count)
 
-        rt._lean = lean_decoder(model) or False  # as a prefill picks it, before its chunks
+        rt._pick_forward()  # as a prefill picks it, before its chunks
         for _ in range(2):
             middle()
         c, _ = count(middle)

@@ -85,10 +85,10 @@ def _mode_of(model) -> tuple[bool, torch.dtype | None]:
     return on, model.__dict__.get(_KV_ATTR)
 
 
-def _set_mode(model, on: bool, kv: torch.dtype | None) -> None:
+def _set_mode(model, on: bool, kv: torch.dtype | None, int8_applies: bool) -> None:
     from ..models.quantized import set_int8_activations, set_kv_cache_dtype
 
-    if why_no_int8(model) is None:
+    if int8_applies:
         set_int8_activations(model, on, fp16_kv_cache=False)
     set_kv_cache_dtype(model, kv)
 
@@ -102,17 +102,17 @@ def compare_modes(model, context: int = 256, steps: int = 15, rounds: int = 3) -
 
     was = _mode_of(model)
     why = why_no_int8(model)
-    modes = (
-        {"exact": (False, None)} if why else {"exact": (False, None), "int8": (True, torch.float16)}
-    )
+    modes = {"exact": (False, None)}
+    if why is None:
+        modes["int8"] = (True, torch.float16)
     probes, times = {}, {name: [] for name in modes}
     try:
         for name, (on, kv) in modes.items():  # a probe each: its runtime's cache in its dtype
-            _set_mode(model, on, kv)
+            _set_mode(model, on, kv, why is None)
             probes[name] = StepProbe(model, context=context, max_q=1)
         for _ in range(rounds):
             for name, (on, kv) in modes.items():
-                _set_mode(model, on, kv)
+                _set_mode(model, on, kv, why is None)
                 probe = probes[name]
                 probe.rt._lean = None  # its next forward repacks for the mode, as a prefill does
                 for _ in range(3):
@@ -122,6 +122,6 @@ def compare_modes(model, context: int = 256, steps: int = 15, rounds: int = 3) -
                     probe(1)
                     times[name].append(time.perf_counter() - t0)
     finally:
-        _set_mode(model, *was)
+        _set_mode(model, *was, why is None)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     return ModeTimes(ms["exact"], ms.get("int8"), why)

@@ -271,9 +271,7 @@ class StaticRuntime:
         weights are checked against the model's at each prefill (weights do not change inside a
         generate call; checking all of them at every step cost 0.8 ms of a 15 ms step).
         keep: the logits of the last `keep` positions only (None: all)."""
-        if prefill or self._lean is None:
-            self._lean = lean_decoder(self.model) or False
-        lean = self._lean
+        lean = self._pick_forward() if prefill or self._lean is None else self._lean
         if lean:
             return lean(ids, pos, mask, self.cache, keep)
         kw = dict(self._cache_arg)
@@ -284,6 +282,12 @@ class StaticRuntime:
                 input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kw
             ).logits
         return logits if keep is None else logits[:, logits.shape[1] - keep :]
+
+    def _pick_forward(self):
+        """The lean forward (repacked where the model's weights changed) or False where it does
+        not apply: picked at each prefill, kept for the steps after it."""
+        self._lean = lean_decoder(self.model) or False
+        return self._lean
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -349,12 +353,14 @@ class StaticRuntime:
         k0 = torch.arange(0, T, C)[None, :]  # [1, chunks]
         src = (start - k0).clamp(0, C)  # [B, chunks] first prompt token's scratch slot
         count = (torch.clamp(k0 + C, max=e + P) - torch.maximum(k0, start)).clamp(min=0)
-        plan = torch.stack([seg, off]).to(dev)  # one host -> device copy of the whole plan
-        moves = torch.stack([src, count]).to(dev)
+        # the whole plan in one host -> device copy: [seg, off] per position, then [src, count]
+        # per chunk
+        both = torch.cat([torch.stack([seg, off]), torch.stack([src, count])], dim=2).to(dev)
+        plan, moves = both[..., :T], both[..., T:]
         fed = [ids.new_zeros(B, e), ids] + ([drafts.to(ids.dtype)] if n else [])
         fed = torch.cat(fed, dim=1)
         first = int(pad_h.min()) + e  # chunks of padding alone (for every row) are skipped
-        self._lean = lean_decoder(self.model) or False  # refreshed once per call, as prefill
+        self._pick_forward()  # here, not in a chunk: a graph replay would not repeat it
         self.lo.copy_(self.scratch + pad)
         self.hi.copy_(self.scratch + pad)
         attend = self.scratch + P  # eager steps see up to the longest prompt
