@@ -79,8 +79,15 @@ def tiny_config(tied: bool = False, family: str = "llama"):
     )  # fmt: skip
 
 
-def write_tiny_model(path: Path, config, seed: int = 0, embed_type=Q.Q8_0, head_type=Q.Q6_K):
-    """A GGUF file of random codes for `config` (tiny_config), in llama.cpp's tensor names."""
+# The default model's types (SmolLM2's Q4_1 file): every linear of a layer Q4_1, so that the
+# loader groups q/k/v and gate/up (with a Q8_0 head: write_tiny_model(head_type=Q.Q8_0)).
+Q4_1_LAYERS = tuple({name: Q.Q4_1 for name in types} for types in LAYER_TYPES)
+
+
+def write_tiny_model(path: Path, config, seed: int = 0, embed_type=Q.Q8_0, head_type=Q.Q6_K,
+                     layer_types=LAYER_TYPES):  # fmt: skip
+    """A GGUF file of random codes for `config` (tiny_config), in llama.cpp's tensor names;
+    layer i's tensors of the types layer_types[i] gives."""
     rng = np.random.default_rng(seed)
     H, FF, V = config.hidden_size, config.intermediate_size, config.vocab_size
     hd = H // config.num_attention_heads
@@ -101,7 +108,7 @@ def write_tiny_model(path: Path, config, seed: int = 0, embed_type=Q.Q8_0, head_
     tensors = {"token_embd.weight": tensor(embed_type, (V, H)), "output_norm.weight": norm()}
     if not config.tie_word_embeddings:
         tensors["output.weight"] = tensor(head_type, (V, H))
-    for i, types in enumerate(LAYER_TYPES):
+    for i, types in enumerate(layer_types):
         tensors[f"blk.{i}.attn_norm.weight"] = norm()
         tensors[f"blk.{i}.ffn_norm.weight"] = norm()
         for name, qtype in types.items():

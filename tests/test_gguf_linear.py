@@ -670,6 +670,61 @@ def test_lora_stays_unmerged_and_every_method_equals_ar(tmp_path):
         assert torch.equal(got, ar), method
 
 
+def _native_and_python_logits(model, monkeypatch):
+    """Logits of a prefill and of steps of 5, 1 and 5 tokens after it (a fresh runtime), through
+    the layers in one C++ call (LeanLayers, its buffers kept from call to call) and through the
+    same ops called from Python (JACOBI_EXT_NATIVE=0)."""
+    from jacobi_ext.decoding import lean
+    from jacobi_ext.decoding.runtime import StaticRuntime
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=g)
+    pad = torch.tensor([0, 3])
+    drafts = torch.randint(0, model.config.vocab_size, (2, 4), generator=g)
+    keep = lambda logits, pos: logits.clone()  # noqa: E731  (the rule sees the raw logits)
+    got = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("JACOBI_EXT_NATIVE", native)
+        rt = StaticRuntime(model, 2, 64, 16)
+        out = [rt.prefill(ids, pad, drafts, rule=keep, all_targets=True)]
+        with torch.inference_mode():
+            assert (lean.lean_decoder(model).native is not None) == (native == "1")
+            for q in (5, 1, 5):
+                rt.ids[:, :q] = torch.arange(q)[None] + 7 + q
+                rt.seg[:, :q] = 0
+                rt.off[:, :q] = torch.arange(q)[None]
+                out.append(rt.forward(q, rt.scratch + ids.shape[1], rule=keep))
+        got[native] = out
+    return got["1"], got["0"]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+def test_native_layers_on_codes_are_the_python_loop_bitwise(tmp_path, int8, lora, monkeypatch):
+    """The default model's shape (every linear Q4_1, grouped; a Q8_0 head), exact and on 8-bit
+    activations, with and without an unmerged LoRA: the layers run from C++ into the buffers
+    LeanLayers keeps give the bits of the same ops called one by one from Python, at every
+    width, the buffers reused and remade as the width changes."""
+    from gguf_fixtures import Q4_1_LAYERS
+
+    from jacobi_ext.models.quantized import attach_lora, build_on_codes, set_int8_activations
+
+    monkeypatch.setenv("JACOBI_EXT_FUSED", "1")
+    cfg = tiny_config()
+    path = write_tiny_model(tmp_path / "q4_1.gguf", cfg, head_type=Q.Q8_0,
+                            layer_types=Q4_1_LAYERS)  # fmt: skip
+    model = build_on_codes(cfg, path)
+    if lora:
+        attach_lora(model, _write_adapter(tmp_path / "adapter", dequantized_model(cfg, path)))
+    if int8:
+        assert set_int8_activations(model) >= 1
+    native, python = _native_and_python_logits(model, monkeypatch)
+    for a, b in zip(native, python, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(native[1], native[3])  # the same step again, after a width change
+    assert not torch.equal(native[1][:, :1], native[2])  # (another token: other logits)
+
+
 def test_training_a_model_on_codes_says_to_dequantize(tmp_path):
     _, _, model, _ = _build(tmp_path)
     x = torch.randn(1, 3, 256, requires_grad=True)

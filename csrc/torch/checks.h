@@ -29,4 +29,14 @@ inline void contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (call .contiguous())");
 }
 
+// A caller's output buffer (the C++ *_out forms of the CPU ops): a contiguous CPU tensor of
+// `elements` values of the dtype, any shape.
+inline void out_buffer(const at::Tensor& t, const char* name, int64_t elements,
+                       at::ScalarType want) {
+  TORCH_CHECK_VALUE(t.defined() && t.device().is_cpu() && t.is_contiguous() &&
+                        t.scalar_type() == want && t.numel() == elements,
+                    name, " must be a contiguous CPU ", want, " tensor of ", elements,
+                    " elements, got ", t.defined() ? t.sizes() : at::IntArrayRef{});
+}
+
 }  // namespace jacobi::checks

@@ -30,4 +30,27 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
                               const std::optional<at::Tensor>& kt_cache,
                               int64_t context_start);
 
+// The same ops writing into outputs the caller keeps (lean_ops.cpp: a step's buffers made once,
+// where each call made its own, ~15 tensors a layer). Each output must be a contiguous CPU tensor
+// with as many elements of the dtype as the op's result (checked), any shape; lora_t is the
+// LoRA's x A^T, made or grown in place as needed. The same kernels on the same values: the same
+// bits as the ops above.
+void cpu_linear_out(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                    const std::optional<at::Tensor>& bias, at::Tensor& y);
+void cpu_linear_gguf_out(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                         int64_t out_features, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& lora_a,
+                         const std::optional<at::Tensor>& lora_b,
+                         const std::optional<at::Tensor>& lora_panel_r0, bool int8_activations,
+                         at::Tensor& y, at::Tensor& lora_t);
+void cpu_add_rms_norm_out(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                          double eps, at::Tensor& h, at::Tensor& y);
+void cpu_silu_mul_out(const at::Tensor& gu, at::Tensor& out);
+void cpu_rope_attention_out(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
+                            const at::Tensor& mask, double scale,
+                            const std::optional<at::Tensor>& kt_cache, int64_t context_start,
+                            at::Tensor& out);
+
 }  // namespace jacobi::ops

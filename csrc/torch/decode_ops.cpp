@@ -99,8 +99,10 @@ at::Tensor cpu_decode_attention(const at::Tensor& q, const at::Tensor& k, const 
   return out;
 }
 
+// The norm of x (+ residual, the sum into *h_out), into *y_out where given (else new tensors;
+// given ones are checked: contiguous, x's dtype and element count).
 at::Tensor rms_norm_into(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
-                         double eps, at::Tensor* h_out) {
+                         double eps, at::Tensor* h_out, at::Tensor* y_out = nullptr) {
   const LinearDType d = small_op_dtype(x, "x");
   TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be on the CPU, got ", x.device());
   ck::rank(weight, "weight", 1, "[features]");
@@ -116,8 +118,15 @@ at::Tensor rms_norm_into(const at::Tensor& x, const at::Tensor* residual, const 
     rc = residual->contiguous();
   }
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  if (h_out != nullptr) *h_out = at::empty(x.sizes(), x.options());
+  at::Tensor y;
+  if (y_out != nullptr) {
+    ck::out_buffer(*y_out, "y", x.numel(), x.scalar_type());
+    y = *y_out;
+    if (h_out != nullptr) ck::out_buffer(*h_out, "h", x.numel(), x.scalar_type());
+  } else {
+    y = at::empty(x.sizes(), x.options());
+    if (h_out != nullptr) *h_out = at::empty(x.sizes(), x.options());
+  }
   const int64_t n = x.size(-1);
   cpu::RmsNormArgs a{d, n ? xc.numel() / n : 0, n, xc.data_ptr(),
                      residual ? rc.data_ptr() : nullptr, wc.data_ptr(), static_cast<float>(eps),
@@ -139,27 +148,51 @@ std::tuple<at::Tensor, at::Tensor> cpu_add_rms_norm(const at::Tensor& x, const a
   return {h, y};
 }
 
-at::Tensor cpu_silu_mul(const at::Tensor& gu) {
+void cpu_add_rms_norm_out(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                          double eps, at::Tensor& h, at::Tensor& y) {
+  rms_norm_into(x, &residual, weight, eps, &h, &y);
+}
+
+namespace {
+
+// cpu_silu_mul into *out_ws where given (checked), else a new tensor.
+at::Tensor silu_mul_impl(const at::Tensor& gu, at::Tensor* out_ws) {
   const LinearDType d = small_op_dtype(gu, "gu");
   TORCH_CHECK_VALUE(gu.device().is_cpu(), "gu must be on the CPU, got ", gu.device());
   TORCH_CHECK_VALUE(gu.dim() >= 1 && gu.size(-1) % 2 == 0,
                     "gu must be [..., 2 n] (gate then up), got ", gu.sizes());
   const at::Tensor c = gu.contiguous();
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  const int64_t n = shape.back() / 2;
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, gu.options());
+  const int64_t n = gu.size(-1) / 2;
+  at::Tensor out;
+  if (out_ws != nullptr) {
+    ck::out_buffer(*out_ws, "out", gu.numel() / 2, gu.scalar_type());
+    out = *out_ws;
+  } else {
+    std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+    shape.back() = n;
+    out = at::empty(shape, gu.options());
+  }
   cpu::SiluMulArgs a{d, n ? out.numel() / n : 0, n, c.data_ptr(), out.data_ptr()};
   if (a.rows > 0) JACOBI_CPU_DISPATCH(silu_mul, a);
   return out;
 }
 
-at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
-                              const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                              at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
-                              const at::Tensor& mask, double scale,
-                              const std::optional<at::Tensor>& kt_cache,
-                              int64_t context_start) {
+}  // namespace
+
+at::Tensor cpu_silu_mul(const at::Tensor& gu) { return silu_mul_impl(gu, nullptr); }
+
+void cpu_silu_mul_out(const at::Tensor& gu, at::Tensor& out) { silu_mul_impl(gu, &out); }
+
+namespace {
+
+// cpu_rope_attention into *out_ws where given (checked: B Q heads D elements), else a new
+// [B, Q, heads, D] tensor.
+at::Tensor rope_attention_impl(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                               at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
+                               const at::Tensor& mask, double scale,
+                               const std::optional<at::Tensor>& kt_cache, int64_t context_start,
+                               at::Tensor* out_ws) {
   const LinearDType d = small_op_dtype(qkv, "qkv");
   ck::rank(qkv, "qkv", 3, "[B, Q, (heads + 2 kv_heads) * D]");
   ck::rank(k_cache, "k_cache", 4, "[B, kv_heads, capacity, D]");
@@ -217,7 +250,13 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
   }
   const at::Tensor qc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   const at::Tensor mc = mask.contiguous();
-  at::Tensor out = at::empty({B, Q, heads, D}, qkv.options());
+  at::Tensor out;
+  if (out_ws != nullptr) {
+    ck::out_buffer(*out_ws, "out", B * Q * heads * D, qkv.scalar_type());
+    out = *out_ws;
+  } else {
+    out = at::empty({B, Q, heads, D}, qkv.options());
+  }
   if (out.numel() == 0) return out;
   const int64_t threads = at::get_num_threads();
   float* scratch = attention_scratch(
@@ -228,6 +267,28 @@ at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_h
                       scratch, kt, kt_ld, context_start, kv_half};
   JACOBI_CPU_DISPATCH(rope_attention, a);
   return out;
+}
+
+}  // namespace
+
+at::Tensor cpu_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                              const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                              at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
+                              const at::Tensor& mask, double scale,
+                              const std::optional<at::Tensor>& kt_cache,
+                              int64_t context_start) {
+  return rope_attention_impl(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, attend,
+                             mask, scale, kt_cache, context_start, nullptr);
+}
+
+void cpu_rope_attention_out(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& slots, int64_t attend,
+                            const at::Tensor& mask, double scale,
+                            const std::optional<at::Tensor>& kt_cache, int64_t context_start,
+                            at::Tensor& out) {
+  rope_attention_impl(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, attend, mask,
+                      scale, kt_cache, context_start, &out);
 }
 
 namespace {

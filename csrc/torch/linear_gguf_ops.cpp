@@ -83,12 +83,16 @@ at::Tensor cpu_linear_gguf_pack(at::TensorList weights, int64_t type) {
 
 }  // namespace
 
-at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t type,
-                           int64_t out_features, const std::optional<at::Tensor>& bias,
-                           const std::optional<at::Tensor>& lora_a,
-                           const std::optional<at::Tensor>& lora_b,
-                           const std::optional<at::Tensor>& lora_panel_r0,
-                           bool int8_activations) {
+namespace {
+
+// cpu_linear_gguf into y (nullptr: a new tensor, returned), its LoRA's x A^T into *t_ws where
+// given (made or grown there as needed; nullptr: a new tensor per call).
+at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                            int64_t out_features, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& lora_a,
+                            const std::optional<at::Tensor>& lora_b,
+                            const std::optional<at::Tensor>& lora_panel_r0,
+                            bool int8_activations, at::Tensor* y_out, at::Tensor* t_ws) {
   const GgufFormat f = format_of(type);
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
   TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
@@ -111,7 +115,13 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
   const at::Tensor b = linear_common::checked_bias(bias, N, x);  // float32, as x
   const linear_common::Rows rows = linear_common::rows_of(x);
   const int64_t M = rows.M;
-  at::Tensor y = linear_common::output_for(x, N);
+  at::Tensor y;
+  if (y_out == nullptr) {
+    y = linear_common::output_for(x, N);
+  } else {
+    ck::out_buffer(*y_out, "y", M * N, at::kFloat);
+    y = *y_out;
+  }
   cpu::LinearArgs a{cpu::LinearDType::f32,
                     M,
                     N,
@@ -171,7 +181,13 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                           ": columns [", r0[p], ", ", r0[p] + r, ") are outside x A^T's ",
                           t_cols);
     }
-    t = at::empty({M, t_cols}, x.options());
+    if (t_ws == nullptr) {
+      t = at::empty({M, t_cols}, x.options());
+    } else {
+      if (!t_ws->defined() || t_ws->numel() < M * t_cols)
+        *t_ws = at::empty({M * t_cols}, x.options());
+      t = *t_ws;  // (its first M t_cols floats)
+    }
     lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, bf16, lora_a->data_ptr(),
                        lora_b->data_ptr(), r0};
   }
@@ -185,6 +201,28 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
     JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);
   }
   return y;
+}
+
+}  // namespace
+
+at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                           int64_t out_features, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& lora_a,
+                           const std::optional<at::Tensor>& lora_b,
+                           const std::optional<at::Tensor>& lora_panel_r0,
+                           bool int8_activations) {
+  return linear_gguf_impl(x, packed, type, out_features, bias, lora_a, lora_b, lora_panel_r0,
+                          int8_activations, nullptr, nullptr);
+}
+
+void cpu_linear_gguf_out(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                         int64_t out_features, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& lora_a,
+                         const std::optional<at::Tensor>& lora_b,
+                         const std::optional<at::Tensor>& lora_panel_r0, bool int8_activations,
+                         at::Tensor& y, at::Tensor& lora_t) {
+  linear_gguf_impl(x, packed, type, out_features, bias, lora_a, lora_b, lora_panel_r0,
+                   int8_activations, &y, &lora_t);
 }
 
 namespace {

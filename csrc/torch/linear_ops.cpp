@@ -81,10 +81,9 @@ at::Tensor cpu_linear_pack_cat(at::TensorList weights) {
 
 at::Tensor cpu_linear_pack(const at::Tensor& weight) { return cpu_linear_pack_cat({weight}); }
 
-}  // namespace
-
-at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                      const std::optional<at::Tensor>& bias) {
+// cpu_linear into y (nullptr: a new tensor, returned).
+at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const std::optional<at::Tensor>& bias, at::Tensor* y_out) {
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
   TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
                     "cpu_linear runs on the CPU; x is on ", x.device(), ", packed on ",
@@ -104,7 +103,13 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
                     "): pack it with cpu_linear_pack(weight) in this process, for this x");
   const at::Tensor b = linear_common::checked_bias(bias, N, x);
   const linear_common::Rows rows = linear_common::rows_of(x);
-  at::Tensor y = linear_common::output_for(x, N);
+  at::Tensor y;
+  if (y_out == nullptr) {
+    y = linear_common::output_for(x, N);
+  } else {
+    ck::out_buffer(*y_out, "y", rows.M * N, x.scalar_type());
+    y = *y_out;
+  }
   cpu::LinearArgs a{d,
                     rows.M,
                     N,
@@ -118,6 +123,18 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
                     N};
   JACOBI_CPU_DISPATCH(linear_packed, a);
   return y;
+}
+
+}  // namespace
+
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias) {
+  return linear_impl(x, packed, out_features, bias, nullptr);
+}
+
+void cpu_linear_out(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                    const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  linear_impl(x, packed, out_features, bias, &y);
 }
 
 namespace {
