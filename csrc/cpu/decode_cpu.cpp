@@ -617,6 +617,12 @@ inline double sum_of_squares(const T* v, int64_t n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+// Values a thread takes at least in the row-wise ops (RMSNorm, SiLU * up): the rows of a step of
+// 8-16 tokens split among the threads, where they ran one after another on the calling thread
+// while the others waited; one token's row stays there. Each row alone: the same bits at any
+// split.
+constexpr int64_t kRowOpGrain = 4096;
+
 template <typename T>
 void rms(const RmsNormArgs& a) {
   const T* x = static_cast<const T*>(a.x);
@@ -626,7 +632,7 @@ void rms(const RmsNormArgs& a) {
   T* y = static_cast<T*>(a.y);
   const int64_t n = a.n;
   const RoundTo<T> round;  // (the formulas: jacobi/decode_step.h, the CUDA kernel's too)
-  at::parallel_for(0, a.rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)),
+  at::parallel_for(0, a.rows, std::max<int64_t>(1, kRowOpGrain / std::max<int64_t>(n, 1)),
                    [&](int64_t r0, int64_t r1) {
                      std::vector<T> hbuf(hout == nullptr && res != nullptr ? n : 0);
                      for (int64_t r = r0; r < r1; ++r) {
@@ -657,7 +663,7 @@ void silu_mul_impl(const SiluMulArgs& a) {
   const T* gu = static_cast<const T*>(a.gu);
   T* out = static_cast<T*>(a.out);
   const int64_t n = a.n;
-  at::parallel_for(0, a.rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)),
+  at::parallel_for(0, a.rows, std::max<int64_t>(1, kRowOpGrain / std::max<int64_t>(n, 1)),
                    [&](int64_t r0, int64_t r1) {
                      std::vector<float> act(n);
                      const Vec one(1.f);

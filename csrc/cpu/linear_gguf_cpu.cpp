@@ -1392,7 +1392,9 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
   int32_t* qsump = qsum.data();
   float *dxp = dx.data(), *msxp = msx.data();
   const float* x = static_cast<const float*>(a.x);
-  constexpr int64_t kQuantizeGrain = 16384;  // values a thread quantizes at least
+  // values a thread quantizes at least: a step of 8 or more rows split among the threads (its
+  // rows quantized one after another on the calling thread while the others waited)
+  constexpr int64_t kQuantizeGrain = 4096;
   at::parallel_for(0, a.M, std::max<int64_t>(1, kQuantizeGrain / a.K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       quantize_row(x + m * a.ldx, a.K, qp + m * a.K, dxp + m * groups, msxp + m * groups,
