@@ -46,7 +46,9 @@ MS = (1, 2, 4, 7, 13, 16, 33, 64)  # 1-4: the 8-bit path straight from the panel
 # ... and on 8-bit activations 70 rows too: the AMX tile's calls (65 rows or more), four whole
 # tiles of 16 rows and a last one of 6
 INT8_MS = (*MS, 70)
-NS = (1, 5, 33, 100)  # off every multiple of the panel width (16 / 32)
+# off every multiple of the panel width (16 / 32); 150 and 190 (5 and 6 panels of 32): one row in
+# threes of panels on two threads, the last unit two panels or a partial one
+NS = (1, 5, 33, 100, 150, 190)
 BLOCKS = (1, 2, 3)  # blocks along K
 
 
@@ -99,6 +101,36 @@ def check_type(qtype: Q, tmp_path: Path) -> None:
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 def test_bitwise_fp32_kernel_on_gguf_values(qtype, tmp_path):
     check_type(qtype, tmp_path)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_is_the_same_bits_at_any_thread_count(threads, tmp_path):
+    """A one-row call shares its panels out in pairs or threes, whichever evens the threads'
+    shares (18 panels on two threads: threes): every output is the fp32 kernel's bits on the
+    dequantized weights at any thread count, with a LoRA too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(threads)
+        g = torch.Generator().manual_seed(threads)
+        for N in (150, 190, 576, 960):
+            t = _file_tensor(tmp_path, Q.Q4_1, N, 64, rng)
+            w = _dequantized(t, N, 64)
+            packed = ops.cpu_linear_gguf_pack([_raw(t)], int(Q.Q4_1))
+            x = torch.randn(1, 64, generator=g)
+            want = ops.cpu_linear(x, ops.cpu_linear_pack(w), N, None)
+            assert torch.equal(ops.cpu_linear_gguf(x, packed, int(Q.Q4_1), N), want), N
+    finally:
+        torch.set_num_threads(before)
+
+
+def _file_tensor(tmp_path: Path, qtype: Q, N: int, K: int, rng) -> object:
+    """One [N, K] tensor of random codes, read back from a file of its own."""
+    name = f"w_{N}_{K}"
+    path = write_tensors(
+        tmp_path / f"{name}.gguf", {name: (random_rows(qtype, N, K, rng), qtype, (N, K))}
+    )
+    return GGUFReader(str(path)).tensors[0]
 
 
 def check_this_process(expected_isa: str, tmp: str) -> None:

@@ -383,6 +383,21 @@ inline void codes_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_
 }
 
 constexpr bool kCodesTile = true;
+// Panels a one-row unit takes at most: three where the registers hold three panels' scales,
+// offsets and accumulators (18 of AVX-512's 32; AVX2's 16 hold two).
+constexpr int kMaxPanels = sizeof(VF) == 64 ? 3 : 2;
+
+// Panels per unit of a one-row call (2 or 3): the one whose units share `panels` among
+// `threads` with the least on the busiest thread (ATen gives each thread ceil(units / threads)
+// units in order); pairs on a tie.
+inline int one_row_panels(int64_t panels, int64_t threads) {
+  auto busiest = [&](int64_t P) {
+    const int64_t units = (panels + P - 1) / P;
+    const int64_t t = std::max<int64_t>(1, std::min(threads, units));
+    return std::min(panels, (units + t - 1) / t * P);
+  };
+  return kMaxPanels == 3 && busiest(3) < busiest(2) ? 3 : 2;
+}
 
 template <GgufType T, int MR = kMaxMR>
 inline void codes_tile_rows(int rows, const float* x, int64_t ldx, const uint8_t* panel,
@@ -401,6 +416,8 @@ inline void dequant_group(const uint8_t* g, float* __restrict dst) {
 }
 
 constexpr bool kCodesTile = false;
+constexpr int kMaxPanels = 2;
+inline int one_row_panels(int64_t, int64_t) { return 2; }
 
 template <GgufType T>
 inline void codes_tile_rows(int, const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
@@ -536,23 +553,28 @@ void run(const LinearArgs& a, const GgufLora& lo) {
   const int64_t mr = (a.M + tiles - 1) / tiles;
   const float* x = static_cast<const float*>(a.x);
   if (kCodesTile && a.M <= kMaxMR) {
-    // One row: panels in pairs (codes_tile's P = 2), each thread's range starting on a pair.
-    const bool pairs = a.M == 1;
-    const int64_t units = pairs ? (panels + 1) / 2 : panels;
-    const int64_t unit_bytes = pairs ? 2 * panel_bytes : panel_bytes;
-    panel_loop(a, lo, units, pairs ? 2 : 1, unit_bytes, pairs ? (grain + 1) / 2 : grain,
+    // One row: panels in pairs or threes (codes_tile's P = 2 or 3), each thread's range starting
+    // on one. Threes where they share the panels out more evenly: a one-token step's o and down
+    // projections (18 panels) and q/k/v (30) left one thread of two a pair more (5 / 4, 8 / 7
+    // pairs), waiting at every call's end; in threes 3 / 3 and 5 / 5. Each panel's chains are
+    // the same at any P: the same bits.
+    const int P = a.M == 1 ? one_row_panels(panels, at::get_num_threads()) : 1;
+    const int64_t units = (panels + P - 1) / P;
+    panel_loop(a, lo, units, P, P * panel_bytes, (grain + P - 1) / P,
                [&](int64_t u0, int64_t u1) {
-      alignas(64) float out[2 * kMaxMR * kNR];
+      alignas(64) float out[kMaxPanels * kMaxMR * kNR];
       const int rows = static_cast<int>(a.M);
       const auto* packed = static_cast<const uint8_t*>(a.packed);
       for (int64_t u = u0; u < u1; ++u) {
-        const int64_t p = pairs ? 2 * u : u;
-        const int64_t np = pairs ? std::min<int64_t>(2, panels - p) : 1;
-        if (np == 2) {
-          codes_tile<T, 1, 2>(x, a.ldx, packed + p * panel_bytes, panel_bytes, groups, gbytes, out);
+        const int64_t p = u * P;
+        const int64_t np = std::min<int64_t>(P, panels - p);
+        const uint8_t* first = packed + p * panel_bytes;
+        if (np == 3) {
+          codes_tile<T, 1, 3>(x, a.ldx, first, panel_bytes, groups, gbytes, out);
+        } else if (np == 2) {
+          codes_tile<T, 1, 2>(x, a.ldx, first, panel_bytes, groups, gbytes, out);
         } else {
-          codes_tile_rows<T>(rows, x, a.ldx, packed + p * panel_bytes, panel_bytes, groups, gbytes,
-                             out);
+          codes_tile_rows<T>(rows, x, a.ldx, first, panel_bytes, groups, gbytes, out);
         }
         for (int64_t q = 0; q < np; ++q) {
           const int64_t n0 = (p + q) * kNR;
