@@ -19,7 +19,6 @@
 
 #include <mutex>
 #include <optional>
-#include <tuple>
 #include <vector>
 
 #include "cpu_step_ops.h"
@@ -36,13 +35,7 @@ struct LeanLinear {
   std::optional<at::Tensor> bias, lora_a, lora_b, lora_panel_r0;
   bool int8_activations = false;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (type < 0) return cpu_linear(x, packed, n, bias);
-    return cpu_linear_gguf(x, packed, type, n, bias, lora_a, lora_b, lora_panel_r0,
-                           int8_activations);
-  }
-
-  // The same into y (x's rows by n), a LoRA's x A^T into lora_t.
+  // The linear of x into y (x's rows by n), a LoRA's x A^T into lora_t.
   void into(const at::Tensor& x, at::Tensor& y, at::Tensor& lora_t) const {
     if (type < 0) return cpu_linear_out(x, packed, n, bias, y);
     cpu_linear_gguf_out(x, packed, type, n, bias, lora_a, lora_b, lora_panel_r0,
@@ -78,7 +71,7 @@ struct LeanLayers : torch::CustomClassHolder {
   // add_linear's, taken by the next add_layer: q/k/v, o, gate/up, down
   std::vector<LeanLinear> pending;
   Workspace ws;
-  std::mutex ws_lock;  // a second caller at the same time runs on new tensors (run_allocating)
+  std::mutex ws_lock;  // callers at the same time take turns (they share ws)
 
   void add_linear(at::Tensor packed, int64_t type, int64_t out_features,
                   std::optional<at::Tensor> bias, std::optional<at::Tensor> lora_a,
@@ -114,16 +107,15 @@ struct LeanLayers : torch::CustomClassHolder {
                       "run takes one keys, values and keys_t tensor per layer (", L, "), got ",
                       keys.size(), ", ", values.size(), ", ", keys_t.size());
     TORCH_CHECK_VALUE(x.dim() == 3, "x must be [B, Q, hidden], got ", x.sizes());
-    std::unique_lock<std::mutex> hold(ws_lock, std::try_to_lock);
-    if (!hold.owns_lock()) {
-      return run_allocating(x, h, cos, sin, keys, values, keys_t, slots, attend, mask,
-                            context_start);
-    }
+    const std::lock_guard<std::mutex> hold(ws_lock);
     const int64_t B = x.size(0), Q = x.size(1), hidden = x.size(2);
     // The residual stream after a layer's attention goes to ws.h[0], after its MLP to ws.h[1]
     // (the caller's h is read, never written); x, the normed input of each projection, is
     // overwritten by the next norm, which reads neither it nor the buffer it writes. The last
     // norm's output is new: it is returned.
+    at::Tensor& h_attn = Workspace::ensure(ws.h[0], B, Q, hidden, x);
+    at::Tensor& h_mlp = Workspace::ensure(ws.h[1], B, Q, hidden, x);
+    at::Tensor& xn = Workspace::ensure(ws.x, B, Q, hidden, x);
     for (size_t i = 0; i < L; ++i) {
       const LeanLayer& l = layers[i];
       const int64_t D = keys[i].size(-1);
@@ -134,9 +126,6 @@ struct LeanLayers : torch::CustomClassHolder {
                              attend, mask, l.scale, keys_t[i], context_start, attn);
       at::Tensor& o = Workspace::ensure(ws.o, B, Q, l.o.n, x);
       l.o.into(attn, o, ws.lora_t);
-      at::Tensor& h_attn = Workspace::ensure(ws.h[0], B, Q, hidden, x);
-      at::Tensor& h_mlp = Workspace::ensure(ws.h[1], B, Q, hidden, x);
-      at::Tensor& xn = Workspace::ensure(ws.x, B, Q, hidden, x);
       cpu_add_rms_norm_out(o, i == 0 ? h : h_mlp, l.ln2_weight, l.ln2_eps, h_attn, xn);
       at::Tensor& gu = Workspace::ensure(ws.gu, B, Q, l.gate_up.n, x);
       l.gate_up.into(xn, gu, ws.lora_t);
@@ -153,26 +142,6 @@ struct LeanLayers : torch::CustomClassHolder {
       x = xn;
     }
     return x;  // (no layers)
-  }
-
-  // run's ops in the same order, each making its outputs (the same bits).
-  at::Tensor run_allocating(at::Tensor x, at::Tensor h, const at::Tensor& cos,
-                            const at::Tensor& sin, std::vector<at::Tensor>& keys,
-                            std::vector<at::Tensor>& values, std::vector<at::Tensor>& keys_t,
-                            const at::Tensor& slots, int64_t attend, const at::Tensor& mask,
-                            int64_t context_start) {
-    const size_t L = layers.size();
-    const int64_t B = x.size(0), Q = x.size(1);
-    for (size_t i = 0; i < L; ++i) {
-      const LeanLayer& l = layers[i];
-      const at::Tensor out =
-          cpu_rope_attention(l.qkv(x), l.heads, l.kv_heads, cos, sin, keys[i], values[i], slots,
-                             attend, mask, l.scale, keys_t[i], context_start);
-      std::tie(h, x) = cpu_add_rms_norm(l.o(out.view({B, Q, -1})), h, l.ln2_weight, l.ln2_eps);
-      const at::Tensor m = cpu_silu_mul(l.gate_up(x));
-      std::tie(h, x) = cpu_add_rms_norm(l.down(m), h, l.next_weight, l.next_eps);
-    }
-    return x;
   }
 };
 

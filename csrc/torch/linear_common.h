@@ -58,4 +58,13 @@ inline at::Tensor output_for(const at::Tensor& x, int64_t N) {
   return at::empty(shape, x.options());
 }
 
+// The output of M rows of N outputs of the dtype: the caller's *y_out (checked: contiguous, that
+// many elements; the *_out forms), or a new y [..., N] for x [..., K] where y_out is nullptr.
+inline at::Tensor output_into(at::Tensor* y_out, const at::Tensor& x, int64_t M, int64_t N,
+                              at::ScalarType dtype) {
+  if (y_out == nullptr) return output_for(x, N);
+  jacobi::checks::out_buffer(*y_out, "y", M * N, dtype);
+  return *y_out;
+}
+
 }  // namespace jacobi::ops::linear_common

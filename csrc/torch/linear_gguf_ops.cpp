@@ -115,13 +115,7 @@ at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64
   const at::Tensor b = linear_common::checked_bias(bias, N, x);  // float32, as x
   const linear_common::Rows rows = linear_common::rows_of(x);
   const int64_t M = rows.M;
-  at::Tensor y;
-  if (y_out == nullptr) {
-    y = linear_common::output_for(x, N);
-  } else {
-    ck::out_buffer(*y_out, "y", M * N, at::kFloat);
-    y = *y_out;
-  }
+  at::Tensor y = linear_common::output_into(y_out, x, M, N, at::kFloat);
   cpu::LinearArgs a{cpu::LinearDType::f32,
                     M,
                     N,
