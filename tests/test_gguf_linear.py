@@ -451,6 +451,51 @@ def test_model_on_codes_is_the_dequantized_model(tmp_path, tied, family):
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
+def test_codes_sit_in_one_arena_in_the_order_a_forward_reads_them(tmp_path):
+    """attach_gguf gathers every linear's packed codes into one cpu_weight_arena buffer, in module
+    order (the layers' q/k/v, o, gate/up, down, then the head), each group's members still views
+    of the group's codes; gathering again moves them to a new buffer with the same logits."""
+    from jacobi_ext.decoding import prepack
+    from jacobi_ext.models.quantized import GGUFLinear, gather_codes
+
+    _cfg, _path, model, _ = _build(tmp_path)
+    mods = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    arena = mods[0].packed.untyped_storage().data_ptr()
+    assert {m.packed.untyped_storage().data_ptr() for m in mods} == {arena}
+    starts = [m.packed.data_ptr() for m in mods]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert mods[-1] is model.lm_head
+    for m in mods:
+        if m.group is not None:  # q/k/v and gate/up: one kernel call reads the group's codes
+            assert m.group.packed.untyped_storage().data_ptr() == arena
+            lo, hi = m.group.packed.data_ptr(), m.group.packed.data_ptr() + m.group.packed.numel()
+            assert lo <= m.packed.data_ptr() < hi
+    if sys.platform == "linux":
+        assert arena % (2 << 20) == 0
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.inference_mode(), prepack.packed(model):
+        before = model(ids).logits
+    assert gather_codes(model) >= sum(m.packed.numel() for m in mods if m.group is None)
+    assert mods[0].packed.untyped_storage().data_ptr() != arena
+    with torch.inference_mode(), prepack.packed(model):
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_weight_arena_op():
+    ops = torch.ops.jacobi_ext
+    a = ops.cpu_weight_arena(3 << 20)
+    assert a.dtype == torch.uint8 and a.shape == (3 << 20,) and a.device.type == "cpu"
+    a.fill_(7)
+    assert int(a[-1]) == 7 and int(a.sum()) == 7 * (3 << 20)
+    if sys.platform == "linux":
+        assert a.data_ptr() % (2 << 20) == 0
+    assert ops.cpu_weight_arena(0).numel() == 0
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        ops.cpu_weight_arena(-1)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
 def test_embedding_rows_are_the_gguf_packages_values(qtype):
     """GGUFEmbedding's rows (Q8_0 natively: cpu_gguf_q8_0_rows, the others through `gguf`) are

@@ -460,6 +460,13 @@ def _cpu_linear_gguf_pack_fake(weights, type):
     return weights[0].new_empty(cpu_linear_gguf_packed_shape(type, N, K))
 
 
+@torch.library.register_fake("jacobi_ext::cpu_weight_arena")
+def _cpu_weight_arena_fake(nbytes):
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 @torch.library.register_fake("jacobi_ext::cpu_linear_gguf")
 def _cpu_linear_gguf_fake(
     x, packed, type, out_features, bias=None, lora_a=None, lora_b=None, lora_panel_r0=None,

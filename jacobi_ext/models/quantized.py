@@ -599,10 +599,53 @@ def attach_gguf(model, path: str | Path, verbose: bool = False, scan=None):
         packed = ops.cpu_linear_gguf_pack([_rows(path, t, order)], int(t.tensor_type))
         _set(model, p, GGUFLinear(m.in_features, m.out_features, int(t.tensor_type), packed,
                                   _bias(m), p))  # fmt: skip
+    gather_codes(model)
     object.__setattr__(model, "gguf_file", str(path))
     if verbose:
         print(f"{path.name}: {describe(model)}")
     return model
+
+
+#: bytes between one linear's codes and the next in the arena: a cache line
+_ARENA_ALIGN = 64
+
+
+def gather_codes(model) -> int:
+    """Move the packed codes of every GGUF linear of `model` into one buffer, in the order a
+    forward reads them (module order: each layer's q/k/v, o, gate/up, down, then the head), at a
+    2 MiB boundary on transparent huge pages where the OS grants them (cpu_weight_arena). The same
+    bytes: every linear computes exactly what it did. Why: a step streams every code once; on 4 KiB
+    pages that is a TLB miss every 4 KiB and a hardware prefetcher that stops at each page's end
+    (a one-token step ~5 % faster, exact and 8-bit, on a 2-core EPYC). Returns the buffer's bytes
+    (0: nothing to gather). attach_gguf calls it; call it again after packing more linears."""
+    from ..kernels._native import ops
+
+    storages: dict[int, torch.UntypedStorage] = {}  # in the order a forward reads them
+    users: list[tuple[object, torch.Tensor]] = []  # (holder of `packed`, the tensor it holds)
+    groups: set[int] = set()
+    for m in model.modules():
+        if not isinstance(m, GGUFLinear) or m.packed.device.type != "cpu":
+            continue
+        if m.group is not None and id(m.group) not in groups:  # q/k/v, gate/up: views of it
+            groups.add(id(m.group))
+            users.append((m.group, m.group.packed))
+        users.append((m, m.packed))
+        st = m.packed.untyped_storage()
+        storages.setdefault(st.data_ptr(), st)
+    if not storages:
+        return 0
+    at, total = {}, 0  # storage -> where its byte 0 goes in the arena
+    for key, st in storages.items():
+        at[key] = total
+        total += -(-st.nbytes() // _ARENA_ALIGN) * _ARENA_ALIGN
+    arena = ops.cpu_weight_arena(total)
+    for key, st in storages.items():
+        arena.narrow(0, at[key], st.nbytes()).copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+    for holder, t in users:  # uint8 tensors: storage offsets are bytes
+        holder.packed = arena.as_strided(
+            t.shape, t.stride(), at[t.untyped_storage().data_ptr()] + t.storage_offset()
+        )
+    return total
 
 
 def _rows(path: Path, t, order: np.ndarray | None) -> torch.Tensor:
