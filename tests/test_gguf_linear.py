@@ -802,6 +802,61 @@ def test_native_layers_on_codes_are_the_python_loop_bitwise(tmp_path, int8, lora
     assert not torch.equal(native[1][:, :1], native[2])  # (another token: other logits)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
+def test_layers_in_one_parallel_region_are_each_op_in_its_own_bitwise(
+    tmp_path, int8, threads, monkeypatch
+):
+    """LeanLayers runs its layers in one parallel region (csrc/cpu/team.h: the kernels' chunks
+    posted to threads held for the call); JACOBI_EXT_CPU_TEAM=0 gives each kernel its own region,
+    as at::parallel_for does. The same bits at 2 and 3 threads, with an unmerged LoRA (its x A^T
+    computed by lead chunks that the others wait on inside a chunk), at every width; and an
+    error raised inside the region reaches the caller, the next call running as before."""
+    from gguf_fixtures import Q4_1_LAYERS
+
+    from jacobi_ext.decoding import lean
+    from jacobi_ext.models.quantized import attach_lora, build_on_codes, set_int8_activations
+
+    monkeypatch.setenv("JACOBI_EXT_FUSED", "1")
+    cfg = tiny_config()
+    path = write_tiny_model(tmp_path / "q4_1.gguf", cfg, head_type=Q.Q8_0,
+                            layer_types=Q4_1_LAYERS)  # fmt: skip
+    model = build_on_codes(cfg, path)
+    attach_lora(model, _write_adapter(tmp_path / "adapter", dequantized_model(cfg, path)))
+    if int8:
+        set_int8_activations(model)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = {}
+        for team in ("1", "0"):
+            monkeypatch.setenv("JACOBI_EXT_CPU_TEAM", team)
+            got[team] = _native_and_python_logits(model, monkeypatch)[0]
+        for a, b in zip(got["1"], got["0"], strict=True):
+            assert torch.equal(a, b)
+        monkeypatch.setenv("JACOBI_EXT_NATIVE", "1")
+        monkeypatch.setenv("JACOBI_EXT_CPU_TEAM", "1")
+        with torch.inference_mode():
+            native = lean.lean_decoder(model).native
+            kv, hd = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+            keys = [torch.zeros(1, kv, 32, hd) for _ in range(native.size())]
+            values = [torch.zeros_like(k) for k in keys]
+            kts = [lean.keys_transposed(k) for k in keys]
+            h = torch.randn(1, 1, cfg.hidden_size)
+            cos, sin = torch.ones(1, 1, hd), torch.zeros(1, 1, hd)
+            mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+            def run(ks):
+                return native.run(h, h, cos, sin, ks, values, kts, torch.tensor([0]), 1, mask, 0)
+
+            ok = run(keys)
+            with pytest.raises((RuntimeError, ValueError), match="k_cache must be"):
+                run([*keys[:-1], torch.zeros(1, kv + 1, 32, hd)])  # the last layer's: wrong
+            assert torch.equal(run(keys), ok)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_training_a_model_on_codes_says_to_dequantize(tmp_path):
     _, _, model, _ = _build(tmp_path)
     x = torch.randn(1, 3, 256, requires_grad=True)

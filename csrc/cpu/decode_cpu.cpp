@@ -10,6 +10,7 @@
 // then out = p V, one chain over the keys in slot order per output feature. Every row is
 // computed alone in the same order whatever the others are, as decode_cpu.h promises.
 #include "cpu/decode_cpu.h"
+#include "cpu/team.h"
 
 #include "jacobi/decode_step.h"
 
@@ -378,7 +379,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   // The caller keeps Kt: nothing to transpose, and with V read in place no pass at all; with
   // bf16 V the pass only widens V.
   const bool kept = a.kt != nullptr;
-  if (!(kept && kInPlace)) at::parallel_for(0, groups, grain1, [&](int64_t g0, int64_t g1) {
+  if (!(kept && kInPlace)) cpu::parallel_for(0, groups, grain1, [&](int64_t g0, int64_t g1) {
     alignas(64) float blk[16 * 16];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g / a.Hkv, h = g % a.Hkv;
@@ -464,7 +465,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
     // Scores: per (group, range of key vectors), every row of the group.
     const int64_t kv_per_unit = std::max<int64_t>(1, 64 / kVL);
     const int64_t ranges = (key_vectors + kv_per_unit - 1) / kv_per_unit;
-    at::parallel_for(0, groups * ranges, 1, [&](int64_t u0, int64_t u1) {
+    cpu::parallel_for(0, groups * ranges, 1, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t g = u / ranges, v0 = (u % ranges) * kv_per_unit;
         const int64_t v1 = std::min(key_vectors, v0 + kv_per_unit);
@@ -481,7 +482,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
     const int64_t rchunk = std::min<int64_t>(
         kRows, std::max<int64_t>(1, (rows_per_group + per_group - 1) / per_group));
     const int64_t rchunks = (rows_per_group + rchunk - 1) / rchunk;
-    at::parallel_for(0, groups * rchunks, 1, [&](int64_t u0, int64_t u1) {
+    cpu::parallel_for(0, groups * rchunks, 1, [&](int64_t u0, int64_t u1) {
       float* of = tmp_all + at::get_thread_num() * tmp_per_thread + kRows * ldk + kRows * D;
       float* pt = of + kRows * D;
       for (int64_t u = u0; u < u1; ++u) {
@@ -502,7 +503,7 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
   // about as much work as another's where later chunks see more.
   const int64_t work = groups * chunks;
   const int64_t grain2 = std::max<int64_t>(1, 32768 / std::max<int64_t>(kRows * W * D, 1));
-  at::parallel_for(0, work, grain2, [&](int64_t w0, int64_t w1) {
+  cpu::parallel_for(0, work, grain2, [&](int64_t w0, int64_t w1) {
     float* tmp = tmp_all + at::get_thread_num() * tmp_per_thread;
     float* s = tmp;                      // kRows x ldk
     float* qf = s + kRows * ldk;         // kRows x D
@@ -632,7 +633,7 @@ void rms(const RmsNormArgs& a) {
   T* y = static_cast<T*>(a.y);
   const int64_t n = a.n;
   const RoundTo<T> round;  // (the formulas: jacobi/decode_step.h, the CUDA kernel's too)
-  at::parallel_for(0, a.rows, std::max<int64_t>(1, kRowOpGrain / std::max<int64_t>(n, 1)),
+  cpu::parallel_for(0, a.rows, std::max<int64_t>(1, kRowOpGrain / std::max<int64_t>(n, 1)),
                    [&](int64_t r0, int64_t r1) {
                      std::vector<T> hbuf(hout == nullptr && res != nullptr ? n : 0);
                      for (int64_t r = r0; r < r1; ++r) {
@@ -663,7 +664,7 @@ void silu_mul_impl(const SiluMulArgs& a) {
   const T* gu = static_cast<const T*>(a.gu);
   T* out = static_cast<T*>(a.out);
   const int64_t n = a.n;
-  at::parallel_for(0, a.rows, std::max<int64_t>(1, kRowOpGrain / std::max<int64_t>(n, 1)),
+  cpu::parallel_for(0, a.rows, std::max<int64_t>(1, kRowOpGrain / std::max<int64_t>(n, 1)),
                    [&](int64_t r0, int64_t r1) {
                      std::vector<float> act(n);
                      const Vec one(1.f);
@@ -742,7 +743,7 @@ inline int64_t argmax_row(const float* x, int64_t n) {
 void argmax_f32(const float* x, int64_t rows, int64_t vocab, int64_t* out) {
   // one thread up to ~5 rows of a 49152-word vocabulary (a few us a row: about a fork's cost)
   const int64_t grain = std::max<int64_t>(1, (256 * 1024) / std::max<int64_t>(vocab, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  cpu::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) out[r] = argmax_row(x + r * vocab, vocab);
   });
 }

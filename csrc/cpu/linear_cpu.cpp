@@ -9,6 +9,7 @@
 // packed weight are contiguous too), and within a panel walk the M tiles, so a panel read from
 // memory for the first tile is re-read from L1/L2 by the others.
 #include "cpu/linear_cpu.h"
+#include "cpu/team.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -137,7 +138,7 @@ void run(const LinearArgs& a) {
   // M tiles of nearly equal height (13 rows: 7 + 6, not 8 + 5).
   const int64_t tiles = (a.M + kMaxMR - 1) / kMaxMR;
   const int64_t mr = (a.M + tiles - 1) / tiles;
-  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+  cpu::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
     alignas(64) float out[kMaxMR * kNR];
     for (int64_t p = p0; p < p1; ++p) {
       const T* panel = static_cast<const T*>(a.packed) + p * panel_elems;
@@ -172,7 +173,7 @@ void linear_pack(LinearDType d, const void* const* rows, int64_t N, int64_t K, v
   // front to back: contiguous reads, and the scattered writes stay in cache.
   auto body = [&](auto zero, auto* dst) {
     using T = std::remove_pointer_t<decltype(dst)>;
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    cpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       const T* src[kNR];
       for (int64_t p = p0; p < p1; ++p) {
         T* panel = dst + p * k_rows * kNR;

@@ -8,6 +8,7 @@
 // that stays in L1, and every M tile runs the fp32 kernel's register tile over it, carrying its
 // accumulators from chunk to chunk (linear_tile.h): one fp32 chain per output over all of k.
 #include "cpu/linear_gguf_cpu.h"
+#include "cpu/team.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -501,7 +502,7 @@ inline void add_lora_panels(const GgufLora& lo, const LinearArgs& a, int64_t p0,
 template <typename Body>
 inline void panel_loop(const LinearArgs& a, const GgufLora& lo, int64_t units, int64_t per_unit,
                        int64_t unit_bytes, int64_t grain, const Body& body) {
-  if (lo.t == nullptr) return at::parallel_for(0, units, grain, body);
+  if (lo.t == nullptr) return cpu::parallel_for(0, units, grain, body);
   // A's vector panels weigh their bytes in units (w each, to the nearest), and A's unit i (its
   // vector panels 2i, 2i + 1) is computed by the thread given unit 2 i w (the units after it:
   // nothing).
@@ -517,7 +518,7 @@ inline void panel_loop(const LinearArgs& a, const GgufLora& lo, int64_t units, i
   constexpr bool kInPass = false;
 #endif
   std::atomic<int64_t> t_done{0};
-  at::parallel_for(0, lead + units, grain, [&](int64_t u0, int64_t u1) {
+  cpu::parallel_for(0, lead + units, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t i = (u0 + 2 * w - 1) / (2 * w); 2 * i * w < std::min(u1, lead); ++i) {
       lora_t_unit(a, lo, i);
       t_done.fetch_add(1, std::memory_order_release);
@@ -534,7 +535,7 @@ inline void panel_loop(const LinearArgs& a, const GgufLora& lo, int64_t units, i
     add_lora_panels(lo, a, b0 * per_unit, std::min(panels, b1 * per_unit));
   });
   if (!kInPass) {
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { add_lora_panels(lo, a, p0, p1); });
+    cpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { add_lora_panels(lo, a, p0, p1); });
   }
 }
 
@@ -1417,7 +1418,7 @@ void run_int8(const LinearArgs& a, const GgufLora& lo) {
   // values a thread quantizes at least: a step of 8 or more rows split among the threads (its
   // rows quantized one after another on the calling thread while the others waited)
   constexpr int64_t kQuantizeGrain = 4096;
-  at::parallel_for(0, a.M, std::max<int64_t>(1, kQuantizeGrain / a.K), [&](int64_t m0, int64_t m1) {
+  cpu::parallel_for(0, a.M, std::max<int64_t>(1, kQuantizeGrain / a.K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       quantize_row(x + m * a.ldx, a.K, qp + m * a.K, dxp + m * groups, msxp + m * groups,
                    qsump + m * groups);
@@ -1473,7 +1474,7 @@ void linear_gguf_pack(GgufType type, const uint8_t* const* rows, int64_t N, int6
   const int gpb = f.block_k / f.group_k;
   const int64_t gbytes = gguf_group_bytes(f, kNR);
   const int64_t header = static_cast<int64_t>(kNR) * f.header_bytes;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  cpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     int8_t codes[kMaxBlockK];
     GroupHeader hdr[kMaxGroupsPerBlock];
     for (int64_t p = p0; p < p1; ++p) {

@@ -21,6 +21,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu/team.h"
 #include "cpu_step_ops.h"
 
 namespace jacobi::ops {
@@ -116,32 +117,37 @@ struct LeanLayers : torch::CustomClassHolder {
     at::Tensor& h_attn = Workspace::ensure(ws.h[0], B, Q, hidden, x);
     at::Tensor& h_mlp = Workspace::ensure(ws.h[1], B, Q, hidden, x);
     at::Tensor& xn = Workspace::ensure(ws.x, B, Q, hidden, x);
-    for (size_t i = 0; i < L; ++i) {
-      const LeanLayer& l = layers[i];
-      const int64_t D = keys[i].size(-1);
-      at::Tensor& qkv = Workspace::ensure(ws.qkv, B, Q, l.qkv.n, x);
-      l.qkv.into(x, qkv, ws.lora_t);
-      at::Tensor& attn = Workspace::ensure(ws.attn, B, Q, l.heads * D, x);
-      cpu_rope_attention_out(qkv, l.heads, l.kv_heads, cos, sin, keys[i], values[i], slots,
-                             attend, mask, l.scale, keys_t[i], context_start, attn);
-      at::Tensor& o = Workspace::ensure(ws.o, B, Q, l.o.n, x);
-      l.o.into(attn, o, ws.lora_t);
-      cpu_add_rms_norm_out(o, i == 0 ? h : h_mlp, l.ln2_weight, l.ln2_eps, h_attn, xn);
-      at::Tensor& gu = Workspace::ensure(ws.gu, B, Q, l.gate_up.n, x);
-      l.gate_up.into(xn, gu, ws.lora_t);
-      at::Tensor& m = Workspace::ensure(ws.m, B, Q, l.gate_up.n / 2, x);
-      cpu_silu_mul_out(gu, m);
-      at::Tensor& down = Workspace::ensure(ws.down, B, Q, l.down.n, x);
-      l.down.into(m, down, ws.lora_t);
-      if (i + 1 == L) {
-        at::Tensor out = at::empty({B, Q, hidden}, x.options());
-        cpu_add_rms_norm_out(down, h_attn, l.next_weight, l.next_eps, h_mlp, out);
-        return out;
+    at::Tensor out = x;  // (no layers)
+    // The layers in one parallel region: this thread runs the loop, the others wait in it for
+    // each kernel's chunks (csrc/cpu/team.h).
+    cpu::team_run([&] {
+      for (size_t i = 0; i < L; ++i) {
+        const LeanLayer& l = layers[i];
+        const int64_t D = keys[i].size(-1);
+        at::Tensor& qkv = Workspace::ensure(ws.qkv, B, Q, l.qkv.n, x);
+        l.qkv.into(x, qkv, ws.lora_t);
+        at::Tensor& attn = Workspace::ensure(ws.attn, B, Q, l.heads * D, x);
+        cpu_rope_attention_out(qkv, l.heads, l.kv_heads, cos, sin, keys[i], values[i], slots,
+                               attend, mask, l.scale, keys_t[i], context_start, attn);
+        at::Tensor& o = Workspace::ensure(ws.o, B, Q, l.o.n, x);
+        l.o.into(attn, o, ws.lora_t);
+        cpu_add_rms_norm_out(o, i == 0 ? h : h_mlp, l.ln2_weight, l.ln2_eps, h_attn, xn);
+        at::Tensor& gu = Workspace::ensure(ws.gu, B, Q, l.gate_up.n, x);
+        l.gate_up.into(xn, gu, ws.lora_t);
+        at::Tensor& m = Workspace::ensure(ws.m, B, Q, l.gate_up.n / 2, x);
+        cpu_silu_mul_out(gu, m);
+        at::Tensor& down = Workspace::ensure(ws.down, B, Q, l.down.n, x);
+        l.down.into(m, down, ws.lora_t);
+        if (i + 1 == L) {
+          out = at::empty({B, Q, hidden}, x.options());
+          cpu_add_rms_norm_out(down, h_attn, l.next_weight, l.next_eps, h_mlp, out);
+        } else {
+          cpu_add_rms_norm_out(down, h_attn, l.next_weight, l.next_eps, h_mlp, xn);
+          x = xn;
+        }
       }
-      cpu_add_rms_norm_out(down, h_attn, l.next_weight, l.next_eps, h_mlp, xn);
-      x = xn;
-    }
-    return x;  // (no layers)
+    });
+    return out;
   }
 };
 
