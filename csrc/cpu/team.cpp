@@ -36,7 +36,9 @@ void Team::fail() {
 void Team::run(int64_t begin, int64_t end, int64_t grain, Call call, const void* fn) {
   if (begin >= end) return;
   const int64_t range = end - begin;
-  if (range <= grain || range <= 1 || threads_ <= 1) {  // at::parallel_for's inline case
+  // at::parallel_for's inline case; and a parallel_for inside a chunk of this thread's (nested:
+  // the workers are busy with this job), inline as ATen runs one inside a parallel region
+  if (range <= grain || range <= 1 || threads_ <= 1 || in_job_) {
     c10::ParallelGuard guard(true);
     call(fn, begin, end);
     return;
@@ -50,6 +52,7 @@ void Team::run(int64_t begin, int64_t end, int64_t grain, Call call, const void*
   chunks_ = n;
   acks_.store(0, std::memory_order_relaxed);  // (every worker acknowledged the last job)
   posted_.fetch_add(1, std::memory_order_release);
+  in_job_ = true;
   {
     c10::ParallelGuard guard(true);
     try {
@@ -61,6 +64,7 @@ void Team::run(int64_t begin, int64_t end, int64_t grain, Call call, const void*
   // Every worker acknowledges every job, those without a chunk too: the next job's fields are
   // then written only after each worker read this one's.
   while (acks_.load(std::memory_order_acquire) < threads_ - 1) spin_pause();
+  in_job_ = false;
   if (failed_.load(std::memory_order_acquire)) {
     std::exception_ptr e = error_;
     error_ = nullptr;

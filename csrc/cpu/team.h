@@ -42,6 +42,7 @@ class Team {
   void fail();  // the first error of a job kept, for the leader to rethrow
 
   int threads_ = 1;
+  bool in_job_ = false;  // the leader is inside a job of its own (read and written by it alone)
   // The job (written by the leader before `posted_` moves on, read by workers after).
   Call call_ = nullptr;
   const void* fn_ = nullptr;
