@@ -22,6 +22,13 @@ inline void spin_pause() {
 
 inline int64_t divup(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Whether JACOBI_EXT_CPU_TEAM=0 turns the team off (each kernel its own region, as before: to
+// compare the two on one machine, and for the tests). Read at each call (once a forward).
+bool team_turned_off() {
+  const char* env = std::getenv("JACOBI_EXT_CPU_TEAM");
+  return env != nullptr && std::strcmp(env, "0") == 0;
+}
+
 }  // namespace
 
 Team*& Team::leading() {
@@ -48,8 +55,7 @@ void Team::run(int64_t begin, int64_t end, int64_t grain, Call call, const void*
   fn_ = fn;
   begin_ = begin;
   end_ = end;
-  chunk_ = divup(range, n);
-  chunks_ = n;
+  chunk_ = divup(range, n);  // thread i: [begin + i chunk, ...) where that starts before end
   acks_.store(0, std::memory_order_relaxed);  // (every worker acknowledged the last job)
   posted_.fetch_add(1, std::memory_order_release);
   in_job_ = true;
@@ -82,7 +88,7 @@ void Team::work(int tid) {
     seen = p;
     if (stopping_.load(std::memory_order_relaxed)) return;
     const int64_t b = begin_ + tid * chunk_;
-    if (tid < chunks_ && b < end_) {
+    if (b < end_) {
       c10::ParallelGuard guard(true);
       try {
         call_(fn_, b, std::min(end_, b + chunk_));
@@ -99,16 +105,9 @@ void Team::stop() {
   posted_.fetch_add(1, std::memory_order_release);
 }
 
-// Whether JACOBI_EXT_CPU_TEAM=0 turns the team off (each kernel its own region, as before: to
-// compare the two on one machine, and for the tests). Read at each call (once a forward).
-bool team_turned_off() {
-  const char* env = std::getenv("JACOBI_EXT_CPU_TEAM");
-  return env != nullptr && std::strcmp(env, "0") == 0;
-}
-
 void team_run_impl(void (*serial)(void*), void* ctx) {
-  if (team_turned_off() || at::get_num_threads() <= 1 || Team::leading() != nullptr || omp_in_parallel() ||
-      at::in_parallel_region()) {
+  if (team_turned_off() || at::get_num_threads() <= 1 || Team::leading() != nullptr ||
+      omp_in_parallel() || at::in_parallel_region()) {
     serial(ctx);
     return;
   }

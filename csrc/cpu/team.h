@@ -46,7 +46,7 @@ class Team {
   // The job (written by the leader before `posted_` moves on, read by workers after).
   Call call_ = nullptr;
   const void* fn_ = nullptr;
-  int64_t begin_ = 0, end_ = 0, chunk_ = 0, chunks_ = 0;
+  int64_t begin_ = 0, end_ = 0, chunk_ = 0;
   alignas(64) std::atomic<uint64_t> posted_{0};  // jobs posted so far (and the stop)
   alignas(64) std::atomic<int64_t> acks_{0};     // workers done with the current job
   std::atomic<bool> stopping_{false};

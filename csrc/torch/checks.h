@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -37,6 +38,16 @@ inline void out_buffer(const at::Tensor& t, const char* name, int64_t elements,
                         t.scalar_type() == want && t.numel() == elements,
                     name, " must be a contiguous CPU ", want, " tensor of ", elements,
                     " elements, got ", t.defined() ? t.sizes() : at::IntArrayRef{});
+}
+
+// An op's output: the caller's buffer *given (checked as out_buffer: as many elements as
+// `shape`, of options' dtype, any shape), or where given is nullptr a new tensor of `shape`.
+inline at::Tensor out_or_new(at::Tensor* given, const char* name, at::IntArrayRef shape,
+                             const at::TensorOptions& options) {
+  if (given == nullptr) return at::empty(shape, options);
+  out_buffer(*given, name, c10::multiply_integers(shape),
+             c10::typeMetaToScalarType(options.dtype()));
+  return *given;
 }
 
 }  // namespace jacobi::checks

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -118,15 +119,10 @@ at::Tensor rms_norm_into(const at::Tensor& x, const at::Tensor* residual, const 
     rc = residual->contiguous();
   }
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor y;
-  if (y_out != nullptr) {
-    ck::out_buffer(*y_out, "y", x.numel(), x.scalar_type());
-    y = *y_out;
-    if (h_out != nullptr) ck::out_buffer(*h_out, "h", x.numel(), x.scalar_type());
-  } else {
-    y = at::empty(x.sizes(), x.options());
-    if (h_out != nullptr) *h_out = at::empty(x.sizes(), x.options());
-  }
+  // Given buffers come together: y_out given, h_out is the caller's too (checked); else both new.
+  const at::Tensor y = ck::out_or_new(y_out, "y", x.sizes(), x.options());
+  if (h_out != nullptr)
+    *h_out = ck::out_or_new(y_out != nullptr ? h_out : nullptr, "h", x.sizes(), x.options());
   const int64_t n = x.size(-1);
   cpu::RmsNormArgs a{d, n ? xc.numel() / n : 0, n, xc.data_ptr(),
                      residual ? rc.data_ptr() : nullptr, wc.data_ptr(), static_cast<float>(eps),
@@ -162,16 +158,9 @@ at::Tensor silu_mul_impl(const at::Tensor& gu, at::Tensor* out_ws) {
   TORCH_CHECK_VALUE(gu.dim() >= 1 && gu.size(-1) % 2 == 0,
                     "gu must be [..., 2 n] (gate then up), got ", gu.sizes());
   const at::Tensor c = gu.contiguous();
-  const int64_t n = gu.size(-1) / 2;
-  at::Tensor out;
-  if (out_ws != nullptr) {
-    ck::out_buffer(*out_ws, "out", gu.numel() / 2, gu.scalar_type());
-    out = *out_ws;
-  } else {
-    std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-    shape.back() = n;
-    out = at::empty(shape, gu.options());
-  }
+  c10::SmallVector<int64_t, 6> shape(gu.sizes().begin(), gu.sizes().end());
+  const int64_t n = shape.back() /= 2;
+  const at::Tensor out = ck::out_or_new(out_ws, "out", shape, gu.options());
   cpu::SiluMulArgs a{d, n ? out.numel() / n : 0, n, c.data_ptr(), out.data_ptr()};
   if (a.rows > 0) JACOBI_CPU_DISPATCH(silu_mul, a);
   return out;
@@ -250,13 +239,7 @@ at::Tensor rope_attention_impl(const at::Tensor& qkv, int64_t heads, int64_t kv_
   }
   const at::Tensor qc = qkv.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   const at::Tensor mc = mask.contiguous();
-  at::Tensor out;
-  if (out_ws != nullptr) {
-    ck::out_buffer(*out_ws, "out", B * Q * heads * D, qkv.scalar_type());
-    out = *out_ws;
-  } else {
-    out = at::empty({B, Q, heads, D}, qkv.options());
-  }
+  const at::Tensor out = ck::out_or_new(out_ws, "out", {B, Q, heads, D}, qkv.options());
   if (out.numel() == 0) return out;
   const int64_t threads = at::get_num_threads();
   float* scratch = attention_scratch(

@@ -6,8 +6,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <optional>
-#include <vector>
 
 #include "checks.h"
 #include "cpu/linear_cpu.h"
@@ -51,20 +52,12 @@ inline Rows rows_of(const at::Tensor& x) {
   return {M, xc, M > 1 ? xc.stride(0) : K};
 }
 
-// y [..., N] for x [..., K], x's dtype.
-inline at::Tensor output_for(const at::Tensor& x, int64_t N) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+// y [..., N] for x [..., K], x's dtype: the caller's *y_out (checked: contiguous, that many
+// elements, any shape; the *_out forms), or a new tensor where y_out is nullptr.
+inline at::Tensor output_into(at::Tensor* y_out, const at::Tensor& x, int64_t N) {
+  c10::SmallVector<int64_t, 6> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  return at::empty(shape, x.options());
-}
-
-// The output of M rows of N outputs of the dtype: the caller's *y_out (checked: contiguous, that
-// many elements; the *_out forms), or a new y [..., N] for x [..., K] where y_out is nullptr.
-inline at::Tensor output_into(at::Tensor* y_out, const at::Tensor& x, int64_t M, int64_t N,
-                              at::ScalarType dtype) {
-  if (y_out == nullptr) return output_for(x, N);
-  jacobi::checks::out_buffer(*y_out, "y", M * N, dtype);
-  return *y_out;
+  return checks::out_or_new(y_out, "y", shape, x.options());
 }
 
 }  // namespace jacobi::ops::linear_common

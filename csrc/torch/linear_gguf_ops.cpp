@@ -122,7 +122,7 @@ at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64
   const at::Tensor b = linear_common::checked_bias(bias, N, x);  // float32, as x
   const linear_common::Rows rows = linear_common::rows_of(x);
   const int64_t M = rows.M;
-  at::Tensor y = linear_common::output_into(y_out, x, M, N, at::kFloat);
+  at::Tensor y = linear_common::output_into(y_out, x, N);
   cpu::LinearArgs a{cpu::LinearDType::f32,
                     M,
                     N,
@@ -276,8 +276,8 @@ at::Tensor cpu_gguf_q8_0_rows(const at::Tensor& raw, const at::Tensor& ids) {
 // a step, a TLB miss each, and the hardware prefetchers stop at each page's end, where the codes
 // of one linear are 0.2-1.1 MB; the default (madvise) does not give a torch tensor huge pages.
 // The codes gathered into one such buffer in the order a forward reads them
-// (jacobi_ext.models.quantized) made a one-token step ~5 % faster on a 2-core EPYC, exact and
-// 8-bit alike (2026-12-05, alternating in one process: docs/results/cpu-floor-2026-12-05).
+// (jacobi_ext.models.quantized) made a one-token step ~7 % faster on a 2-core EPYC, exact and
+// 8-bit alike (2026-12-05, alternating processes: docs/results/cpu-floor-2026-12-05).
 at::Tensor cpu_weight_arena(int64_t nbytes) {
   TORCH_CHECK_VALUE(nbytes >= 0, "nbytes must be >= 0, got ", nbytes);
   const auto bytes = at::TensorOptions().dtype(at::kByte);

@@ -103,7 +103,7 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t ou
                     "): pack it with cpu_linear_pack(weight) in this process, for this x");
   const at::Tensor b = linear_common::checked_bias(bias, N, x);
   const linear_common::Rows rows = linear_common::rows_of(x);
-  at::Tensor y = linear_common::output_into(y_out, x, rows.M, N, x.scalar_type());
+  at::Tensor y = linear_common::output_into(y_out, x, N);
   cpu::LinearArgs a{d,
                     rows.M,
                     N,
