@@ -456,7 +456,7 @@ def test_codes_sit_in_one_arena_in_the_order_a_forward_reads_them(tmp_path):
     order (the layers' q/k/v, o, gate/up, down, then the head), each group's members still views
     of the group's codes; gathering again moves them to a new buffer with the same logits."""
     from jacobi_ext.decoding import prepack
-    from jacobi_ext.models.quantized import GGUFLinear, gather_codes
+    from jacobi_ext.models.quantized import GGUFLinear, gather_weights
 
     _cfg, _path, model, _ = _build(tmp_path)
     mods = [m for m in model.modules() if isinstance(m, GGUFLinear)]
@@ -477,7 +477,7 @@ def test_codes_sit_in_one_arena_in_the_order_a_forward_reads_them(tmp_path):
     )
     with torch.inference_mode(), prepack.packed(model):
         before = model(ids).logits
-    assert gather_codes(model) >= sum(m.packed.numel() for m in mods if m.group is None)
+    assert gather_weights(model) >= sum(m.packed.numel() for m in mods if m.group is None)
     assert mods[0].packed.untyped_storage().data_ptr() != arena
     with torch.inference_mode(), prepack.packed(model):
         assert torch.equal(model(ids).logits, before)
@@ -717,6 +717,12 @@ def test_lora_stays_unmerged_and_every_method_equals_ar(tmp_path):
     targeted = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     targeted = [m for m in targeted if m.name.rpartition(".")[2] in state["target_modules"]]
     assert targeted and all(m.lora is not None for m in targeted)
+    # The factors sit in the codes' arena, each linear's A before its codes and its B after.
+    arena = targeted[0].packed.untyped_storage().data_ptr()
+    for m in targeted:
+        h = m.group or m
+        assert {t.untyped_storage().data_ptr() for t in (m.lora.a, m.lora.b, h.lora.b)} == {arena}
+        assert h.lora.a.data_ptr() < h.packed.data_ptr() < h.lora.b.data_ptr()
     # The reference: the adapter merged in float64 into the dequantized weights.
     scale = 8 / 4
     with torch.no_grad():
