@@ -416,8 +416,8 @@ class StaticRuntime:
                 mask = torch.ops.jacobi_ext.cpu_step_mask(seg, off, self.lo, self.hi, attend)
             else:
                 mask = step_mask(seg, off, self.lo, self.hi, attend)
-        if not isinstance(mask, StepPlan):
-            mask = for_backend(self.model, mask, self.dtype)
+        if not isinstance(mask, StepPlan) and not (self._lean and self._lean.fused):
+            mask = for_backend(self.model, mask, self.dtype)  # (the fused ops take it as it is)
         pos = step_positions(off, self.lo, self.hi)
         logits = self._logits(self.ids[:, :Q], pos, mask, keep=keep)
         if keep is not None:  # (keep 0: the K/V writes alone, a chunked prefill's middle)
