@@ -477,10 +477,14 @@ void attention(const DecodeAttnArgs& a, const LoadQ& load_q) {
       }
     });
     // Softmax and p V: per (group, chunk of rows), each row's softmax once; chunks small enough
-    // for ~4 units a thread (at one token of a GQA group of 3 kv heads: 9 units of one row).
+    // for ~4 units a thread, but of at least one position's rows of the group (its G query heads,
+    // up to kRows): a chunk's softmax zeroes, sums and scales all kRows lanes of its transposed
+    // probabilities over every slot whatever its rows, so at one token of a GQA group of 3 (3 kv
+    // heads, 2 threads) 9 chunks of one row took ~2.5 % of an 8-bit step more than 3 of three
+    // (2-core EPYC, 2026-12-05), though one thread then gets two chunks and the other one.
     const int64_t per_group = std::max<int64_t>(1, (4 * threads + groups - 1) / groups);
     const int64_t rchunk = std::min<int64_t>(
-        kRows, std::max<int64_t>(1, (rows_per_group + per_group - 1) / per_group));
+        kRows, std::max<int64_t>(G, (rows_per_group + per_group - 1) / per_group));
     const int64_t rchunks = (rows_per_group + rchunk - 1) / rchunk;
     cpu::parallel_for(0, groups * rchunks, 1, [&](int64_t u0, int64_t u1) {
       float* of = tmp_all + at::get_thread_num() * tmp_per_thread + kRows * ldk + kRows * D;
