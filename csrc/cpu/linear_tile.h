@@ -138,19 +138,29 @@ inline void tile_f32_vec_rows(int rows, const float* x, int64_t ldx, const W* pa
   with_rows(rows, [&](auto mr) { tile_f32_vec<decltype(mr)::value, NV>(x, ldx, panel, K, out); });
 }
 
-// y[m0 + m, n0 + j] = out[m][j] + bias[n0 + j] for j < cols, in y's dtype T.
+// y[m0 + m, n0 + j] = out[m][j] + bias[n0 + j] for j < cols, in y's dtype T. A whole fp32 panel
+// without a bias (every decoding linear of a Llama) is two vector copies a row: the general loop
+// made a memset call for the zero bias and a memcpy call per row, ~4 % of an 8-bit prefill's
+// samples in the calls alone (a 125-token prompt: ~20 000 rows of 32 outputs a layer).
 template <typename T>
 inline void write_tile(const float* out, int rows, int cols, const LinearArgs& a, int64_t m0,
                        int64_t n0) {
   T* y = static_cast<T*>(a.y);
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.bias == nullptr && cols == kNR) {
+      for (int m = 0; m < rows; ++m) {
+        float* dst = y + (m0 + m) * a.ldy + n0;
+        Vec::loadu(out + m * kNR).store(dst);
+        Vec::loadu(out + m * kNR + kVL).store(dst + kVL);
+      }
+      return;
+    }
+  }
   float b[kNR];
-  for (int j = 0; j < cols; ++j) {
-    if (a.bias == nullptr) {
-      b[j] = 0.f;
-    } else if (a.bias_f32) {
-      b[j] = static_cast<const float*>(a.bias)[n0 + j];
-    } else {
-      b[j] = static_cast<float>(static_cast<const c10::BFloat16*>(a.bias)[n0 + j]);
+  if (a.bias != nullptr) {
+    for (int j = 0; j < cols; ++j) {
+      b[j] = a.bias_f32 ? static_cast<const float*>(a.bias)[n0 + j]
+                        : static_cast<float>(static_cast<const c10::BFloat16*>(a.bias)[n0 + j]);
     }
   }
   for (int m = 0; m < rows; ++m) {
