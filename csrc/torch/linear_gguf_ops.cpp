@@ -1,7 +1,7 @@
 // cpu_linear_gguf_pack / cpu_linear_gguf / cpu_linear_gguf_types: argument checks, output
 // allocation and the hand-off to the GGUF linear kernels (csrc/cpu/linear_gguf_cpu.cpp; layout
 // and exactness: csrc/cpu/linear_gguf_cpu.h). cpu_weight_arena: one buffer on 2 MiB pages for a
-// model's packed codes.
+// model's packed codes and LoRA factors.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -12,11 +12,11 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
-#include <vector>
 
 #include "checks.h"
 #include "cpu_step_ops.h"
@@ -276,8 +276,9 @@ at::Tensor cpu_gguf_q8_0_rows(const at::Tensor& raw, const at::Tensor& ids) {
 // a step, a TLB miss each, and the hardware prefetchers stop at each page's end, where the codes
 // of one linear are 0.2-1.1 MB; the default (madvise) does not give a torch tensor huge pages.
 // The codes gathered into one such buffer in the order a forward reads them
-// (jacobi_ext.models.quantized) made a one-token step ~7 % faster on a 2-core EPYC, exact and
-// 8-bit alike (2026-12-05, alternating processes: docs/results/cpu-floor-2026-12-05).
+// (jacobi_ext.models.quantized.gather_weights) made a one-token step ~7 % faster on a 2-core
+// EPYC, exact and 8-bit alike, and an unmerged LoRA's factors beside them ~2-4 % more on the
+// shipped model (2026-12-05, alternating processes: docs/results/cpu-floor-2026-12-05).
 at::Tensor cpu_weight_arena(int64_t nbytes) {
   TORCH_CHECK_VALUE(nbytes >= 0, "nbytes must be >= 0, got ", nbytes);
   const auto bytes = at::TensorOptions().dtype(at::kByte);

@@ -117,8 +117,9 @@ TORCH_LIBRARY(jacobi_ext, m) {
         "Tensor? bias=None, Tensor? lora_a=None, Tensor? lora_b=None, "
         "Tensor? lora_panel_r0=None, bool int8_activations=False) -> Tensor");
   m.def("cpu_linear_gguf_types() -> int[]");
-  // uint8 [nbytes] for a model's packed codes, all in one buffer: at a 2 MiB boundary, on
-  // transparent huge pages where the OS grants them (Linux; else an ordinary CPU tensor).
+  // uint8 [nbytes] for a model's packed codes and LoRA factors, all in one buffer: at a 2 MiB
+  // boundary, on transparent huge pages where the OS grants them (Linux; else an ordinary CPU
+  // tensor).
   m.def("cpu_weight_arena(int nbytes) -> Tensor");
   // Rows ids of a Q8_0 matrix as the file stores it (uint8 [V, blocks * 34]), dequantized to
   // float32 [*ids.shape, blocks * 32] bitwise as the `gguf` package does (a token embedding).

@@ -606,7 +606,7 @@ def attach_gguf(model, path: str | Path, verbose: bool = False, scan=None):
     return model
 
 
-#: bytes between one linear's codes and the next in the arena: a cache line
+#: where each range of the arena (a linear's codes, a LoRA factor) starts: on a cache line
 _ARENA_ALIGN = 64
 
 
@@ -627,7 +627,7 @@ def gather_weights(model) -> int:
     # codes are views of one storage: each range is placed on its own), and what refers to them.
     ranges: list[tuple[int, int, torch.Tensor]] = []  # (address, bytes, a tensor over them)
     users: list[tuple[object, str, torch.Tensor, int]] = []  # (holder, attribute, tensor, range)
-    holders: set[int] = set()
+    groups: set[int] = set()
 
     def use(holder, attr: str) -> None:
         t = getattr(holder, attr)
@@ -642,17 +642,21 @@ def gather_weights(model) -> int:
             ranges.append((start, end - start, t))
         users.append((holder, attr, t, i))
 
+    def place(h) -> None:  # a linear or a group: its LoRA's A, its codes, its LoRA's B
+        if h.lora is not None:
+            use(h.lora, "a")
+        use(h, "packed")
+        if h.lora is not None:
+            use(h.lora, "b")
+
     for m in model.modules():
         if not isinstance(m, GGUFLinear) or m.packed.device.type != "cpu":
             continue
-        # q/k/v, gate/up: the members' codes and factors are views of their group's
-        for h in (m.group, m) if m.group is not None and id(m.group) not in holders else (m,):
-            holders.add(id(h))
-            if h.lora is not None:
-                use(h.lora, "a")
-            use(h, "packed")
-            if h.lora is not None:
-                use(h.lora, "b")
+        # q/k/v, gate/up: the group first; its members' codes and factors are views of its own
+        if m.group is not None and id(m.group) not in groups:
+            groups.add(id(m.group))
+            place(m.group)
+        place(m)
     if not ranges:
         return 0
     at, total = [], 0  # where each range's byte 0 goes in the arena
