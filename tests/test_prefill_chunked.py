@@ -100,9 +100,9 @@ def test_chunked_prefill_on_the_cuda_plan_path(monkeypatch):
     seen = []
     real = runtime.StaticRuntime._logits
 
-    def spy(self, ids, pos, mask, prefill=False, keep=None):
+    def spy(self, ids, pos, mask, prefill=False, keep=None, greedy=False):
         seen.append(type(mask).__name__)
-        return real(self, ids, pos, mask, prefill=prefill, keep=keep)
+        return real(self, ids, pos, mask, prefill=prefill, keep=keep, greedy=greedy)
 
     monkeypatch.setattr(runtime.StaticRuntime, "_logits", spy)
     got = _prefill(model, monkeypatch, 8, ids, pad, drafts)
@@ -119,9 +119,9 @@ def test_chunks_of_padding_alone_are_skipped_and_middles_skip_the_head(monkeypat
     calls = []
     real = runtime.StaticRuntime._logits
 
-    def spy(self, ids, pos, mask, prefill=False, keep=None):
+    def spy(self, ids, pos, mask, prefill=False, keep=None, greedy=False):
         calls.append(keep)
-        return real(self, ids, pos, mask, prefill=prefill, keep=keep)
+        return real(self, ids, pos, mask, prefill=prefill, keep=keep, greedy=greedy)
 
     monkeypatch.setattr(runtime.StaticRuntime, "_logits", spy)
     ref = _prefill(model, monkeypatch, 0, ids, pad, None)

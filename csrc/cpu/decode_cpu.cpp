@@ -742,7 +742,70 @@ inline int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // not reached: top is one of the values
 }
 
+// One row of greedy_candidates. Two passes over the vocabulary (a and E recomputed, the same
+// operations both times): the largest lower bound, then the columns whose upper bound reaches it.
+// A lane is non-finite where v - v is not 0 (inf - inf and NaN are NaN).
+inline int64_t candidates_row(const float* y0, const float* y1, int64_t V, const float* w1,
+                              float e, float t, int64_t cap, int32_t* cand) {
+  using Vf = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vf::size();
+  const int64_t nv = V / W * W;
+  const Vf ve(e), vt(t), zero(0.f);
+  float lo = -std::numeric_limits<float>::infinity();
+  bool bad = false;
+  {
+    Vf m(-std::numeric_limits<float>::infinity()), nonfinite(0.f);
+    for (int64_t j = 0; j < nv; j += W) {
+      const Vf a = Vf::loadu(y0 + j) + Vf::loadu(y1 + j);
+      const Vf E = Vf::loadu(w1 + j) * ve + vt;
+      const Vf l = a - E, h = a + E;
+      m = at::vec::maximum(m, l);
+      nonfinite = nonfinite | ((l - l) != zero) | ((h - h) != zero);
+    }
+    bad = nonfinite.zero_mask() != (1 << W) - 1;
+    alignas(64) float lanes[W];
+    m.store(lanes);
+    for (int64_t i = 0; i < W; ++i) lo = std::max(lo, lanes[i]);
+  }
+  for (int64_t j = nv; j < V; ++j) {
+    const float a = y0[j] + y1[j], E = w1[j] * e + t;
+    const float l = a - E, h = a + E;
+    bad = bad || !std::isfinite(l) || !std::isfinite(h);
+    lo = std::max(lo, l);
+  }
+  if (bad) return -1;
+  int64_t n = 0;
+  const Vf vlo(lo);
+  for (int64_t j = 0; j < nv; j += W) {
+    const Vf a = Vf::loadu(y0 + j) + Vf::loadu(y1 + j);
+    const Vf h = a + (Vf::loadu(w1 + j) * ve + vt);
+    unsigned hit = ~static_cast<unsigned>((h >= vlo).zero_mask()) & ((1u << W) - 1);
+    while (hit != 0) {
+      if (n == cap) return -1;
+      cand[n++] = static_cast<int32_t>(j + __builtin_ctz(hit));
+      hit &= hit - 1;
+    }
+  }
+  for (int64_t j = nv; j < V; ++j) {
+    if ((y0[j] + y1[j]) + (w1[j] * e + t) >= lo) {
+      if (n == cap) return -1;
+      cand[n++] = static_cast<int32_t>(j);
+    }
+  }
+  return n;
+}
+
 }  // namespace
+
+void greedy_candidates(const float* y0, const float* y1, int64_t ldy, int64_t M, int64_t V,
+                       const float* w1, const float* e, float t, int64_t cap, int32_t* cand,
+                       int64_t* count) {
+  cpu::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      count[m] = candidates_row(y0 + m * ldy, y1 + m * ldy, V, w1, e[m], t, cap, cand + m * cap);
+    }
+  });
+}
 
 void argmax_f32(const float* x, int64_t rows, int64_t vocab, int64_t* out) {
   // one thread up to ~5 rows of a 49152-word vocabulary (a few us a row: about a fork's cost)

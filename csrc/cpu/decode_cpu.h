@@ -143,5 +143,14 @@ JACOBI_DECLARE_CPU_KERNEL(void rms_norm(const ::jacobi::cpu::RmsNormArgs& args))
 // of its maxima: torch's max(-1).indices, the greedy pick.
 JACOBI_DECLARE_CPU_KERNEL(void argmax_f32(const float* x, int64_t rows, int64_t vocab,
                                           int64_t* out))
+// The greedy head's screen (jacobi/greedy_screen.h), rows m < M: a_j = y0[m, j] + y1[m, j]
+// (rows ldy apart), E_j = w1[j] * e[m] + t; the columns j with a_j + E_j >= max_k (a_k - E_k),
+// in increasing order, into cand[m * cap, ...), and their number into count[m]; count[m] = -1
+// where they are more than cap, or any a_j - E_j or a_j + E_j is not finite (the caller computes
+// that row in full).
+JACOBI_DECLARE_CPU_KERNEL(void greedy_candidates(const float* y0, const float* y1, int64_t ldy,
+                                                 int64_t M, int64_t V, const float* w1,
+                                                 const float* e, float t, int64_t cap,
+                                                 int32_t* cand, int64_t* count))
 // out = silu(gu[:, :n]) * gu[:, n:], silu(g) = g / (1 + exp(-g)) rounded to the dtype first.
 JACOBI_DECLARE_CPU_KERNEL(void silu_mul(const ::jacobi::cpu::SiluMulArgs& args))

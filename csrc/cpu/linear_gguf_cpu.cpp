@@ -1538,4 +1538,19 @@ void linear_gguf_int8(GgufType type, const LinearArgs& a, const GgufLora& lora) 
   if (type == GgufType::q8_0) run_int8<GgufType::q8_0>(a, lora);
 }
 
+void linear_gguf_int8_residual(const float* x, int64_t M, int64_t K, int64_t ldx, float* r,
+                               int64_t ldr) {
+  int8_t q[kInt8Group];
+  float dx, msx;
+  int32_t qsum;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < K / kInt8Group; ++g) {
+      const float* xg = x + m * ldx + g * kInt8Group;
+      float* rg = r + m * ldr + g * kInt8Group;
+      quantize_group(xg, q, &dx, &msx, &qsum);  // run_int8's quantization, the same bytes
+      for (int k = 0; k < kInt8Group; ++k) rg[k] = std::fma(-dx, static_cast<float>(q[k]), xg[k]);
+    }
+  }
+}
+
 }  // namespace jacobi::cpu::JACOBI_ISA

@@ -132,6 +132,12 @@ JACOBI_DECLARE_CPU_KERNEL(void linear_gguf(::jacobi::cpu::GgufType type,
 JACOBI_DECLARE_CPU_KERNEL(void linear_gguf_int8(::jacobi::cpu::GgufType type,
                                                 const ::jacobi::cpu::LinearArgs& args,
                                                 const ::jacobi::cpu::GgufLora& lora))
+// r = x - dx q, rows of x [M, K] (K a multiple of 32) quantized per group of 32 exactly as
+// linear_gguf_int8 quantizes them (dx, q), each element one fused multiply-add (rounded once):
+// what the 8-bit product of x leaves out, for the greedy head's second 8-bit row
+// (jacobi/greedy_screen.h). A group with a non-finite value gets NaN.
+JACOBI_DECLARE_CPU_KERNEL(void linear_gguf_int8_residual(const float* x, int64_t M, int64_t K,
+                                                         int64_t ldx, float* r, int64_t ldr))
 // The tile linear_gguf_int8 runs in this variant on this CPU: "amx-int8" (AMX tile products for
 // calls of 65 rows or more, prefills and batches, and the "avx512-vnni-vbmi" tile for fewer;
 // where the CPU has AMX-INT8 and the OS grants it, unless JACOBI_EXT_CPU_AMX=0),

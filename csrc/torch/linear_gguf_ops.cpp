@@ -9,9 +9,13 @@
 
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__linux__)
@@ -20,7 +24,9 @@
 
 #include "checks.h"
 #include "cpu_step_ops.h"
+#include "cpu/decode_cpu.h"
 #include "cpu/linear_gguf_cpu.h"
+#include "jacobi/greedy_screen.h"
 #include "linear_common.h"
 
 namespace jacobi::ops {
@@ -304,6 +310,228 @@ at::Tensor cpu_weight_arena(int64_t nbytes) {
   return at::empty({nbytes}, bytes);
 }
 
+// ---- the greedy head (jacobi/greedy_screen.h: the method and its bound) -------------------------
+
+bool screenable(int64_t type) {
+  return type == static_cast<int64_t>(GgufType::q4_1) || type == static_cast<int64_t>(GgufType::q8_0);
+}
+
+// W1_j = sum_k (|d c_kj| + |m|) of each column of a packed Q8_0 / Q4_1 weight (in double, rounded
+// up to float32; a non-finite scale gives inf), then their maximum: float32 [N + 1].
+at::Tensor cpu_linear_gguf_abs_sums(const at::Tensor& packed, int64_t type, int64_t out_features,
+                                    int64_t in_features) {
+  const GgufFormat f = format_of(type);
+  TORCH_CHECK_VALUE(screenable(type), "abs sums are for Q4_1 (3) and Q8_0 (8) weights, got ggml "
+                    "type ", type);
+  ck::dtype(packed, "packed", at::kByte);
+  ck::contiguous(packed, "packed");
+  TORCH_CHECK_VALUE(packed.device().is_cpu(), "packed is on ", packed.device(), "; a CPU weight");
+  const int64_t N = out_features, K = in_features, nr = panel_width();
+  TORCH_CHECK_VALUE(N >= 0 && K >= 0 && K % f.group_k == 0, "out_features ", N, ", in_features ",
+                    K, ": in_features must be a multiple of ", f.group_k);
+  const auto want = packed_shape(f, N, K);
+  TORCH_CHECK_VALUE(packed.sizes() == at::IntArrayRef(want), "packed has shape ", packed.sizes(),
+                    " but a ", N, " x ", K, " weight of ggml type ", type, " packs to ",
+                    at::IntArrayRef(want));
+  at::Tensor out = at::empty({N + 1}, packed.options().dtype(at::kFloat));
+  float* w1 = out.data_ptr<float>();
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  const int64_t groups = K / f.group_k, gbytes = cpu::gguf_group_bytes(f, nr);
+  const int64_t header = nr * f.header_bytes;
+  auto half = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return static_cast<double>(c10::detail::fp16_ieee_to_fp32_value(h));
+  };
+  float top = 0.f;
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* panel = base + (n / nr) * groups * gbytes;
+    const int64_t j = n % nr;
+    double sum = 0.0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* grp = panel + g * gbytes;
+      const double d = std::fabs(half(grp + 2 * j));
+      int64_t codes = 0;  // sum of |code| over the group (exact)
+      if (f.code_bits == 4) {
+        for (int i = 0; i < f.group_k / 2; ++i) {
+          const uint8_t b = grp[header + i * nr + j];
+          codes += (b & 0xF) + (b >> 4);
+        }
+        sum += d * static_cast<double>(codes) + f.group_k * std::fabs(half(grp + 2 * (nr + j)));
+      } else {
+        for (int k = 0; k < f.group_k; ++k)
+          codes += std::abs(static_cast<int>(static_cast<int8_t>(grp[header + k * nr + j])));
+        sum += d * static_cast<double>(codes);
+      }
+    }
+    float up = static_cast<float>(sum);  // (inf where sum is, or overflows float)
+    if (std::isnan(sum)) up = std::numeric_limits<float>::infinity();
+    if (static_cast<double>(up) < sum) up = std::nextafter(up, std::numeric_limits<float>::infinity());
+    w1[n] = up;
+    top = std::max(top, up);
+  }
+  w1[N] = top;
+  return out;
+}
+
+// The greedy head's screen of x (rows.M rows) against a checked weight: the 8-bit rows' outputs
+// y [2M, N] (x's, then its residual's), each row's e, its candidates and their count
+// (jacobi/greedy_screen.h).
+struct GreedyScreen {
+  int64_t M = 0, N = 0, K = 0;
+  at::Tensor y;  // float32 [2M, N]
+  std::vector<float> e;
+  std::vector<int32_t> cand;  // [M, kMaxCandidates]
+  std::vector<int64_t> count;
+  float t = 0.f;
+};
+
+// The checks of cpu_linear_gguf_greedy and debug_greedy_screen, then the screen.
+GreedyScreen greedy_screen_of(const at::Tensor& x, const linear_common::Rows& rows,
+                              const at::Tensor& packed, int64_t type, int64_t out_features,
+                              const at::Tensor& abs_sums) {
+  namespace gs = jacobi::greedy_screen;
+  const GgufFormat f = format_of(type);
+  TORCH_CHECK_VALUE(screenable(type), "cpu_linear_gguf_greedy screens Q4_1 (3) and Q8_0 (8) "
+                    "weights, got ggml type ", type, "; take cpu_argmax of cpu_linear_gguf instead");
+  const int64_t K = x.size(-1), N = out_features, M = rows.M;
+  TORCH_CHECK_VALUE(N > 0, "out_features must be > 0 (an argmax needs a column), got ", N);
+  TORCH_CHECK_VALUE(K % f.block_k == 0, "x has ", K, " input features, not a multiple of ggml type ",
+                    type, "'s block of ", f.block_k);
+  const auto want = packed_shape(f, N, K);
+  TORCH_CHECK_VALUE(packed.device().is_cpu() && packed.sizes() == at::IntArrayRef(want),
+                    "packed has shape ", packed.sizes(), " on ", packed.device(), " but a ", N, " x ",
+                    K, " weight of ggml type ", type, " packs to ", at::IntArrayRef(want),
+                    " on this CPU: pack it with cpu_linear_gguf_pack in this process");
+  ck::dtype(abs_sums, "abs_sums", at::kFloat);
+  ck::contiguous(abs_sums, "abs_sums");
+  TORCH_CHECK_VALUE(abs_sums.dim() == 1 && abs_sums.size(0) == N + 1 && abs_sums.device().is_cpu(),
+                    "abs_sums must be float32 [out_features + 1] on the CPU "
+                    "(cpu_linear_gguf_abs_sums of this weight), got ", abs_sums.sizes());
+  GreedyScreen s;
+  s.M = M, s.N = N, s.K = K, s.t = gs::absolute(K);
+  if (M == 0) return s;
+  const float* xp = rows.x.data_ptr<float>();
+  const float* w1 = abs_sums.data_ptr<float>();
+  // the 8-bit rows: x, then its residual
+  at::Tensor xr = at::empty({2 * M, K}, x.options());
+  float* xrp = xr.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) std::memcpy(xrp + m * K, xp + m * rows.ldx, K * sizeof(float));
+  JACOBI_CPU_DISPATCH(linear_gguf_int8_residual, xp, M, K, rows.ldx, xrp + M * K, K);
+  s.y = at::empty({2 * M, N}, x.options());
+  float* yp = s.y.data_ptr<float>();
+  const cpu::GgufLora none;
+  JACOBI_CPU_DISPATCH(linear_gguf_int8, static_cast<GgufType>(type),
+                      cpu::LinearArgs{cpu::LinearDType::f32, 2 * M, N, K, xrp, K,
+                                      packed.data_ptr<uint8_t>(), nullptr, true, yp, N},
+                      none);
+  s.e.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    float ax = 0.f, ar = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      finite = finite && std::isfinite(xrp[m * K + k]);
+      ax = std::max(ax, std::fabs(xrp[m * K + k]));
+      ar = std::max(ar, std::fabs(xrp[(M + m) * K + k]));
+    }
+    s.e[m] = finite && gs::in_range(ax, w1[N]) ? gs::error_per_w1(K, ax, ar)
+                                              : std::numeric_limits<float>::infinity();
+  }
+  constexpr int64_t cap = gs::kMaxCandidates;
+  s.cand.resize(M * cap);
+  s.count.resize(M);
+  JACOBI_CPU_DISPATCH(greedy_candidates, yp, yp + M * N, N, M, N, w1, s.e.data(), s.t, cap,
+                      s.cand.data(), s.count.data());
+  return s;
+}
+
+void check_greedy_x(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.device().is_cpu() && x.scalar_type() == at::kFloat,
+                    "x must be a float32 CPU tensor [..., in_features], got ", x.scalar_type(),
+                    " on ", x.device(), " with shape ", x.sizes());
+}
+
+// The argmax over the outputs of x W^T on the exact (fp32) GGUF linear, int64 [...] (x's leading
+// dims): bitwise cpu_argmax(cpu_linear_gguf(x, packed, type, out_features)), through the 8-bit
+// screen (jacobi/greedy_screen.h). abs_sums: cpu_linear_gguf_abs_sums of the same weight.
+at::Tensor cpu_linear_gguf_greedy(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                                  int64_t out_features, const at::Tensor& abs_sums) {
+  check_greedy_x(x);
+  ck::dtype(packed, "packed", at::kByte);
+  ck::contiguous(packed, "packed");
+  const linear_common::Rows rows = linear_common::rows_of(x);
+  const GreedyScreen s = greedy_screen_of(x, rows, packed, type, out_features, abs_sums);
+  at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
+  int64_t* pick = out.data_ptr<int64_t>();
+  const auto t = static_cast<GgufType>(type);
+  const int64_t N = s.N, K = s.K, nr = panel_width(), panel_bytes = packed.size(1) * packed.size(2);
+  const auto* codes = packed.data_ptr<uint8_t>();
+  const float* xp = rows.x.data_ptr<float>();
+  const cpu::GgufLora none;
+  // The candidates' exact values, panel by panel (a panel's columns are the same chains as in the
+  // whole product); a row without a usable screen in full.
+  std::vector<float> exact(std::max(nr, N));
+  for (int64_t m = 0; m < s.M; ++m) {
+    const float* xm = xp + m * rows.ldx;
+    if (s.count[m] < 0) {
+      JACOBI_CPU_DISPATCH(linear_gguf, t,
+                          cpu::LinearArgs{cpu::LinearDType::f32, 1, N, K, xm, K, codes, nullptr,
+                                          true, exact.data(), N},
+                          none);
+      JACOBI_CPU_DISPATCH(argmax_f32, exact.data(), 1, N, pick + m);
+      continue;
+    }
+    int64_t best = -1, panel = -1;
+    float best_v = 0.f;
+    for (int64_t i = 0; i < s.count[m]; ++i) {
+      const int64_t j = s.cand[m * jacobi::greedy_screen::kMaxCandidates + i];
+      if (j / nr != panel) {
+        panel = j / nr;
+        const int64_t cols = std::min(nr, N - panel * nr);
+        JACOBI_CPU_DISPATCH(linear_gguf, t,
+                            cpu::LinearArgs{cpu::LinearDType::f32, 1, cols, K, xm, K,
+                                            codes + panel * panel_bytes, nullptr, true,
+                                            exact.data(), cols},
+                            none);
+      }
+      const float v = exact[j - panel * nr];
+      if (best < 0 || v > best_v) best = j, best_v = v;  // the first of the maxima
+    }
+    pick[m] = best;  // (a row's exact argmax is always a candidate: count >= 1)
+  }
+  return out;
+}
+
+// The screen itself, for tests: per row of x [M, K] the approximate outputs a [M, N], their bounds
+// E [M, N] (float32, as the screen computes them) and the number of candidates (-1: the row is
+// computed in full).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> debug_greedy_screen(const at::Tensor& x,
+                                                                   const at::Tensor& packed,
+                                                                   int64_t type,
+                                                                   int64_t out_features,
+                                                                   const at::Tensor& abs_sums) {
+  check_greedy_x(x);
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, in_features], got ", x.sizes());
+  ck::dtype(packed, "packed", at::kByte);
+  ck::contiguous(packed, "packed");
+  const linear_common::Rows rows = linear_common::rows_of(x);
+  const GreedyScreen s = greedy_screen_of(x, rows, packed, type, out_features, abs_sums);
+  const int64_t M = s.M, N = s.N;
+  at::Tensor a = at::empty({M, N}, x.options()), E = at::empty({M, N}, x.options());
+  at::Tensor count = at::empty({M}, x.options().dtype(at::kLong));
+  const float* w1 = abs_sums.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* y0 = s.y.data_ptr<float>() + m * N;
+    const float* y1 = y0 + M * N;
+    for (int64_t j = 0; j < N; ++j) {
+      a.data_ptr<float>()[m * N + j] = y0[j] + y1[j];
+      E.data_ptr<float>()[m * N + j] = w1[j] * s.e[m] + s.t;
+    }
+    count.data_ptr<int64_t>()[m] = s.count[m];
+  }
+  return {a, E, count};
+}
+
 // The ggml type ids the kernels read.
 std::vector<int64_t> cpu_linear_gguf_types() {
   return std::vector<int64_t>(std::begin(kTypes), std::end(kTypes));
@@ -315,6 +543,9 @@ TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("cpu_linear_gguf_pack", &cpu_linear_gguf_pack);
   m.impl("cpu_linear_gguf", &cpu_linear_gguf);
   m.impl("cpu_gguf_q8_0_rows", &cpu_gguf_q8_0_rows);
+  m.impl("cpu_linear_gguf_abs_sums", &cpu_linear_gguf_abs_sums);
+  m.impl("cpu_linear_gguf_greedy", &cpu_linear_gguf_greedy);
+  m.impl("debug_greedy_screen", &debug_greedy_screen);
 }
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CompositeExplicitAutograd, m) {

@@ -117,6 +117,19 @@ TORCH_LIBRARY(jacobi_ext, m) {
         "Tensor? bias=None, Tensor? lora_a=None, Tensor? lora_b=None, "
         "Tensor? lora_panel_r0=None, bool int8_activations=False) -> Tensor");
   m.def("cpu_linear_gguf_types() -> int[]");
+  // The greedy form of an exact Q4_1 / Q8_0 linear (an LM head): argmax over the outputs of
+  // cpu_linear_gguf(x, packed, type, out_features), int64 [...], bitwise that argmax, found
+  // through an 8-bit product and a rigorous error bound per column (csrc/include/jacobi/
+  // greedy_screen.h), the exact product on the few columns that can win. abs_sums: float32
+  // [out_features + 1], each column's sum of weight magnitudes (rounded up), then their maximum.
+  m.def("cpu_linear_gguf_abs_sums(Tensor packed, int type, int out_features, int in_features) "
+        "-> Tensor");
+  m.def("cpu_linear_gguf_greedy(Tensor x, Tensor packed, int type, int out_features, "
+        "Tensor abs_sums) -> Tensor");
+  // Its screen, for tests: per row of x [M, K] the approximate outputs [M, N], their error bounds
+  // [M, N] and the number of candidates (-1: the row takes the whole exact product).
+  m.def("debug_greedy_screen(Tensor x, Tensor packed, int type, int out_features, "
+        "Tensor abs_sums) -> (Tensor, Tensor, Tensor)");
   // uint8 [nbytes] for a model's packed codes and LoRA factors, all in one buffer: at a 2 MiB
   // boundary, on transparent huge pages where the OS grants them (Linux; else an ordinary CPU
   // tensor).

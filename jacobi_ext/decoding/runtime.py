@@ -66,6 +66,12 @@ def targets(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def _targets(out: torch.Tensor) -> torch.Tensor:
+    """targets() of a forward asked for greedy=True: its logits, or already their argmax (int64,
+    from a greedy LM head: lean.py, _GreedyHead)."""
+    return out if out.dtype == torch.long else targets(out)
+
+
 def bucket(q: int) -> int:
     """The padded width of a step feeding q tokens: the next power of two."""
     return 1 << max(0, (q - 1).bit_length())
@@ -263,17 +269,19 @@ class StaticRuntime:
         )
 
     def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask, prefill: bool = False,
-                keep: int | None = None):  # fmt: skip
+                keep: int | None = None, greedy: bool = False):  # fmt: skip
         """The model's forward as every runtime call makes it: our cache under the installed
         transformers' keyword, and on CPU the linears from packed weights (prepack.py: our
         kernel, whose rows do not depend on each other, or oneDNN's on AMX); for Llama-family
         models on our kernel, the lean forward (lean.py: the same logits, less Python). Its packed
         weights are checked against the model's at each prefill (weights do not change inside a
         generate call; checking all of them at every step cost 0.8 ms of a 15 ms step).
-        keep: the logits of the last `keep` positions only (None: all)."""
+        keep: the logits of the last `keep` positions only (None: all). greedy: only their
+        argmax is wanted; the result may then be it (int64: the lean forward's greedy head),
+        see _targets."""
         lean = self._pick_forward() if prefill or self._lean is None else self._lean
         if lean:
-            return lean(ids, pos, mask, self.cache, keep)
+            return lean(ids, pos, mask, self.cache, keep, greedy)
         kw = dict(self._cache_arg)
         if keep is not None and self._keeps_logits:
             kw["logits_to_keep"] = max(keep, 1)  # (transformers reads 0 as "all")
@@ -319,12 +327,12 @@ class StaticRuntime:
         self.attend = self.scratch + P
         mask = for_backend(self.model, prefill_mask(pad, P, n, self.scratch), self.dtype)
         keep = None if all_targets else n + 1
-        logits = self._logits(x, pos, mask, prefill=True, keep=keep)
+        logits = self._logits(x, pos, mask, prefill=True, keep=keep, greedy=rule is None)
         if keep is not None:
             pos = pos[:, pos.shape[1] - keep :]
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
-        return targets(logits) if rule is None else rule(logits, pos)
+        return _targets(logits) if rule is None else rule(logits, pos)
 
     def _prefill_chunked(self, ids: torch.Tensor, pad: torch.Tensor,
                          drafts: torch.Tensor | None, rule=None) -> torch.Tensor:  # fmt: skip
@@ -419,12 +427,12 @@ class StaticRuntime:
         if not isinstance(mask, StepPlan) and not (self._lean and self._lean.fused):
             mask = for_backend(self.model, mask, self.dtype)  # (the fused ops take it as it is)
         pos = step_positions(off, self.lo, self.hi)
-        logits = self._logits(self.ids[:, :Q], pos, mask, keep=keep)
+        logits = self._logits(self.ids[:, :Q], pos, mask, keep=keep, greedy=rule is None)
         if keep is not None:  # (keep 0: the K/V writes alone, a chunked prefill's middle)
             if keep == 0:
                 return None
             pos = pos[:, Q - keep :]
-        return targets(logits) if rule is None else rule(logits, pos)
+        return _targets(logits) if rule is None else rule(logits, pos)
 
     def width(self, q: int) -> int:
         """The width a step feeding at most q tokens per sequence runs at."""

@@ -480,6 +480,19 @@ def _cpu_linear_gguf_fake(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.register_fake("jacobi_ext::cpu_linear_gguf_abs_sums")
+def _cpu_linear_gguf_abs_sums_fake(packed, type, out_features, in_features):
+    return packed.new_empty((out_features + 1,), dtype=torch.float32)
+
+
+@torch.library.register_fake("jacobi_ext::cpu_linear_gguf_greedy")
+def _cpu_linear_gguf_greedy_fake(x, packed, type, out_features, abs_sums):
+    want = cpu_linear_gguf_packed_shape(type, out_features, x.shape[-1])
+    if tuple(packed.shape) != want:
+        raise ValueError(f"packed has shape {tuple(packed.shape)}, expected {want}")
+    return x.new_empty(tuple(x.shape[:-1]), dtype=torch.long)
+
+
 @torch.library.register_fake("jacobi_ext::cpu_gguf_q8_0_rows")
 def _cpu_gguf_q8_0_rows_fake(raw, ids):
     if raw.dim() != 2 or raw.shape[1] % 34:
