@@ -251,6 +251,8 @@ class StaticRuntime:
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
         self.graph_replays = 0
         self._lean = None  # lean.LeanDecoder, False where it does not apply; set at prefill
+        self._ar = None  # ar_forward's tables: (seg, off, arange(capacity))
+        self._lo_host = scratch  # self.lo[0], as the last prefill set it
         ops = torch.ops.jacobi_ext
         native_commit = dev.type == "cpu" or cuda_decode_on(dev)
         self._kv_commit = (  # (on CUDA: one kernel for every layer, csrc/cuda/decode_cuda.cu)
@@ -332,6 +334,7 @@ class StaticRuntime:
             pos = pos[:, pos.shape[1] - keep :]
         self.lo.copy_(self.scratch + pad)
         self.hi.fill_(self.scratch + P)
+        self._lo_host = self.scratch + int(pad[0])
         return _targets(logits) if rule is None else rule(logits, pos)
 
     def _prefill_chunked(self, ids: torch.Tensor, pad: torch.Tensor,
@@ -371,6 +374,7 @@ class StaticRuntime:
         self._pick_forward()  # here, not in a chunk: a graph replay would not repeat it
         self.lo.copy_(self.scratch + pad)
         self.hi.copy_(self.scratch + pad)
+        self._lo_host = self.scratch + int(pad_h[0])
         attend = self.scratch + P  # eager steps see up to the longest prompt
         keep = n + 1
         out = None
@@ -433,6 +437,34 @@ class StaticRuntime:
                 return None
             pos = pos[:, Q - keep :]
         return _targets(logits) if rule is None else rule(logits, pos)
+
+    def ar_forward(self, toks: list[int], hi: int) -> list[int]:
+        """One sequence's AR step as a list in, a list out (where writes_in_place(), greedy): its
+        fed tokens `toks` (the seed, then lookup drafts) at slots [hi, hi + q), hi its committed
+        end (the host's copy of self.hi[0]); returns their targets. The same forward as
+        forward(q, ..., in_place=True) on the same inputs (the same mask, positions, slots and
+        ops, so the same bits; tests/test_decoding_fast_ar.py), without the batch step's
+        fixed-shape bookkeeping (input rows, gathers, the commit op, the packed row: ~0.1 ms of
+        a 3.2-4 ms one-token step on a 2-core EPYC, 0.97 of it). The caller commits: self.hi +=
+        accepted."""
+        q = len(toks)
+        if self._ar is None or self._ar[0].shape[1] < self.scratch:
+            S, dev = self.scratch, self.device
+            self._ar = (
+                torch.zeros(1, S, dtype=torch.long, device=dev),  # seg: one row
+                torch.arange(S, device=dev)[None],  # off
+                torch.arange(self.capacity, device=dev),  # positions and slots, sliced
+            )
+        seg, off, table = self._ar
+        lo = self._lo_host
+        self.write_slots = table[hi : hi + q]
+        self.attend = hi + q
+        mask = torch.ops.jacobi_ext.cpu_step_mask(seg[:, :q], off[:, :q], self.lo, self.hi, hi + q)
+        mask[..., hi:] = mask[..., :q]  # (as _forward's in_place: lo >= scratch >= q)
+        mask[..., :q] = False
+        pos = table[None, hi - lo : hi - lo + q]
+        out = self._lean(torch.tensor([toks]), pos, mask, self.cache, None, True)
+        return _targets(out)[0].tolist()
 
     def width(self, q: int) -> int:
         """The width a step feeding at most q tokens per sequence runs at."""

@@ -73,6 +73,7 @@ class BatchStep:
         self.spawn = max(1, min(n, math.ceil(activation_ratio * n)))
         self.eos_id = min(eos) if eos else -1  # the op checks one EOS; the host cuts at others
         self.eos = torch.tensor(sorted(eos), dtype=torch.long, device=dev) if eos else None
+        self.eos_ids = frozenset(eos)
         self.cand0 = self.Wv + n
         self.host0 = self.cand0 + p * n
         self.H = max(1 + MAX_AR_DRAFT, n)
@@ -103,6 +104,7 @@ class BatchStep:
             else {name: self.inputs[:, o : o + size] for name, (o, size) in self.at.items()}
         )
         self.tail = K + p + self.R + n + p * n  # packed row after the commit
+        self._ar_pad = [-1] * self.S + [0] * self.tail  # ar_row's commit slots past q, the tail
 
     @staticmethod
     def key(block_size, num_blocks, pool_size, activation_ratio, eos, sampling=None) -> tuple:
@@ -146,6 +148,31 @@ class BatchStep:
         return self.src[b, :length].tolist()
 
     # ---- one step ------------------------------------------------------------------------------
+    def ar_fast(self) -> bool:
+        """Whether an AR step may take ar_row: one greedy sequence of an AR method (ar, ar with
+        lookup drafts) whose step writes its K/V in place (runtime.writes_in_place: a CPU lean
+        forward)."""
+        return not self.parallel and self.rule is None and self.rt.writes_in_place()
+
+    def ar_row(self, pl: Plan, hi: int) -> list[int]:
+        """The packed row run() returns for one AR sequence (ar_fast()), computed from lists:
+        runtime.ar_forward, then cpu_ar_accept's rule on the host (1 + the longest prefix of
+        drafts equal to the targets, cut after the first EOS fed; the seed the target after the
+        last accepted token) and the commit (hi += accepted). hi: the sequence's committed end."""
+        toks = pl.host[: pl.q]
+        tgt = self.rt.ar_forward(toks, hi)
+        q, eos = len(toks), self.eos_ids
+        acc = 1
+        while acc < q and toks[acc] == tgt[acc - 1]:
+            acc += 1
+        for i, t in enumerate(toks[:acc]):
+            if t in eos:
+                acc = i + 1
+                break
+        self.rt.hi.add_(acc)
+        fin = int(toks[acc - 1] in eos)
+        return [0, acc, fin, 1, 1, tgt[acc - 1], 0, 0, *toks, *self._ar_pad[q:]]
+
     def encode(self, plans: dict[int, Plan]) -> torch.Tensor:
         """The step's inputs on the host, [B, fields] (a sequence without a plan takes no part)."""
         B, S, R = self.rt.B, self.S, self.R
