@@ -21,7 +21,7 @@ from jacobi_ext.decoding import loop, step
 from jacobi_ext.models import tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_fixtures import tiny_config, write_tiny_model  # noqa: E402
+from gguf_fixtures import Q4_1_LAYERS, tiny_config, write_tiny_model  # noqa: E402
 
 VOCAB = 96
 
@@ -31,8 +31,14 @@ def models(tmp_path_factory):
     from jacobi_ext.models.quantized import build_on_codes
 
     cfg = tiny_config()
-    path = write_tiny_model(tmp_path_factory.mktemp("fast_ar") / "tiny.gguf", cfg, head_type=Q.Q8_0)
-    return {"fp32": tiny_llama(vocab_size=VOCAB, seed=1), "gguf": build_on_codes(cfg, path)}
+    # the default model's types (Q4_1 layers, a Q8_0 head): its layers one LeanLayers call
+    tiny = tmp_path_factory.mktemp("fast_ar") / "tiny.gguf"
+    path = write_tiny_model(tiny, cfg, head_type=Q.Q8_0, layer_types=Q4_1_LAYERS)
+    return {
+        "fp32": tiny_llama(vocab_size=VOCAB, seed=1),  # head size 16: inputs made in Python
+        "fp32-d32": tiny_llama(vocab_size=VOCAB, hidden_size=128, seed=2),  # made natively
+        "gguf": build_on_codes(cfg, path),
+    }
 
 
 def _decode(model, ids, max_new, eos, lookup_cost, fast: bool, monkeypatch):
@@ -51,7 +57,7 @@ def _decode(model, ids, max_new, eos, lookup_cost, fast: bool, monkeypatch):
     return res, stats, calls
 
 
-@pytest.mark.parametrize("kind", ["fp32", "gguf"])
+@pytest.mark.parametrize("kind", ["fp32", "fp32-d32", "gguf"])
 @pytest.mark.parametrize("case", range(8))
 def test_list_step_is_the_batch_step(models, kind, case, monkeypatch):
     rng = random.Random(case)
@@ -81,6 +87,24 @@ def test_lookup_drafts_through_the_list_step(models, kind, monkeypatch):
     slow = _decode(models[kind], prompt, 80, set(), lambda q: 1.0, False, monkeypatch)
     assert fast[0].tokens == slow[0].tokens and fast[0].accepted == slow[0].accepted
     assert max(fast[2]) > 1 and max(fast[0].accepted) > 1
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp32-d32", "gguf"])
+def test_the_inputs_are_made_natively(models, kind, monkeypatch):
+    """Where the layers run as one LeanLayers call, ar_step makes the step's inputs there too
+    (embedding, rotary rows, first norm, mask, slots): the same tokens as the batch step's
+    Python-made inputs (test_list_step_is_the_batch_step compares every step)."""
+    from jacobi_ext.decoding import lean
+
+    calls = []
+    real = lean.LeanDecoder.ar_step
+    monkeypatch.setattr(lean.LeanDecoder, "ar_step", lambda s, *a: calls.append(1) or real(s, *a))
+    ids = torch.tensor([[5, 9, 2, 7, 1]])
+    fast = _decode(models[kind], ids.tolist(), 30, set(), None, True, monkeypatch)
+    slow = _decode(models[kind], ids.tolist(), 30, set(), None, False, monkeypatch)
+    assert fast[0].tokens == slow[0].tokens
+    # (rotary tables need head sizes of whole 32-lane vectors: lean._static_rope)
+    assert len(calls) == (0 if kind == "fp32" else fast[1].forwards) and fast[1].forwards > 0
 
 
 def test_which_steps_take_it(models, monkeypatch):

@@ -178,23 +178,24 @@ def test_ar_steps_written_in_place_are_the_scratch_steps_bitwise(dtype, lookup, 
     """One sequence's AR steps write their K/V right after the committed tokens (where those
     accepted stay: the commit moves nothing); every forward's logits are bitwise those of the
     same steps written to scratch and moved, with and without lookup drafts (several rows a
-    step, some rejected and overwritten by the next)."""
-    from jacobi_ext.decoding import runtime, tuning
+    step, some rejected and overwritten by the next), whether the step runs from lists
+    (step.BatchStep.ar_row, the greedy default) or as the batch step (sampling's way)."""
+    from jacobi_ext.decoding import runtime, step, tuning
 
     monkeypatch.setattr(prepack, "cpu_has_amx", lambda: False)
     model = _model("llama", "sdpa", dtype, seed=5)
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 101, (1, 12), generator=g)
     prompt[0, 6:] = prompt[0, :6]  # repeats: lookup drafts to verify
-    got, moved = {}, []
-    calls = lean.LeanDecoder.__call__
+    got, moved, listed = {}, [], []
+    head = lean.LeanDecoder._head
 
-    def recorded(self, *args, **kwargs):
-        out = calls(self, *args, **kwargs)
+    def recorded(self, x, keep, greedy=False):
+        out = head(self, x, keep, greedy)
         got[mode].append(out.clone())
         return out
 
-    commit = runtime.StaticRuntime.commit
+    commit, ar_row = runtime.StaticRuntime.commit, step.BatchStep.ar_row
 
     def counted(self, src, count, in_place=False):
         moved.append(not in_place)
@@ -203,20 +204,29 @@ def test_ar_steps_written_in_place_are_the_scratch_steps_bitwise(dtype, lookup, 
     # the same drafts in both runs: the lookup's pricing learns nothing from the first
     monkeypatch.setattr(tuning.Tuner, "observe", lambda self, *args, **kwargs: None)
     generate(model, prompt, max_new_tokens=4, method="ar", lookup=lookup)  # (its curve, once)
-    monkeypatch.setattr(lean.LeanDecoder, "__call__", recorded)
+    monkeypatch.setattr(lean.LeanDecoder, "_head", recorded)
     monkeypatch.setattr(runtime.StaticRuntime, "commit", counted)
+    monkeypatch.setattr(step.BatchStep, "ar_row", lambda s, *a: listed.append(1) or ar_row(s, *a))
     tokens = {}
-    for mode in ("in place", "scratch"):
+    for mode in ("lists", "in place", "scratch"):
+        if mode == "in place":
+            monkeypatch.setattr(step.BatchStep, "ar_fast", lambda self: False)
         if mode == "scratch":
             monkeypatch.setattr(runtime.StaticRuntime, "writes_in_place", lambda self: False)
-        got[mode], moved[:] = [], []
+        got[mode], moved[:], listed[:] = [], [], []
         out = generate(model, prompt, max_new_tokens=40, method="ar", lookup=lookup)
         tokens[mode] = out.tokens
-        assert moved and all(m == (mode == "scratch") for m in moved), mode
+        if mode == "lists":  # in place too, committed by ar_row itself (no commit op)
+            assert len(listed) == out.forwards and not moved
+        else:
+            assert not listed and moved and all(m == (mode == "scratch") for m in moved), mode
         # fewer forwards than tokens (drafts accepted) exactly where drafts were fed
         assert (out.forwards < out.new_tokens - 1) == lookup
+    assert torch.equal(tokens["lists"], tokens["scratch"])
     assert torch.equal(tokens["in place"], tokens["scratch"])
-    assert len(got["in place"]) == len(got["scratch"]) > 10
+    assert len(got["lists"]) == len(got["in place"]) == len(got["scratch"]) > 10
+    for a, b in zip(got["lists"], got["scratch"], strict=True):
+        assert torch.equal(a, b)
     for a, b in zip(got["in place"], got["scratch"], strict=True):
         assert torch.equal(a, b)
 

@@ -13,7 +13,9 @@
 // 0.2-0.3 ms off a ~4 ms 8-bit one-token step on a 2-core EPYC (2026-12-05). Only the returned
 // normed hidden states are new.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -28,19 +30,19 @@ namespace jacobi::ops {
 namespace {
 
 // One linear's fixed arguments: cpu_linear (fp32 / bf16 panels) where type < 0, else
-// cpu_linear_gguf of that ggml type (with its LoRA, if any).
+// cpu_linear_gguf of that ggml type (with its LoRA, if any), planned once (its weight side
+// checked at add_linear; a call checks x and y).
 struct LeanLinear {
   at::Tensor packed;
   int64_t type = -1;
   int64_t n = 0;
-  std::optional<at::Tensor> bias, lora_a, lora_b, lora_panel_r0;
-  bool int8_activations = false;
+  std::optional<at::Tensor> bias;
+  GgufLinearPlan plan;
 
   // The linear of x into y (x's rows by n), a LoRA's x A^T into lora_t.
   void into(const at::Tensor& x, at::Tensor& y, at::Tensor& lora_t) const {
     if (type < 0) return cpu_linear_out(x, packed, n, bias, y);
-    cpu_linear_gguf_out(x, packed, type, n, bias, lora_a, lora_b, lora_panel_r0,
-                        int8_activations, y, lora_t);
+    run_linear_gguf(plan, x, &y, &lora_t);
   }
 };
 
@@ -78,9 +80,16 @@ struct LeanLayers : torch::CustomClassHolder {
                   std::optional<at::Tensor> bias, std::optional<at::Tensor> lora_a,
                   std::optional<at::Tensor> lora_b, std::optional<at::Tensor> lora_panel_r0,
                   bool int8_activations) {
-    pending.push_back(LeanLinear{std::move(packed), type, out_features, std::move(bias),
-                                 std::move(lora_a), std::move(lora_b), std::move(lora_panel_r0),
-                                 int8_activations});
+    LeanLinear l{packed, type, out_features, bias, {}};
+    if (type >= 0) {  // in_features: the packed groups' k (packed [panels, K / G, group bytes])
+      cpu::GgufFormat f;
+      TORCH_CHECK_VALUE(packed.dim() == 3 && cpu::gguf_format(static_cast<int32_t>(type), &f),
+                        "add_linear: packed must be cpu_linear_gguf_pack's [panels, groups, "
+                        "bytes] of a type the kernels read, got ", packed.sizes(), ", type ", type);
+      l.plan = plan_linear_gguf(packed, type, out_features, packed.size(1) * f.group_k, bias,
+                                lora_a, lora_b, lora_panel_r0, int8_activations);
+    }
+    pending.push_back(std::move(l));
   }
 
   void add_layer(int64_t heads, int64_t kv_heads, double scale, at::Tensor ln2_weight,
@@ -94,6 +103,57 @@ struct LeanLayers : torch::CustomClassHolder {
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
+
+  // ar_step's input side: the token embedding (dense rows [V, hidden] of the model's dtype, or
+  // with q8_0 a Q8_0 table as the file stores it, [V, blocks * 34]) and the first layer's norm.
+  at::Tensor embed, in_norm;
+  bool embed_q8_0 = false;
+  double in_eps = 0.0;
+
+  void set_input(at::Tensor embedding, bool q8_0, at::Tensor norm_weight, double eps) {
+    embed = std::move(embedding), embed_q8_0 = q8_0, in_norm = std::move(norm_weight);
+    in_eps = eps;
+  }
+
+  // One sequence's AR step in the runtime's in-place layout (jacobi_ext/decoding/runtime.py,
+  // StaticRuntime.ar_forward): tokens ids [q] written at slots [hi, hi + q), at positions
+  // hi - lo + i, token i seeing slots [lo, hi + i] (the committed context from lo, then itself
+  // and the tokens before it). The embedding rows, rotary rows cos_tab / sin_tab [positions, D]
+  // (the tables the Python forward indexes), the first norm, then run(): the inputs Python made
+  // from ~10 tensor ops a step (the same values, so the same bits). Returns run()'s result.
+  at::Tensor ar_step(at::Tensor ids, int64_t lo, int64_t hi, at::Tensor cos_tab,
+                     at::Tensor sin_tab, std::vector<at::Tensor> keys,
+                     std::vector<at::Tensor> values, std::vector<at::Tensor> keys_t,
+                     int64_t context_start) {
+    TORCH_CHECK_VALUE(embed.defined(), "ar_step needs set_input first");
+    TORCH_CHECK_VALUE(ids.dim() == 1 && ids.size(0) >= 1 && ids.scalar_type() == at::kLong,
+                      "ids must be int64 [q >= 1], got ", ids.scalar_type(), " ", ids.sizes());
+    TORCH_CHECK_VALUE(!keys.empty() && keys[0].dim() == 4, "keys: one [B, kv_heads, slots, D] "
+                      "tensor per layer");
+    const int64_t q = ids.size(0), slots_n = keys[0].size(2);
+    TORCH_CHECK_VALUE(context_start <= lo && lo <= hi && hi + q <= slots_n,
+                      "ar_step: need context_start <= lo <= hi and hi + q <= ", slots_n,
+                      " slots, got context_start ", context_start, ", lo ", lo, ", hi ", hi,
+                      ", q ", q);
+    TORCH_CHECK_VALUE(cos_tab.dim() == 2 && sin_tab.sizes() == cos_tab.sizes() &&
+                          hi - lo + q <= cos_tab.size(0),
+                      "cos_tab and sin_tab must be [positions > ", hi - lo + q - 1,
+                      ", D], got ", cos_tab.sizes(), " and ", sin_tab.sizes());
+    at::Tensor h = embed_q8_0 ? cpu_gguf_q8_0_rows(embed, ids) : embed.index_select(0, ids);
+    h = h.unsqueeze(0);  // [1, q, hidden]
+    const at::Tensor cos = cos_tab.narrow(0, hi - lo, q).unsqueeze(0);
+    const at::Tensor sin = sin_tab.narrow(0, hi - lo, q).unsqueeze(0);
+    at::Tensor x = cpu_rms_norm(h, in_norm, in_eps);
+    const int64_t attend = hi + q;
+    at::Tensor mask = at::empty({1, 1, q, attend}, ids.options().dtype(at::kBool));
+    bool* m = mask.data_ptr<bool>();
+    for (int64_t i = 0; i < q; ++i) {
+      for (int64_t j = 0; j < attend; ++j) m[i * attend + j] = j >= lo && j <= hi + i;
+    }
+    at::Tensor slots = at::arange(hi, hi + q, ids.options());
+    return run(x, h, cos, sin, std::move(keys), std::move(values), std::move(keys_t), slots,
+               attend, mask, context_start);
+  }
 
   // x: the first layer's normed input [B, Q, hidden], h: the residual stream [B, Q, hidden];
   // per layer its cache's keys, values and blocked transposed keys; slots, attend, mask and
@@ -159,6 +219,8 @@ TORCH_LIBRARY_FRAGMENT(jacobi_ext, m) {
       .def("add_linear", &LeanLayers::add_linear)
       .def("add_layer", &LeanLayers::add_layer)
       .def("size", &LeanLayers::size)
+      .def("set_input", &LeanLayers::set_input)
+      .def("ar_step", &LeanLayers::ar_step)
       .def("run", &LeanLayers::run);
 }
 

@@ -20,16 +20,21 @@ inline int64_t panel_width() { return JACOBI_CPU_DISPATCH(linear_panel_width); }
 
 // The bias, checked ([N], on the CPU, float32 or x's dtype) and contiguous; undefined if none.
 inline at::Tensor checked_bias(const std::optional<at::Tensor>& bias, int64_t N,
-                               const at::Tensor& x) {
+                               at::ScalarType x_dtype) {
   if (!bias.has_value() || !bias->defined()) return at::Tensor();
   jacobi::checks::rank(*bias, "bias", 1, "[out_features]");
   TORCH_CHECK_VALUE(bias->size(0) == N, "bias has ", bias->size(0), " entries, out_features is ",
                     N);
   TORCH_CHECK_VALUE(bias->device().is_cpu(), "bias is on ", bias->device(), ", x on the CPU");
-  TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat || bias->scalar_type() == x.scalar_type(),
-                    "bias must be float32 or x's dtype (", x.scalar_type(), "), got ",
+  TORCH_CHECK_VALUE(bias->scalar_type() == at::kFloat || bias->scalar_type() == x_dtype,
+                    "bias must be float32 or x's dtype (", x_dtype, "), got ",
                     bias->scalar_type());
   return bias->contiguous();
+}
+
+inline at::Tensor checked_bias(const std::optional<at::Tensor>& bias, int64_t N,
+                               const at::Tensor& x) {
+  return checked_bias(bias, N, x.scalar_type());
 }
 
 // x [..., K] as M rows with unit stride along k (a view where it can be).

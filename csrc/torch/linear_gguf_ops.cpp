@@ -98,25 +98,31 @@ at::Tensor cpu_linear_gguf_pack(at::TensorList weights, int64_t type) {
 
 namespace {
 
-// cpu_linear_gguf into y (nullptr: a new tensor, returned), its LoRA's x A^T into *t_ws where
-// given (made or grown there as needed; nullptr: a new tensor per call).
-at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64_t type,
-                            int64_t out_features, const std::optional<at::Tensor>& bias,
-                            const std::optional<at::Tensor>& lora_a,
-                            const std::optional<at::Tensor>& lora_b,
-                            const std::optional<at::Tensor>& lora_panel_r0,
-                            bool int8_activations, at::Tensor* y_out, at::Tensor* t_ws) {
-  const GgufFormat f = format_of(type);
+// x's checks (K of the plan's weight, float32, the CPU) and the launch of a checked plan.
+void check_gguf_x(const at::Tensor& x, int64_t K, int64_t type) {
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
-                    "cpu_linear_gguf runs on the CPU; x is on ", x.device(), ", packed on ",
-                    packed.device());
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "cpu_linear_gguf runs on the CPU; x is on ", x.device());
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32 (the GGUF linear computes in "
                     "float32), got ", x.scalar_type(), "; load the model in float32, or "
                     "dequantized for other dtypes");
+  TORCH_CHECK_VALUE(x.size(-1) == K, "x has ", x.size(-1), " input features; the weight has ", K,
+                    " (ggml type ", type, ")");
+}
+
+}  // namespace
+
+GgufLinearPlan plan_linear_gguf(const at::Tensor& packed, int64_t type, int64_t out_features,
+                                int64_t in_features, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& lora_a,
+                                const std::optional<at::Tensor>& lora_b,
+                                const std::optional<at::Tensor>& lora_panel_r0,
+                                bool int8_activations) {
+  const GgufFormat f = format_of(type);
+  TORCH_CHECK_VALUE(packed.device().is_cpu(), "cpu_linear_gguf runs on the CPU; packed is on ",
+                    packed.device());
   ck::dtype(packed, "packed", at::kByte);
   ck::contiguous(packed, "packed");
-  const int64_t K = x.size(-1), N = out_features;
+  const int64_t K = in_features, N = out_features;
   TORCH_CHECK_VALUE(N >= 0, "out_features must be >= 0, got ", N);
   TORCH_CHECK_VALUE(K % f.block_k == 0, "x has ", K, " input features, not a multiple of ggml type ",
                     type, "'s block of ", f.block_k);
@@ -125,24 +131,11 @@ at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64
                     " but a ", N, " x ", K, " weight of ggml type ", type, " packs to ",
                     at::IntArrayRef(want),
                     " on this CPU: pack it with cpu_linear_gguf_pack in this process");
-  const at::Tensor b = linear_common::checked_bias(bias, N, x);  // float32, as x
-  const linear_common::Rows rows = linear_common::rows_of(x);
-  const int64_t M = rows.M;
-  at::Tensor y = linear_common::output_into(y_out, x, N);
-  cpu::LinearArgs a{cpu::LinearDType::f32,
-                    M,
-                    N,
-                    K,
-                    rows.x.data_ptr(),
-                    rows.ldx,
-                    packed.data_ptr(),
-                    b.defined() ? b.data_ptr() : nullptr,
-                    true,
-                    y.data_ptr(),
-                    N};
+  GgufLinearPlan plan;
+  plan.type = type, plan.N = N, plan.K = K, plan.int8 = int8_activations;
+  plan.packed = packed;
+  plan.bias = linear_common::checked_bias(bias, N, at::kFloat);  // (x is float32)
   // An unmerged LoRA: the kernel computes t = x A^T first, then adds its B product per panel.
-  cpu::GgufLora lo;
-  at::Tensor t;
   const bool has_lora = lora_a.has_value() && lora_a->defined();
   TORCH_CHECK_VALUE(has_lora == (lora_b.has_value() && lora_b->defined()),
                     "lora_a and lora_b go together");
@@ -187,7 +180,35 @@ at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64
         TORCH_CHECK_VALUE(r0[p] >= 0 && r0[p] + r <= t_cols, "lora_panel_r0[", p, "] = ", r0[p],
                           ": columns [", r0[p], ", ", r0[p] + r, ") are outside x A^T's ",
                           t_cols);
+      plan.lora_panel_r0 = o;
     }
+    plan.lora_a = *lora_a, plan.lora_b = *lora_b;
+    plan.lora = cpu::GgufLora{nullptr, t_cols, r, bf16, lora_a->data_ptr(), lora_b->data_ptr(), r0};
+  }
+  if (int8_activations) {
+    TORCH_CHECK_VALUE(type == static_cast<int64_t>(GgufType::q4_1) ||
+                          type == static_cast<int64_t>(GgufType::q8_0),
+                      "int8_activations is implemented for Q4_1 (ggml type 3) and Q8_0 (8) "
+                      "weights, got type ", type, "; run this linear with int8_activations=False");
+  }
+  return plan;
+}
+
+at::Tensor run_linear_gguf(const GgufLinearPlan& plan, const at::Tensor& x, at::Tensor* y_out,
+                           at::Tensor* t_ws) {
+  check_gguf_x(x, plan.K, plan.type);
+  const int64_t N = plan.N;
+  const linear_common::Rows rows = linear_common::rows_of(x);
+  const int64_t M = rows.M;
+  at::Tensor y = linear_common::output_into(y_out, x, N);
+  const cpu::LinearArgs a{cpu::LinearDType::f32, M, N, plan.K, rows.x.data_ptr(), rows.ldx,
+                          plan.packed.data_ptr(),
+                          plan.bias.defined() ? plan.bias.data_ptr() : nullptr, true, y.data_ptr(),
+                          N};
+  cpu::GgufLora lo = plan.lora;
+  at::Tensor t;
+  if (plan.lora_a.defined()) {
+    const int64_t t_cols = lo.ldt;
     if (t_ws == nullptr) {
       t = at::empty({M, t_cols}, x.options());
     } else {
@@ -195,19 +216,38 @@ at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64
         *t_ws = at::empty({M * t_cols}, x.options());
       t = *t_ws;  // (its first M t_cols floats)
     }
-    lo = cpu::GgufLora{t.data_ptr<float>(), t_cols, r, bf16, lora_a->data_ptr(),
-                       lora_b->data_ptr(), r0};
+    lo.t = t.data_ptr<float>();
   }
-  if (int8_activations) {
-    TORCH_CHECK_VALUE(type == static_cast<int64_t>(GgufType::q4_1) ||
-                          type == static_cast<int64_t>(GgufType::q8_0),
-                      "int8_activations is implemented for Q4_1 (ggml type 3) and Q8_0 (8) "
-                      "weights, got type ", type, "; run this linear with int8_activations=False");
-    JACOBI_CPU_DISPATCH(linear_gguf_int8, static_cast<GgufType>(type), a, lo);
+  const auto type = static_cast<GgufType>(plan.type);
+  if (plan.int8) {
+    JACOBI_CPU_DISPATCH(linear_gguf_int8, type, a, lo);
   } else {
-    JACOBI_CPU_DISPATCH(linear_gguf, static_cast<GgufType>(type), a, lo);
+    JACOBI_CPU_DISPATCH(linear_gguf, type, a, lo);
   }
   return y;
+}
+
+namespace {
+
+// cpu_linear_gguf into y (nullptr: a new tensor, returned), its LoRA's x A^T into *t_ws where
+// given (made or grown there as needed; nullptr: a new tensor per call): a plan checked for this
+// call, then its launch.
+at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                            int64_t out_features, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& lora_a,
+                            const std::optional<at::Tensor>& lora_b,
+                            const std::optional<at::Tensor>& lora_panel_r0,
+                            bool int8_activations, at::Tensor* y_out, at::Tensor* t_ws) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
+                    "cpu_linear_gguf runs on the CPU; x is on ", x.device(), ", packed on ",
+                    packed.device());
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32 (the GGUF linear computes in "
+                    "float32), got ", x.scalar_type(), "; load the model in float32, or "
+                    "dequantized for other dtypes");
+  const GgufLinearPlan plan = plan_linear_gguf(packed, type, out_features, x.size(-1), bias, lora_a,
+                                               lora_b, lora_panel_r0, int8_activations);
+  return run_linear_gguf(plan, x, y_out, t_ws);
 }
 
 }  // namespace
@@ -231,8 +271,6 @@ void cpu_linear_gguf_out(const at::Tensor& x, const at::Tensor& packed, int64_t 
   linear_gguf_impl(x, packed, type, out_features, bias, lora_a, lora_b, lora_panel_r0,
                    int8_activations, &y, &lora_t);
 }
-
-namespace {
 
 // Rows `ids` of a Q8_0 matrix as the file stores it (raw: uint8 [V, blocks * 34], each block an
 // fp16 scale d then 32 int8 codes q), dequantized to float32 [*ids.shape, blocks * 32]: d * q,
@@ -274,6 +312,8 @@ at::Tensor cpu_gguf_q8_0_rows(const at::Tensor& raw, const at::Tensor& ids) {
   }
   return out;
 }
+
+namespace {
 
 // uint8 [nbytes] at a 2 MiB boundary, its pages advised to be transparent huge pages (Linux,
 // madvise; the OS may decline: then 4 KiB pages, as any tensor's).

@@ -249,6 +249,7 @@ class LeanDecoder:
         self.impl = impl
         self.fused = True
         self.native = None  # refresh: the layers as one LeanLayers where they can be
+        self.native_ar = False  # refresh: whether ar_step runs (its inputs natively too)
         self.greedy_head = None  # refresh: the LM head's greedy form, where it has one
         self._rope = None  # _cos_sin's tables: ((dtype, device), cos, sin)
 
@@ -271,6 +272,7 @@ class LeanDecoder:
         self._refresh_linears()
         self.plans = [self._plan(i) for i in range(len(self.layers))]
         self.native = None if env_off("JACOBI_EXT_NATIVE") else self._native_layers()
+        self.native_ar = self.native is not None and self._native_input()
         self.greedy_head = None if env_off("JACOBI_EXT_GREEDY_SCREEN") else _greedy_head(self.head)
 
     def _refresh_linears(self) -> None:
@@ -314,6 +316,37 @@ class LeanDecoder:
                     return None
             native.add_layer(heads, kv_heads, scaling, ln2_w, ln2_eps, norm_w, norm_eps)
         return native
+
+    def _native_input(self) -> bool:
+        """Give self.native what ar_step needs of the model: the embedding (a Q8_0 GGUF table or
+        an nn.Embedding's rows) and the first norm. False where ar_step cannot run: another
+        embedding, or rotary tables that _rope_tables cannot keep."""
+        emb, first = self.inner.embed_tokens, self.layers[0].ln1
+        if self._static_rope() is False:
+            return False
+        if isinstance(emb, GGUFEmbedding) and emb.ggml_type == 8:  # Q8_0
+            table, q8_0 = emb.raw_tensor(), True
+        elif type(emb) is nn.Embedding and emb.weight.dtype == first.weight.dtype:
+            table, q8_0 = emb.weight.detach(), False
+        else:
+            return False
+        self.native.set_input(table, q8_0, first.weight.detach(), float(first.variance_epsilon))
+        return True
+
+    @torch.inference_mode()
+    def ar_step(self, toks: list[int], lo: int, hi: int, cache, greedy: bool = True):
+        """One sequence's AR step from a list (runtime.StaticRuntime.ar_forward: tokens at
+        slots [hi, hi + q), seeing [lo, hi + i]) through LeanLayers.ar_step: embedding, rotary
+        rows, first norm, mask and slots made natively, then the layers and the head as
+        __call__'s (the same values: the same bits). Where native_ar."""
+        rt = cache.layers[0]._rt
+        ref = self.layers[0].ln1.weight
+        cos_tab, sin_tab = self._rope_tables(ref.dtype, ref.device, rt.capacity)
+        kts, keys, values = self._cache_lists(cache, ref.new_empty(1, 1, 1))
+        x = self.native.ar_step(
+            torch.tensor(toks), lo, hi, cos_tab, sin_tab, keys, values, kts, rt.scratch
+        )
+        return self._head(x, None, greedy)
 
     def _cache_lists(self, cache, h: torch.Tensor) -> tuple[list, list, list]:
         """The native run's per-layer tensors of `cache`: transposed keys, keys, values. A
@@ -398,23 +431,34 @@ class LeanDecoder:
         every position would be split among threads at points where a scalar tail may differ in
         the last bit; tests/test_lean_forward.py compares every position). Rotary embeddings whose
         frequencies depend on the positions seen, and head sizes off 32 lanes, call it."""
+        if not self._static_rope():
+            return self.inner.rotary_emb.forward(h, pos)
+        cos, sin = self._rope_tables(h.dtype, h.device, positions)
+        return cos[pos], sin[pos]
+
+    def _static_rope(self) -> bool:
         rope = self.inner.rotary_emb
         D = self.layers[0].attn.head_dim
-        if getattr(rope, "rope_type", None) not in self.STATIC_ROPE or D % 32:
-            return rope.forward(h, pos)
+        return getattr(rope, "rope_type", None) in self.STATIC_ROPE and D % 32 == 0
+
+    def _rope_tables(self, dtype, device, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos, sin tables [>= positions, D] _cos_sin indexes (made on first need, in
+        pieces: see there)."""
         tab = self._rope
-        if tab is None or tab[0] != (h.dtype, h.device) or tab[1].shape[0] < positions:
+        if tab is None or tab[0] != (dtype, device) or tab[1].shape[0] < positions:
+            rope = self.inner.rotary_emb
+            h = torch.zeros(1, 1, self.layers[0].attn.head_dim, dtype=dtype, device=device)
             n = -(-positions // self.ROPE_PIECE) * self.ROPE_PIECE
             pieces = [
-                rope.forward(h[:1, :1], torch.arange(i, i + self.ROPE_PIECE, device=h.device)[None])
+                rope.forward(h, torch.arange(i, i + self.ROPE_PIECE, device=device)[None])
                 for i in range(0, n, self.ROPE_PIECE)
             ]
             tab = self._rope = (
-                (h.dtype, h.device),
+                (dtype, device),
                 torch.cat([c[0] for c, _ in pieces]),
                 torch.cat([s[0] for _, s in pieces]),
             )
-        return tab[1][pos], tab[2][pos]
+        return tab[1], tab[2]
 
     def _fused(self, ids, pos, mask, cache) -> torch.Tensor:
         """The same forward on our fused CPU ops: per layer eight calls (norm with the residual

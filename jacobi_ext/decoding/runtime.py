@@ -444,10 +444,13 @@ class StaticRuntime:
         end (the host's copy of self.hi[0]); returns their targets. The same forward as
         forward(q, ..., in_place=True) on the same inputs (the same mask, positions, slots and
         ops, so the same bits; tests/test_decoding_fast_ar.py), without the batch step's
-        fixed-shape bookkeeping (input rows, gathers, the commit op, the packed row: ~0.1 ms of
-        a 3.2-4 ms one-token step on a 2-core EPYC, 0.97 of it). The caller commits: self.hi +=
+        fixed-shape bookkeeping (input rows, gathers, the commit op, the packed row), its inputs
+        made natively where the lean forward can (lean.LeanDecoder.ar_step): whole ar calls
+        0.92 of the batch step's time on a 2-core EPYC. The caller commits: self.hi +=
         accepted."""
         q = len(toks)
+        if self._lean.native_ar:  # the step's inputs made natively too (lean.ar_step)
+            return _targets(self._lean.ar_step(toks, self._lo_host, hi, self.cache))[0].tolist()
         if self._ar is None or self._ar[0].shape[1] < self.scratch:
             S, dev = self.scratch, self.device
             self._ar = (

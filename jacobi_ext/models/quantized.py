@@ -282,15 +282,19 @@ class GGUFEmbedding(nn.Module):
         out = table[torch.from_numpy(inv.reshape(-1))]
         return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
 
-    def _q8_0_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Q8_0 rows (blocks of an fp16 scale d and 32 int8 codes q) as d * q in float32: the
-        `gguf` package's own formula, so the same bits, in one native call (its numpy
-        bookkeeping cost ~0.3 ms a decoding step for one token's row; ten tensor ops ~40 us)."""
+    def raw_tensor(self) -> torch.Tensor:
+        """The file's table as a uint8 tensor [V, bytes per row] sharing its bytes."""
         if self._raw_t is None:
             with warnings.catch_warnings():  # the file's pages are read-only; we only read them
                 warnings.simplefilter("ignore", UserWarning)
                 self._raw_t = torch.from_numpy(self.raw)  # shares the file's bytes
-        rows = torch.ops.jacobi_ext.cpu_gguf_q8_0_rows(self._raw_t, ids.cpu())
+        return self._raw_t
+
+    def _q8_0_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Q8_0 rows (blocks of an fp16 scale d and 32 int8 codes q) as d * q in float32: the
+        `gguf` package's own formula, so the same bits, in one native call (its numpy
+        bookkeeping cost ~0.3 ms a decoding step for one token's row; ten tensor ops ~40 us)."""
+        rows = torch.ops.jacobi_ext.cpu_gguf_q8_0_rows(self.raw_tensor(), ids.cpu())
         return rows.to(ids.device)
 
     def extra_repr(self) -> str:
