@@ -235,6 +235,16 @@ inline VI widen_s8(const uint8_t* p) {
 inline VI low_nibbles(VI b) { return _mm512_and_si512(b, _mm512_set1_epi32(0xF)); }
 inline VI high_nibbles(VI b) { return _mm512_srli_epi32(b, 4); }  // b < 256
 inline VF vcvt(VI i) { return _mm512_cvtepi32_ps(i); }
+// A byte's low / high nibble as a float, from a table of 0..15 that vpermps indexes with each
+// lane's low 4 bits: the low nibble without its mask and conversion (one instruction of two).
+// The same values as vcvt of low_nibbles / high_nibbles (small integers, exact either way).
+inline VF table_0_15() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline VF low_nibble_floats(VI b, VF table) { return _mm512_permutexvar_ps(b, table); }
+inline VF high_nibble_floats(VI b, VF table) {
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+}
 inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 inline VF vfmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF vset1(float v) { return _mm512_set1_ps(v); }
@@ -259,6 +269,10 @@ inline VI widen_s8(const uint8_t* p) {
 inline VI low_nibbles(VI b) { return _mm256_and_si256(b, _mm256_set1_epi32(0xF)); }
 inline VI high_nibbles(VI b) { return _mm256_srli_epi32(b, 4); }  // b < 256
 inline VF vcvt(VI i) { return _mm256_cvtepi32_ps(i); }
+// (AVX2's vpermps indexes 8 lanes, not 16: the mask and conversion as they are)
+inline VF table_0_15() { return _mm256_setzero_ps(); }
+inline VF low_nibble_floats(VI b, VF) { return vcvt(low_nibbles(b)); }
+inline VF high_nibble_floats(VI b, VF) { return vcvt(high_nibbles(b)); }
 inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 inline VF vfmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF vset1(float v) { return _mm256_set1_ps(v); }
@@ -292,8 +306,9 @@ struct GroupScales {
       }
     }
   }
-  VF weight(int h, VI code) const {
-    const VF q = vcvt(code);
+  VF weight(int h, VI code) const { return weight_of(h, vcvt(code)); }
+  // The weight of a code already a float (exact: a small integer).
+  VF weight_of(int h, VF q) const {
     if constexpr (kFused) {
       return vfmadd(s[h], q, o[h]);
     } else if constexpr (Tr::kOffset) {
@@ -307,20 +322,29 @@ struct GroupScales {
 // Walks the G weight rows of the same group of P panels (g[p]): f(k, p, h, w) gets the weights
 // of row k, panel p, half h of its columns (one vector). For each (p, h), k comes in order, so a
 // chain that f runs per (p, h) is the chain over k; the (p, h) of one k may interleave with the
-// next k's (two k of nibbles come from one load).
-template <GgufType T, int P, typename F>
+// next k's (two k of nibbles come from one load). kTable: 4-bit codes to floats through
+// vpermps's table (low_nibble_floats), for one-row tiles, where the weights' instructions are
+// the bound (an exact one-row Q4_1 product, hot in L2, 2.9 % faster on an AVX-512 EPYC); where
+// several rows share each weight (1.6 % slower at 4 rows) the mask and conversion stay.
+template <GgufType T, int P, bool kTable = false, typename F>
 inline void for_each_weight_row(const uint8_t* const* g, F&& f) {
   using Tr = Traits<T>;
   GroupScales<T> sc[P];
   for (int p = 0; p < P; ++p) sc[p].load(g[p]);
   constexpr int64_t kCodes = kNR * Tr::kHeaderBytes;
   if constexpr (Tr::kNibbles) {
+    [[maybe_unused]] const VF table = table_0_15();
     for (int i = 0; i < Tr::kG / 2; ++i) {
       for (int p = 0; p < P; ++p) {
         for (int h = 0; h < 2; ++h) {
           const VI b = widen_u8(g[p] + kCodes + i * kNR + h * kHalfNR);
-          f(2 * i, p, h, sc[p].weight(h, low_nibbles(b)));
-          f(2 * i + 1, p, h, sc[p].weight(h, high_nibbles(b)));
+          if constexpr (kTable) {
+            f(2 * i, p, h, sc[p].weight_of(h, low_nibble_floats(b, table)));
+            f(2 * i + 1, p, h, sc[p].weight_of(h, high_nibble_floats(b, table)));
+          } else {
+            f(2 * i, p, h, sc[p].weight(h, low_nibbles(b)));
+            f(2 * i + 1, p, h, sc[p].weight(h, high_nibbles(b)));
+          }
         }
       }
     }
@@ -371,7 +395,7 @@ inline void codes_tile(const float* x, int64_t ldx, const uint8_t* panel, int64_
         _mm_prefetch(reinterpret_cast<const char*>(next + b), _MM_HINT_T0);
       }
     }
-    for_each_weight_row<T, P>(g, [&](int k, int p, int h, VF w) {
+    for_each_weight_row<T, P, MR == 1>(g, [&](int k, int p, int h, VF w) {
       for (int m = 0; m < MR; ++m) acc[m][p][h] = vfmadd(vbroadcast(xg + m * ldx + k), w, acc[m][p][h]);
     });
   }
