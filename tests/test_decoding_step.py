@@ -26,14 +26,16 @@ def models():
 
 
 def _count_launches(monkeypatch) -> list[int]:
+    """The verify op's launches (on a CPU inside cpu_verify_rows, one each)."""
     calls: list[int] = []
-    real = step.verify
+    for name in ("verify", "verify_rows"):
+        real = getattr(step, name)
 
-    def counted(*args):
-        calls.append(args[0].shape[0])  # the batch of this launch
-        return real(*args)
+        def counted(*args, real=real):
+            calls.append(args[0].shape[0])  # the batch of this launch
+            return real(*args)
 
-    monkeypatch.setattr(step, "verify", counted)
+        monkeypatch.setattr(step, name, counted)
     return calls
 
 
@@ -49,6 +51,46 @@ def test_one_verify_launch_per_step_for_the_whole_batch(models, monkeypatch, kw)
         res = generate(model, IDS, 40, attention_mask=MASK, **kw)
         assert len(calls) == res.forwards  # one launch per step, not one per sequence
         assert set(calls) == {IDS.shape[0]}  # each launch covers the whole batch
+
+
+@pytest.mark.parametrize("kw", [
+    dict(method="jacobi", block_size=4),
+    dict(method="multiblock", block_size=5, num_blocks=3, pool_size=3),
+    dict(method="multiblock", block_size=3, lookup=True, eos_token_id=[3, 7]),
+])  # fmt: skip
+def test_native_verify_rows_are_the_tensor_ops(models, monkeypatch, kw) -> None:
+    """On a CPU the verify side of a step is one native call (cpu_verify_rows): at every step of
+    a batch (sequences that finish early, take part or not, AR fallbacks), its packed rows,
+    winner offsets, counts and flags, and every state it updates (next rows and candidates, block
+    ends, pool, context), equal the tensor ops' on the same inputs."""
+    real = step.BatchStep._verify
+    checked = []
+
+    def both(self, toks, tgt, Q):
+        kept = lambda: [  # noqa: E731
+            self.src, self.block_ends, self.pool, self.pool_len, self.pool_head,
+            self.ctx[:, : self.ctx_cap], self.ctx_len,
+        ]  # fmt: skip
+        before = [t.clone() for t in kept()]
+        self._native_verify = False
+        want = real(self, toks, tgt, Q)
+        want_state = [t.clone() for t in kept()]
+        for t, b in zip(kept(), before, strict=True):
+            t.copy_(b)
+        self._native_verify = True
+        got = real(self, toks, tgt, Q)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        for a, b in zip(kept(), want_state, strict=True):
+            assert torch.equal(a, b)
+        checked.append(1)
+        return got
+
+    monkeypatch.setattr(step.BatchStep, "_verify", both)
+    for model in models:
+        res = generate(model, IDS, 40, attention_mask=MASK, **kw)
+        assert res.tokens.shape[0] == IDS.shape[0]
+    assert len(checked) > 10
 
 
 def test_ar_steps_launch_no_verify(models, monkeypatch) -> None:

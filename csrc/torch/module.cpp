@@ -184,6 +184,14 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // The step's AR rows on a CPU in one pass (jacobi_ext.decoding.step.BatchStep._ar_rows' result
   // from toks, tgt [B, Q], fed [B], the EOS ids and the row's commit width and tail;
   // csrc/torch/verify_ops.cpp has the rule): (rows [B, 8 + width + tail], count [B]), int64.
+  // The parallel sequences' side of a step on a CPU, in one call (step.py: BatchStep._verify):
+  // rows cut from toks / tgt, verify_step, the next state into src, block_ends, the pool, ctx and
+  // ctx_len (in place), and (packed rows, winner rows' first queries, tokens committed, taking
+  // part) (csrc/torch/verify_ops.cpp).
+  m.def("cpu_verify_rows(Tensor toks, Tensor tgt, Tensor row_start, Tensor row_len, "
+        "Tensor init_idx, Tensor(a!) src, Tensor(b!) block_ends, Tensor(c!) pool, "
+        "Tensor(d!) pool_len, Tensor(e!) pool_head, Tensor(f!) ctx, Tensor(g!) ctx_len, "
+        "int spawn_threshold, int eos_token_id, int width) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("cpu_ar_accept(Tensor toks, Tensor tgt, Tensor fed, Tensor? eos, int width, int tail) "
         "-> (Tensor, Tensor)");
 }

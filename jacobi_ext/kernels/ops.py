@@ -298,6 +298,20 @@ def _decode_rope_attention_fake(qkv, heads, kv_heads, cos, sin, k_cache, v_cache
     return qkv.new_empty((B, Q, heads, k_cache.shape[-1]))
 
 
+@torch.library.register_fake("jacobi_ext::cpu_verify_rows")
+def _cpu_verify_rows_fake(toks, tgt, row_start, row_len, init_idx, src, block_ends, pool,
+                          pool_len, pool_head, ctx, ctx_len, spawn, eos, width):  # fmt: skip
+    B, R, n = toks.shape[0], row_len.shape[1], init_idx.shape[1]
+    K, p = block_ends.shape[1], pool.shape[1]
+    L = 8 + width + K + p + R + n + p * n
+    return (
+        toks.new_empty((B, L)),
+        toks.new_empty((B,)),
+        toks.new_empty((B,)),
+        toks.new_empty((B,), dtype=torch.bool),
+    )
+
+
 @torch.library.register_fake("jacobi_ext::cpu_ar_accept")
 def _cpu_ar_accept_fake(toks, tgt, fed, eos, width, tail):
     B = toks.shape[0]
