@@ -231,7 +231,7 @@ namespace {
 
 // cpu_linear_gguf into y (nullptr: a new tensor, returned), its LoRA's x A^T into *t_ws where
 // given (made or grown there as needed; nullptr: a new tensor per call): a plan checked for this
-// call, then its launch.
+// call, then its launch (which checks x).
 at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64_t type,
                             int64_t out_features, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& lora_a,
@@ -239,12 +239,6 @@ at::Tensor linear_gguf_impl(const at::Tensor& x, const at::Tensor& packed, int64
                             const std::optional<at::Tensor>& lora_panel_r0,
                             bool int8_activations, at::Tensor* y_out, at::Tensor* t_ws) {
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu(),
-                    "cpu_linear_gguf runs on the CPU; x is on ", x.device(), ", packed on ",
-                    packed.device());
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32 (the GGUF linear computes in "
-                    "float32), got ", x.scalar_type(), "; load the model in float32, or "
-                    "dequantized for other dtypes");
   const GgufLinearPlan plan = plan_linear_gguf(packed, type, out_features, x.size(-1), bias, lora_a,
                                                lora_b, lora_panel_r0, int8_activations);
   return run_linear_gguf(plan, x, y_out, t_ws);
@@ -360,19 +354,12 @@ bool screenable(int64_t type) {
 // up to float32; a non-finite scale gives inf), then their maximum: float32 [N + 1].
 at::Tensor cpu_linear_gguf_abs_sums(const at::Tensor& packed, int64_t type, int64_t out_features,
                                     int64_t in_features) {
-  const GgufFormat f = format_of(type);
   TORCH_CHECK_VALUE(screenable(type), "abs sums are for Q4_1 (3) and Q8_0 (8) weights, got ggml "
                     "type ", type);
-  ck::dtype(packed, "packed", at::kByte);
-  ck::contiguous(packed, "packed");
-  TORCH_CHECK_VALUE(packed.device().is_cpu(), "packed is on ", packed.device(), "; a CPU weight");
+  TORCH_CHECK_VALUE(in_features >= 0, "in_features must be >= 0, got ", in_features);
+  plan_linear_gguf(packed, type, out_features, in_features, {}, {}, {}, {}, false);  // its checks
+  const GgufFormat f = format_of(type);
   const int64_t N = out_features, K = in_features, nr = panel_width();
-  TORCH_CHECK_VALUE(N >= 0 && K >= 0 && K % f.group_k == 0, "out_features ", N, ", in_features ",
-                    K, ": in_features must be a multiple of ", f.group_k);
-  const auto want = packed_shape(f, N, K);
-  TORCH_CHECK_VALUE(packed.sizes() == at::IntArrayRef(want), "packed has shape ", packed.sizes(),
-                    " but a ", N, " x ", K, " weight of ggml type ", type, " packs to ",
-                    at::IntArrayRef(want));
   at::Tensor out = at::empty({N + 1}, packed.options().dtype(at::kFloat));
   float* w1 = out.data_ptr<float>();
   const uint8_t* base = packed.data_ptr<uint8_t>();
@@ -431,18 +418,11 @@ GreedyScreen greedy_screen_of(const at::Tensor& x, const linear_common::Rows& ro
                               const at::Tensor& packed, int64_t type, int64_t out_features,
                               const at::Tensor& abs_sums) {
   namespace gs = jacobi::greedy_screen;
-  const GgufFormat f = format_of(type);
   TORCH_CHECK_VALUE(screenable(type), "cpu_linear_gguf_greedy screens Q4_1 (3) and Q8_0 (8) "
                     "weights, got ggml type ", type, "; take cpu_argmax of cpu_linear_gguf instead");
   const int64_t K = x.size(-1), N = out_features, M = rows.M;
   TORCH_CHECK_VALUE(N > 0, "out_features must be > 0 (an argmax needs a column), got ", N);
-  TORCH_CHECK_VALUE(K % f.block_k == 0, "x has ", K, " input features, not a multiple of ggml type ",
-                    type, "'s block of ", f.block_k);
-  const auto want = packed_shape(f, N, K);
-  TORCH_CHECK_VALUE(packed.device().is_cpu() && packed.sizes() == at::IntArrayRef(want),
-                    "packed has shape ", packed.sizes(), " on ", packed.device(), " but a ", N, " x ",
-                    K, " weight of ggml type ", type, " packs to ", at::IntArrayRef(want),
-                    " on this CPU: pack it with cpu_linear_gguf_pack in this process");
+  plan_linear_gguf(packed, type, N, K, {}, {}, {}, {}, false);  // the weight side's checks
   ck::dtype(abs_sums, "abs_sums", at::kFloat);
   ck::contiguous(abs_sums, "abs_sums");
   TORCH_CHECK_VALUE(abs_sums.dim() == 1 && abs_sums.size(0) == N + 1 && abs_sums.device().is_cpu(),
@@ -497,8 +477,6 @@ void check_greedy_x(const at::Tensor& x) {
 at::Tensor cpu_linear_gguf_greedy(const at::Tensor& x, const at::Tensor& packed, int64_t type,
                                   int64_t out_features, const at::Tensor& abs_sums) {
   check_greedy_x(x);
-  ck::dtype(packed, "packed", at::kByte);
-  ck::contiguous(packed, "packed");
   const linear_common::Rows rows = linear_common::rows_of(x);
   const GreedyScreen s = greedy_screen_of(x, rows, packed, type, out_features, abs_sums);
   at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
@@ -509,11 +487,12 @@ at::Tensor cpu_linear_gguf_greedy(const at::Tensor& x, const at::Tensor& packed,
   const float* xp = rows.x.data_ptr<float>();
   const cpu::GgufLora none;
   // The candidates' exact values, panel by panel (a panel's columns are the same chains as in the
-  // whole product); a row without a usable screen in full.
-  std::vector<float> exact(std::max(nr, N));
+  // whole product); a row without a usable screen in full (only then a vocabulary-wide buffer).
+  std::vector<float> exact(nr);
   for (int64_t m = 0; m < s.M; ++m) {
     const float* xm = xp + m * rows.ldx;
     if (s.count[m] < 0) {
+      exact.resize(std::max(nr, N));
       JACOBI_CPU_DISPATCH(linear_gguf, t,
                           cpu::LinearArgs{cpu::LinearDType::f32, 1, N, K, xm, K, codes, nullptr,
                                           true, exact.data(), N},
@@ -552,20 +531,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> debug_greedy_screen(const at::Ten
                                                                    const at::Tensor& abs_sums) {
   check_greedy_x(x);
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [M, in_features], got ", x.sizes());
-  ck::dtype(packed, "packed", at::kByte);
-  ck::contiguous(packed, "packed");
   const linear_common::Rows rows = linear_common::rows_of(x);
   const GreedyScreen s = greedy_screen_of(x, rows, packed, type, out_features, abs_sums);
   const int64_t M = s.M, N = s.N;
   at::Tensor a = at::empty({M, N}, x.options()), E = at::empty({M, N}, x.options());
   at::Tensor count = at::empty({M}, x.options().dtype(at::kLong));
   const float* w1 = abs_sums.data_ptr<float>();
+  float *ap = a.data_ptr<float>(), *Ep = E.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     const float* y0 = s.y.data_ptr<float>() + m * N;
     const float* y1 = y0 + M * N;
     for (int64_t j = 0; j < N; ++j) {
-      a.data_ptr<float>()[m * N + j] = y0[j] + y1[j];
-      E.data_ptr<float>()[m * N + j] = w1[j] * s.e[m] + s.t;
+      ap[m * N + j] = y0[j] + y1[j];
+      Ep[m * N + j] = w1[j] * s.e[m] + s.t;
     }
     count.data_ptr<int64_t>()[m] = s.count[m];
   }

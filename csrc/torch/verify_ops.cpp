@@ -266,32 +266,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cpu_verify_rows(
   at::Tensor tok_rows = at::empty({B, R, Wv}, opt), tgt_rows = at::empty({B, R, Wv}, opt);
   at::Tensor lens = at::empty({B, R}, opt.dtype(at::kInt)), init = at::empty({B, n}, opt);
   const at::Tensor tc = toks.contiguous(), gc = tgt.contiguous();
+  const int64_t *tp = tc.data_ptr<int64_t>(), *gp = gc.data_ptr<int64_t>();
   const auto rs = row_start.accessor<int64_t, 2>(), rl = row_len.accessor<int64_t, 2>();
   const auto ii = init_idx.accessor<int64_t, 2>();
   int64_t *ctx_p = ctx.data_ptr<int64_t>(), *ctx_n = ctx_len.data_ptr<int64_t>();
+  int64_t *trp = tok_rows.data_ptr<int64_t>(), *grp = tgt_rows.data_ptr<int64_t>();
+  int64_t* initp = init.data_ptr<int64_t>();
+  int32_t* lensp = lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t r = 0; r < R; ++r) {
-      lens.data_ptr<int32_t>()[b * R + r] = static_cast<int32_t>(rl[b][r]);
+      lensp[b * R + r] = static_cast<int32_t>(rl[b][r]);
       for (int64_t i = 0; i < Wv; ++i) {
         const int64_t at = std::min(rs[b][r] + i, Q - 1);  // (as the Python: clamped, masked)
         const bool in = i < rl[b][r];
         TORCH_CHECK_VALUE(!in || at >= 0, "row_start[", b, "][", r, "] is negative");
-        tok_rows.data_ptr<int64_t>()[(b * R + r) * Wv + i] = in ? tc.data_ptr<int64_t>()[b * Q + at] : -1;
-        tgt_rows.data_ptr<int64_t>()[(b * R + r) * Wv + i] = in ? gc.data_ptr<int64_t>()[b * Q + at] : -1;
+        trp[(b * R + r) * Wv + i] = in ? tp[b * Q + at] : -1;
+        grp[(b * R + r) * Wv + i] = in ? gp[b * Q + at] : -1;
       }
     }
     for (int64_t j = 0; j < n; ++j) {
       TORCH_CHECK_VALUE(ii[b][j] >= 0 && ii[b][j] <= cap, "init_idx[", b, "][", j, "] = ",
                         ii[b][j], " is outside the context's ", cap + 1, " slots");
-      init.data_ptr<int64_t>()[b * n + j] = ctx_p[b * (cap + 1) + ii[b][j]];
+      initp[b * n + j] = ctx_p[b * (cap + 1) + ii[b][j]];
     }
   }
   auto [accept, summary, commit, nxt, ends, cands, cand_len] =
       verify_step_cpu(tok_rows, tgt_rows, lens, block_ends, init, pool, pool_len, pool_head,
                       spawn_threshold, eos_token_id);
   const int64_t tail = K + p + R + n + p * n, L = kSummarySize + width + tail;
-  at::Tensor rows = at::empty({B, L}, opt), first = at::empty({B}, opt), count = at::empty({B}, opt);
-  at::Tensor par = at::empty({B}, opt.dtype(at::kBool));
+  at::Tensor rows = at::empty({B, L}, opt), first = at::empty({B}, opt);
+  at::Tensor count = at::empty({B}, opt), par = at::empty({B}, opt.dtype(at::kBool));
   const int64_t* sm = summary.data_ptr<int64_t>();
   const int64_t *cm = commit.data_ptr<int64_t>(), *nx = nxt.data_ptr<int64_t>(),
                 *cd = cands.data_ptr<int64_t>();

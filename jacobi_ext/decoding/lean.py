@@ -322,7 +322,7 @@ class LeanDecoder:
         an nn.Embedding's rows) and the first norm. False where ar_step cannot run: another
         embedding, or rotary tables that _rope_tables cannot keep."""
         emb, first = self.inner.embed_tokens, self.layers[0].ln1
-        if self._static_rope() is False:
+        if not self._static_rope():
             return False
         if isinstance(emb, GGUFEmbedding) and emb.ggml_type == 8:  # Q8_0
             table, q8_0 = emb.raw_tensor(), True

@@ -251,7 +251,6 @@ class StaticRuntime:
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
         self.graph_replays = 0
         self._lean = None  # lean.LeanDecoder, False where it does not apply; set at prefill
-        self._ar = None  # ar_forward's tables: (seg, off, arange(capacity))
         self._lo_host = scratch  # self.lo[0], as the last prefill set it
         ops = torch.ops.jacobi_ext
         native_commit = dev.type == "cpu" or cuda_decode_on(dev)
@@ -451,23 +450,11 @@ class StaticRuntime:
         q = len(toks)
         if self._lean.native_ar:  # the step's inputs made natively too (lean.ar_step)
             return _targets(self._lean.ar_step(toks, self._lo_host, hi, self.cache))[0].tolist()
-        if self._ar is None or self._ar[0].shape[1] < self.scratch:
-            S, dev = self.scratch, self.device
-            self._ar = (
-                torch.zeros(1, S, dtype=torch.long, device=dev),  # seg: one row
-                torch.arange(S, device=dev)[None],  # off
-                torch.arange(self.capacity, device=dev),  # positions and slots, sliced
-            )
-        seg, off, table = self._ar
-        lo = self._lo_host
-        self.write_slots = table[hi : hi + q]
-        self.attend = hi + q
-        mask = torch.ops.jacobi_ext.cpu_step_mask(seg[:, :q], off[:, :q], self.lo, self.hi, hi + q)
-        mask[..., hi:] = mask[..., :q]  # (as _forward's in_place: lo >= scratch >= q)
-        mask[..., :q] = False
-        pos = table[None, hi - lo : hi - lo + q]
-        out = self._lean(torch.tensor([toks]), pos, mask, self.cache, None, True)
-        return _targets(out)[0].tolist()
+        # else the in-place step's own forward on these tokens (one row, offsets 0..q-1)
+        self.ids[0, :q] = torch.tensor(toks)
+        self.seg[0, :q] = 0
+        self.off[0, :q] = self._slots[:q]
+        return self._forward(q, hi + q, None, True)[0].tolist()
 
     def width(self, q: int) -> int:
         """The width a step feeding at most q tokens per sequence runs at."""
