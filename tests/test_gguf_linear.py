@@ -344,7 +344,8 @@ def check_lora(qtype: Q, int8: bool) -> None:
     calls (A through the fp32 kernel's own panels), for one M tile and several; A of one vector
     panel, of a pair, of a pair and one more (its units of two and one), at ranks that fill and
     that pad the last vector; outputs enough for the threads to split the call (A's units
-    computed in the product's parallel pass)."""
+    computed in the product's parallel pass; from 8 rows (exact) or 16 (8-bit), t's rows split
+    in a pass of their own and each few panels' terms added right after their product)."""
     from jacobi_ext.kernels.ops import cpu_linear_layout, cpu_lora_pack_a
 
     rng = np.random.default_rng(2)
@@ -360,7 +361,9 @@ def check_lora(qtype: Q, int8: bool) -> None:
         assert tuple(a.shape) == (-(-r // vl), K, vl)
         b = ops.cpu_linear_pack(torch.randn(N, r, generator=g))
         bias = torch.randn(N, generator=g)
-        for M in (1, 3, 13, 64, 70):  # 70: on 8-bit activations the AMX tile, where there is one
+        # 8 and 16: where the exact and the 8-bit call take t's rows apart (and just below);
+        # 70: on 8-bit activations the AMX tile, where there is one
+        for M in (1, 3, 7, 8, 13, 15, 16, 64, 70):
             x = torch.randn(M, K, generator=g)
             base = ops.cpu_linear_gguf(x, packed, int(qtype), N, bias, int8_activations=int8)
             want = base + ops.cpu_linear(ops.cpu_linear(x, a_ref, r), b, N)
