@@ -498,21 +498,16 @@ inline void lora_t_unit_of(const LinearArgs& a, const GgufLora& lo, int64_t i, i
   }
 }
 
-inline void lora_t_unit(const LinearArgs& a, const GgufLora& lo, int64_t i) {
-  if (lo.bf16) return lora_t_unit_of<c10::BFloat16>(a, lo, i, 0, a.M);
-  lora_t_unit_of<float>(a, lo, i, 0, a.M);
+inline void lora_t_unit(const LinearArgs& a, const GgufLora& lo, int64_t i, int64_t r0,
+                        int64_t r1) {
+  if (lo.bf16) return lora_t_unit_of<c10::BFloat16>(a, lo, i, r0, r1);
+  lora_t_unit_of<float>(a, lo, i, r0, r1);
 }
 
 // Every unit of t, rows [r0, r1) of it.
 inline void lora_t_rows(const LinearArgs& a, const GgufLora& lo, int64_t r0, int64_t r1) {
   const int64_t a_units = (lo.ldt / kVL + 1) / 2;
-  for (int64_t i = 0; i < a_units; ++i) {
-    if (lo.bf16) {
-      lora_t_unit_of<c10::BFloat16>(a, lo, i, r0, r1);
-    } else {
-      lora_t_unit_of<float>(a, lo, i, r0, r1);
-    }
-  }
+  for (int64_t i = 0; i < a_units; ++i) lora_t_unit(a, lo, i, r0, r1);
 }
 
 // y += t B^T on panels [p0, p1) (every row).
@@ -582,7 +577,7 @@ inline void panel_loop(const LinearArgs& a, const GgufLora& lo, int64_t units, i
   std::atomic<int64_t> t_done{0};
   cpu::parallel_for(0, lead + units, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t i = (u0 + 2 * w - 1) / (2 * w); 2 * i * w < std::min(u1, lead); ++i) {
-      lora_t_unit(a, lo, i);
+      lora_t_unit(a, lo, i, 0, a.M);
       t_done.fetch_add(1, std::memory_order_release);
     }
     if (u1 <= lead) return;

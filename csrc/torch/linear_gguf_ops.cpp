@@ -55,6 +55,11 @@ GgufFormat format_of(int64_t type) {
   return f;
 }
 
+// The types the 8-bit kernel reads (linear_gguf_int8), and so the greedy head's screen.
+bool int8_type(int64_t type) {
+  return type == static_cast<int64_t>(GgufType::q4_1) || type == static_cast<int64_t>(GgufType::q8_0);
+}
+
 using linear_common::panel_width;
 
 std::vector<int64_t> packed_shape(const GgufFormat& f, int64_t N, int64_t K) {
@@ -186,8 +191,7 @@ GgufLinearPlan plan_linear_gguf(const at::Tensor& packed, int64_t type, int64_t 
     plan.lora = cpu::GgufLora{nullptr, t_cols, r, bf16, lora_a->data_ptr(), lora_b->data_ptr(), r0};
   }
   if (int8_activations) {
-    TORCH_CHECK_VALUE(type == static_cast<int64_t>(GgufType::q4_1) ||
-                          type == static_cast<int64_t>(GgufType::q8_0),
+    TORCH_CHECK_VALUE(int8_type(type),
                       "int8_activations is implemented for Q4_1 (ggml type 3) and Q8_0 (8) "
                       "weights, got type ", type, "; run this linear with int8_activations=False");
   }
@@ -346,15 +350,11 @@ at::Tensor cpu_weight_arena(int64_t nbytes) {
 
 // ---- the greedy head (jacobi/greedy_screen.h: the method and its bound) -------------------------
 
-bool screenable(int64_t type) {
-  return type == static_cast<int64_t>(GgufType::q4_1) || type == static_cast<int64_t>(GgufType::q8_0);
-}
-
 // W1_j = sum_k (|d c_kj| + |m|) of each column of a packed Q8_0 / Q4_1 weight (in double, rounded
 // up to float32; a non-finite scale gives inf), then their maximum: float32 [N + 1].
 at::Tensor cpu_linear_gguf_abs_sums(const at::Tensor& packed, int64_t type, int64_t out_features,
                                     int64_t in_features) {
-  TORCH_CHECK_VALUE(screenable(type), "abs sums are for Q4_1 (3) and Q8_0 (8) weights, got ggml "
+  TORCH_CHECK_VALUE(int8_type(type), "abs sums are for Q4_1 (3) and Q8_0 (8) weights, got ggml "
                     "type ", type);
   TORCH_CHECK_VALUE(in_features >= 0, "in_features must be >= 0, got ", in_features);
   plan_linear_gguf(packed, type, out_features, in_features, {}, {}, {}, {}, false);  // its checks
@@ -418,7 +418,7 @@ GreedyScreen greedy_screen_of(const at::Tensor& x, const linear_common::Rows& ro
                               const at::Tensor& packed, int64_t type, int64_t out_features,
                               const at::Tensor& abs_sums) {
   namespace gs = jacobi::greedy_screen;
-  TORCH_CHECK_VALUE(screenable(type), "cpu_linear_gguf_greedy screens Q4_1 (3) and Q8_0 (8) "
+  TORCH_CHECK_VALUE(int8_type(type), "cpu_linear_gguf_greedy screens Q4_1 (3) and Q8_0 (8) "
                     "weights, got ggml type ", type, "; take cpu_argmax of cpu_linear_gguf instead");
   const int64_t K = x.size(-1), N = out_features, M = rows.M;
   TORCH_CHECK_VALUE(N > 0, "out_features must be > 0 (an argmax needs a column), got ", N);

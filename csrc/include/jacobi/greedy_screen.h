@@ -1,7 +1,7 @@
 // The greedy LM head of the exact mode, screened on 8-bit activations: the argmax of x W^T
 // (the exact fp32 product with the exactly dequantized Q8_0 / Q4_1 codes), found without that
 // product over the whole vocabulary. Torch-free: the bound and the rule, for the CPU op
-// (csrc/torch/greedy_head_ops.cpp) and its tests.
+// (csrc/torch/linear_gguf_ops.cpp: cpu_linear_gguf_greedy) and its tests.
 //
 // Why: the exact mode's LM head is arithmetic-bound, not memory-bound. Every weight is widened,
 // dequantized and multiplied in fp32 (3 vector operations per 16 weights and row): on a 2-core
