@@ -126,10 +126,15 @@ def test_argmax_matches_the_cpu_op_and_torch(dtype):
     x[2, 3] = float("nan")  # two NaNs: the first
     x[3] = 0.0  # all equal: index 0
     x[4, -1] = float("inf")
+    x[5] = 0.0
+    x[5, 10] = torch.finfo(dtype).tiny / 4  # a denormal beats zeros (no flush to zero)
+    x[6] = -1.0
+    x[6, 20] = -torch.finfo(dtype).tiny / 4  # a negative denormal beats -1, loses to nothing
     got = ops.cpu_argmax(x.cuda()).cpu()
     assert torch.equal(got, ops.cpu_argmax(x))
     assert torch.equal(got, x.max(-1).indices)
     assert got[1] == 100 and got[2] == 3 and got[3] == 0 and got[4] == 49151
+    assert got[5] == 10 and got[6] == 20
 
 
 @pytest.mark.parametrize(
@@ -163,6 +168,53 @@ def test_kv_commit_matches_the_cpu_op(dtype, D):
     ops.cpu_kv_commit(gmixed, src.cuda(), dst.cuda(), count.cuda(), [])
     for a, b in zip(gmixed, mixed, strict=True):
         assert torch.equal(a.cpu(), b)
+
+
+def test_kv_commit_moves_16_bit_units_from_2_byte_aligned_caches():
+    """bf16 caches that start 2 bytes into a word (views into a larger buffer): rows of an even
+    number of elements, yet 32-bit units would fault; the op moves them as 16-bit ones."""
+    shape, g = (2, 2, 40, 64), torch.Generator().manual_seed(1)
+    n = torch.Size(shape).numel()
+    bufs = [torch.randn(n + 1, generator=g).to(torch.bfloat16) for _ in range(3)]
+    caches = [b[1:].view(shape) for b in bufs]
+    gpu = [b.cuda()[1:].view(shape) for b in bufs]
+    assert all(c.data_ptr() % 4 == 2 for c in gpu)
+    src, dst, count = torch.tensor([0, 3]), torch.tensor([20, 6]), torch.tensor([9, 5])
+    ops.cpu_kv_commit(caches, src, dst, count, [])
+    ops.cpu_kv_commit(gpu, src.cuda(), dst.cuda(), count.cuda(), [])
+    torch.cuda.synchronize()
+    for a, b in zip(gpu, caches, strict=True):
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_plan_attention_clamps_a_plan_past_the_cache(dtype):
+    """hi past the capacity (a commit that did not fit while hi moved) reads nothing outside
+    the sequence's own cache rows: the output is the plan's with hi at the capacity, bitwise, and
+    the other sequences' are unchanged."""
+    B, Hq, Hkv, D, Q, cap, ctx = CASES[1]
+    g = [t.cuda() for t in make_case(B, Hq, Hkv, D, Q, cap, ctx, dtype)]
+    qkv, cos, sin, kc, vc, seg, off, lo, hi = g
+    at_cap = hi.clone()
+    at_cap[0] = cap
+    past = hi.clone()
+    past[0] = cap + 37
+    want = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc.clone(), vc.clone(), seg, off,
+                                     lo, at_cap, D**-0.5)  # fmt: skip
+    got = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc.clone(), vc.clone(), seg, off,
+                                    lo, past, D**-0.5)  # fmt: skip
+    assert torch.equal(got, want)
+
+
+def test_plan_attention_refuses_caches_off_16_byte_alignment():
+    B, Hq, Hkv, D, Q, cap, ctx = CASES[1]
+    qkv, cos, sin, kc, vc, seg, off, lo, hi = [
+        t.cuda() for t in make_case(B, Hq, Hkv, D, Q, cap, ctx, torch.float32)
+    ]
+    n = kc.numel()
+    shifted = torch.zeros(n + 1, device="cuda")[1:].view(kc.shape)  # 4 bytes into a vector
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, shifted, vc, seg, off, lo, hi, 0.1)
 
 
 def test_fused_ops_capture_in_a_cuda_graph():
@@ -310,3 +362,47 @@ def test_bad_arguments_raise_value_errors():
         ops.cpu_silu_mul(torch.zeros(3, 8, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="features"):
         ops.cpu_rms_norm(torch.zeros(3, 8, device="cuda"), torch.ones(7, device="cuda"), 1e-6)
+
+
+@pytest.mark.gpu_timeout(300)
+def test_a_larger_probe_leaves_the_kept_runtimes_graphs_correct():
+    """The silent wrong-token case: generate (graphs captured, gathering rotary rows), a
+    StepProbe with more positions, then generate again on the kept runtime: the same tokens,
+    and the tables the graphs read are the ones they were captured with."""
+    from jacobi_ext.decoding.engine import generate
+    from jacobi_ext.decoding.runtime import StepProbe
+
+    model = _model("llama", torch.bfloat16, seed=5)
+    ids = torch.randint(0, 101, (1, 12), generator=torch.Generator().manual_seed(6)).cuda()
+    kw = dict(max_new_tokens=40, method="jacobi", block_size=8)
+    first = generate(model, ids, **kw).tokens
+    rt = model._jacobi_runtime
+    assert rt.use_graphs and rt.graph_replays > 0
+    reads = rt.step_reads()
+    probe = StepProbe(model, context=rt.capacity + 300, max_q=64)
+    for q in (1, 8, 64):
+        probe(q)
+    torch.cuda.synchronize()
+    again = generate(model, ids, **kw).tokens
+    assert model._jacobi_runtime is rt and rt.step_reads() == reads
+    assert torch.equal(again, first)
+    assert torch.equal(again, generate(model, ids, max_new_tokens=40, method="ar").tokens)
+
+
+@pytest.mark.gpu_timeout(180)
+def test_float32_norms_beside_bfloat16_linears_on_cuda():
+    """Norm weights kept in float32 in a bf16 model: cast once when the plan is made, so the
+    model decodes as with its norms cast (every method our AR)."""
+    import copy
+
+    from jacobi_ext.decoding.engine import generate
+
+    model = _model("llama", torch.bfloat16, seed=7)
+    cast = copy.deepcopy(model)
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RMSNorm"):
+            mod.weight.data = mod.weight.data.float()
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(8)).cuda()
+    want = generate(cast, ids, max_new_tokens=24, method="ar").tokens
+    for kw in (dict(method="ar"), dict(method="jacobi", block_size=8)):
+        assert torch.equal(generate(model, ids, max_new_tokens=24, **kw).tokens, want), kw

@@ -37,10 +37,14 @@ def test_split_keys_is_the_kernels():
     assert f"constexpr int64_t kDecodeSplitKeys = {SPLIT_KEYS};" in text
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-D{c[3]}-Q{c[4]}")
-def test_host_walk_matches_float64(checker, case):
+def _host_walk(checker, case, lo_hi=None):
+    """The host walk's output and the float64 reference of one case; lo_hi(lo, hi, Q, cap) may
+    move the plan's committed ranges (the reference then attends to them clamped as
+    jacobi/decode_step.h's step_committed clamps them)."""
     B, Hq, Hkv, D, Q, cap, ctx = case
     qkv, cos, sin, kc, vc, seg, off, lo, hi = make_case(B, Hq, Hkv, D, Q, cap, ctx, torch.float32)
+    if lo_hi is not None:
+        lo, hi = lo_hi(lo.clone(), hi.clone(), Q, cap)
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
     c, s = cos[:, :, None], sin[:, :, None]
     q = rotate(q.view(B, Q, Hq, D), c, s, torch.float32)
@@ -55,6 +59,8 @@ def test_host_walk_matches_float64(checker, case):
         check=True,
     )  # fmt: skip
     got = torch.tensor([float(x) for x in r.stdout.split()], dtype=torch.float64)
+    lo = lo.clamp(min=Q, max=cap)  # step_committed: Q <= lo <= hi <= capacity
+    hi = torch.maximum(hi.clamp(max=cap), lo)
     mask = step_mask(seg, off, lo, hi, cap)[:, 0]
     G = Hq // Hkv
     kk = kc.double().repeat_interleave(G, dim=1)
@@ -62,4 +68,30 @@ def test_host_walk_matches_float64(checker, case):
     scores = torch.einsum("bqhd,bhkd->bhqk", q.double(), kk) * scale
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     want = torch.einsum("bhqk,bhkd->bqhd", scores.softmax(-1), vv)
-    torch.testing.assert_close(got.view(B, Q, Hq, D), want, rtol=1e-4, atol=1e-5)
+    return got.view(B, Q, Hq, D), want
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-D{c[3]}-Q{c[4]}")
+def test_host_walk_matches_float64(checker, case):
+    got, want = _host_walk(checker, case)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _past_capacity(lo, hi, Q, cap):
+    hi[0] = cap + 37  # a commit that did not fit, while hi moved (the kernel must not read it)
+    return lo, hi
+
+
+def _before_scratch_end(lo, hi, Q, cap):
+    lo[-1] = max(Q - 3, 0)  # a committed start inside the slots the step writes
+    return lo, hi
+
+
+@pytest.mark.parametrize("move", [_past_capacity, _before_scratch_end], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: f"B{c[0]}-D{c[3]}-Q{c[4]}-cap{c[5]}")
+def test_host_walk_clamps_out_of_range_plans(checker, case, move):
+    """A plan outside [Q, capacity) reads only its own sequence's cache rows (the walk reads the
+    caches through bounds-checked accessors: a read outside them fails the run) and attends to
+    its range clamped, as the kernel does."""
+    got, want = _host_walk(checker, case, move)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -9,13 +9,17 @@
 // rotated from qkv directly, so no block reads a cache slot that another block writes in this
 // launch), scores masked by the plan's rule, the online softmax per row, then p V with each
 // thread owning one feature of a few rows. Each split leaves (max, sum, unnormalised output)
-// and the combine merges them; every capacity runs the same two launches, and a split past a
-// sequence's end only writes an empty partial. Rows of a GQA group share their kv head's loads
-// (no repeat_kv).
+// and the combine merges them; every capacity runs the same two launches. A split past a
+// sequence's keys returns at once and writes nothing: the combine reads only the splits that
+// hold keys (decode_step.h: step_live_splits). Committed K/V are read 16 bytes a load. Rows of a
+// GQA group share their kv head's loads (no repeat_kv).
+//
+// Built without --use_fast_math (CMakeLists.txt; decode_step.h says why).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 #include "cuda/decode_cuda.h"
@@ -47,6 +51,32 @@ struct Elem<__nv_bfloat16> {
     return __bfloat162float(__float2bfloat16_rn(v));
   }
 };
+// Load16<T>::kN elements of T from 16 bytes at p (16-byte aligned), as floats. One vector load
+// (the bf16 halves of each word widened in registers, exactly as __bfloat162float does).
+template <typename T>
+struct Load16;
+template <>
+struct Load16<float> {
+  static constexpr int kN = 4;
+  static __device__ __forceinline__ void load(const float* p, float (&out)[kN]) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+  }
+};
+template <>
+struct Load16<__nv_bfloat16> {
+  static constexpr int kN = 8;
+  static __device__ __forceinline__ void load(const __nv_bfloat16* p, float (&out)[kN]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // little endian: element 2 i in the low half
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+};
+
 template <typename T>
 struct RoundTo {
   __device__ __forceinline__ float operator()(float v) const { return Elem<T>::round(v); }
@@ -161,9 +191,13 @@ __global__ void __launch_bounds__(kThreads, 1) rope_attention_kernel(RopeAttenti
   const int64_t bh = blockIdx.z, b = bh / a.Hkv, kvh = bh % a.Hkv;
   const int64_t G = a.Hq / a.Hkv, rows = a.Q * G;
   const int64_t row0 = int64_t{blockIdx.y} * kRows;
-  const int64_t lo = a.lo[b], hi = a.hi[b];
+  const dm::StepRange range = dm::step_committed(a.lo[b], a.hi[b], a.Q, a.capacity);
+  const int64_t lo = range.lo, hi = range.hi;
   const int64_t nkeys = dm::step_keys(lo, hi, a.Q);
   const int64_t k0 = int64_t{split} * kDecodeSplitKeys;
+  // Past the sequence's keys: nothing to see, nothing to write (the combine stops before this
+  // split). Split 0 always holds keys (nkeys >= Q >= 1), so the cache write below still runs.
+  if (k0 >= nkeys) return;
   const int64_t k1 = min(nkeys, k0 + kDecodeSplitKeys);
   const int64_t kv_head = (b * a.Hkv + kvh) * a.capacity;  // first slot of this head's cache
   const int64_t qkv_row = (a.Hq + 2 * a.Hkv) * D;
@@ -201,23 +235,37 @@ __global__ void __launch_bounds__(kThreads, 1) rope_attention_kernel(RopeAttenti
 
   for (int64_t c0 = k0; c0 < k1; c0 += kKeys) {
     __syncthreads();  // the previous chunk's readers are done (and the rows' metadata is in)
-    for (int e = threadIdx.x; e < kKeys * D; e += kThreads) {
-      const int j = e / D, d = e % D;
+    // kN features of one key a thread and pass: a committed key's in one 16-byte load each of K
+    // and V (a row of D elements is a multiple of 16 bytes, the caches 16-byte aligned: the op
+    // checks), a step's own key rotated from qkv as the cache write above makes it.
+    constexpr int kN = Load16<T>::kN, kVecs = D / kN;
+    static_assert(D % kN == 0, "a cache row is whole 16-byte vectors");
+    for (int e = threadIdx.x; e < kKeys * kVecs; e += kThreads) {
+      const int j = e / kVecs, d0 = (e % kVecs) * kN;
       const int64_t t = c0 + j;
-      float kv = 0.f, vv = 0.f;
+      float kv[kN], vv[kN];
+#pragma unroll
+      for (int u = 0; u < kN; ++u) kv[u] = vv[u] = 0.f;
       if (t < k1) {
         const int64_t slot = dm::step_key_slot(t, lo, hi);
         if (t < hi - lo) {
-          kv = E::load(static_cast<const T*>(a.k_cache) + (kv_head + slot) * D + d);
-          vv = E::load(static_cast<const T*>(a.v_cache) + (kv_head + slot) * D + d);
-        } else {  // the step's own token `slot`: from qkv, as the cache write above makes it
-          kv = rotated<T>(a, b, slot, a.Hq + kvh, d);
-          vv = E::load(static_cast<const T*>(a.qkv) + (b * a.Q + slot) * qkv_row +
-                       (a.Hq + a.Hkv + kvh) * D + d);
+          Load16<T>::load(static_cast<const T*>(a.k_cache) + (kv_head + slot) * D + d0, kv);
+          Load16<T>::load(static_cast<const T*>(a.v_cache) + (kv_head + slot) * D + d0, vv);
+        } else {  // the step's own token `slot`
+          const T* v = static_cast<const T*>(a.qkv) + (b * a.Q + slot) * qkv_row +
+                       (a.Hq + a.Hkv + kvh) * D + d0;
+#pragma unroll
+          for (int u = 0; u < kN; ++u) {
+            kv[u] = rotated<T>(a, b, slot, a.Hq + kvh, d0 + u);
+            vv[u] = E::load(v + u);
+          }
         }
       }
-      ks[j][d] = kv;
-      vs[j][d] = vv;
+#pragma unroll
+      for (int u = 0; u < kN; ++u) {
+        ks[j][d0 + u] = kv[u];
+        vs[j][d0 + u] = vv[u];
+      }
     }
     if (threadIdx.x < kKeys) {
       const int64_t t = c0 + threadIdx.x;
@@ -306,16 +354,20 @@ __global__ void __launch_bounds__(kThreads, 1) rope_attention_kernel(RopeAttenti
   }
 }
 
-// One block per row [B, Q, Hq], one thread per feature: the splits merged (decode_step.h).
+// One block per row [B, Q, Hq], one thread per feature: the splits that hold keys merged
+// (decode_step.h; those past the sequence's keys wrote nothing, and would weigh 0).
 template <typename T, int D>
 __global__ void __launch_bounds__(D) combine_kernel(RopeAttentionLaunch a) {
-  const int64_t row = blockIdx.x, nrows = a.B * a.Q * a.Hq;
+  const int64_t row = blockIdx.x, nrows = a.B * a.Q * a.Hq, b = row / (a.Q * a.Hq);
+  const dm::StepRange range = dm::step_committed(a.lo[b], a.hi[b], a.Q, a.capacity);
+  const int64_t live = min(a.splits, dm::step_live_splits(dm::step_keys(range.lo, range.hi, a.Q),
+                                                          kDecodeSplitKeys));
   const float to_log2 = a.scale * attn::kLog2e;
   float all_max = -INFINITY;
-  for (int64_t s = 0; s < a.splits; ++s)
+  for (int64_t s = 0; s < live; ++s)
     all_max = fmaxf(all_max, a.partial_stats[(s * nrows + row) * 2]);
   float num = 0.f, den = 0.f;
-  for (int64_t s = 0; s < a.splits; ++s) {
+  for (int64_t s = 0; s < live; ++s) {
     const float* st = a.partial_stats + (s * nrows + row) * 2;
     const float w = dm::split_weight(st[0], all_max, to_log2);
     if (w == 0.f) continue;  // (a split that saw nothing: its output is 0, its sum 0)
@@ -386,13 +438,14 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const T* x, int6
 }
 
 // ---- K/V commit --------------------------------------------------------------------------------
-// One block per (cache, sequence, head): the rows move as 32-bit words. Disjoint ranges (the
+// One block per (cache, sequence, head): the rows move as 32-bit words where every row and
+// cache start is 4-byte aligned, else as 16-bit ones. Disjoint ranges (the
 // runtime's: scratch to after the committed tokens) copy in parallel; overlapping ones slot by
 // slot in commit_nth's order.
 constexpr int kCommitThreads = 128;
 constexpr int kCommitUnitsPerThread = 4;  // units staged per thread and pass (a pass: 2 KB of u32)
 
-// U: the unit rows move in (32 bits, or 16 where a row is not a multiple of 4 bytes).
+// U: the unit rows move in (32 bits, or 16 where a row or a cache is not 4-byte aligned).
 template <typename U>
 __global__ void __launch_bounds__(kCommitThreads) kv_commit_kernel(KvCommitLaunch a) {
   const int64_t b = blockIdx.y, h = blockIdx.z;
@@ -498,7 +551,12 @@ cudaError_t kv_commit(const KvCommitLaunch& a, cudaStream_t stream) {
   if (a.row_bytes <= 0 || a.row_bytes % 2 != 0) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(a.count), static_cast<unsigned>(a.B),
                   static_cast<unsigned>(a.H));
-  if (a.row_bytes % 4 == 0)
+  // 32-bit units only where every address they touch is 4-byte aligned: each row's size and
+  // each cache's start (a 16-bit view into a larger buffer may start 2 bytes into a word).
+  bool words = a.row_bytes % 4 == 0;
+  for (int i = 0; i < a.count; ++i)
+    words = words && reinterpret_cast<uintptr_t>(a.caches[i]) % 4 == 0;
+  if (words)
     kv_commit_kernel<uint32_t><<<grid, kCommitThreads, 0, stream>>>(a);
   else
     kv_commit_kernel<uint16_t><<<grid, kCommitThreads, 0, stream>>>(a);

@@ -130,6 +130,10 @@ at::Tensor decode_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t k
                       B, ", ", kv_heads, ", ", cap, ", ", D, "], got ", t->sizes());
     TORCH_CHECK_VALUE(t->is_contiguous() && t->scalar_type() == qkv.scalar_type(), name,
                       " must be contiguous with qkv's dtype ", qkv.scalar_type());
+    // (the kernel reads committed rows 16 bytes a load: D * element size is a multiple of 16)
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, name,
+                      " must start at a 16-byte aligned address (a cache the runtime allocates "
+                      "does; a view into the middle of a buffer may not)");
     on_device(*t, name, qkv);
   }
   for (auto [t, name] : {std::pair{&cos, "cos"}, {&sin, "sin"}}) {

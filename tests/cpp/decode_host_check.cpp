@@ -1,17 +1,21 @@
 // Host restatement of the CUDA decode attention's walk (csrc/cuda/decode_cuda.cu), from the same
-// header functions (jacobi/decode_step.h: step_key_slot, step_sees_*, split_weight;
-// jacobi/online_softmax.h): keys in the kernel's order, in splits of `split_keys` and chunks of
-// 32, each chunk's online-softmax update, then the splits merged. Run by
+// header functions (jacobi/decode_step.h: step_committed, step_key_slot, step_sees_*,
+// step_live_splits, split_weight; jacobi/online_softmax.h): the committed range clamped as the
+// kernel clamps it, keys in the kernel's order, in splits of `split_keys` and chunks of 32, each
+// chunk's online-softmax update, then the splits that hold keys merged. The caches are read
+// through .at(): a read outside them (another head's rows, past the allocation) throws. Run by
 // tests/test_decode_host_check.py against a float64 reference, so that the order, the plan's
 // rule and the merge are checked on a CPU before a GPU runs the kernel.
 //
 // stdin: B Hq Hkv D Q capacity split_keys scale, then q [B, Q, Hq, D], k and v [B, Hkv,
 // capacity, D] (the step's keys already in scratch slots [0, Q)), seg and off [B, Q], lo and hi
 // [B]. stdout: out [B, Q, Hq, D], one value a line.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
+#include <stdexcept>
 #include <vector>
 
 #include "jacobi/decode_step.h"
@@ -45,9 +49,17 @@ int main() {
       for (int64_t h = 0; h < Hq; ++h) {
         const float* qr = &q[static_cast<size_t>(((b * Q + i) * Hq + h) * D)];
         const int64_t head = (b * Hkv + h / G) * cap;
-        const int64_t n = dm::step_keys(lo[b], hi[b], Q);
+        const dm::StepRange range = dm::step_committed(lo[b], hi[b], Q, cap);
+        const int64_t L = range.lo, H = range.hi;
+        const int64_t n = dm::step_keys(L, H, Q);
+        const int64_t live = std::min(splits, dm::step_live_splits(n, split_keys));
+        // A cache element of this sequence and kv head: its own rows only.
+        auto at = [&](const std::vector<float>& c, int64_t slot, int64_t d) {
+          if (slot < 0 || slot >= cap) throw std::out_of_range("slot outside the cache");
+          return c.at(static_cast<size_t>((head + slot) * D + d));
+        };
         std::vector<float> maxes, sums, accs;
-        for (int64_t s = 0; s < splits; ++s) {
+        for (int64_t s = 0; s < live; ++s) {
           attn::SoftmaxRow row = attn::softmax_init();
           std::vector<float> acc(static_cast<size_t>(D), 0.f);
           const int64_t k1 = std::min(n, (s + 1) * split_keys);
@@ -58,15 +70,15 @@ int main() {
               const int64_t t = c0 + j;
               bool visible = false;
               if (t < k1) {
-                const int64_t slot = dm::step_key_slot(t, lo[b], hi[b]);
-                visible = t < hi[b] - lo[b]
-                              ? dm::step_sees_committed(seg[b * Q + i], slot, lo[b], hi[b])
+                const int64_t slot = dm::step_key_slot(t, L, H);
+                visible = t < H - L
+                              ? dm::step_sees_committed(seg[b * Q + i], slot, L, H)
                               : dm::step_sees_scratch(seg[b * Q + i], off[b * Q + i],
                                                       seg[b * Q + slot], off[b * Q + slot],
                                                       slot == i);
                 if (visible) {
                   float dot = 0.f;
-                  for (int64_t d = 0; d < D; ++d) dot += qr[d] * k[(head + slot) * D + d];
+                  for (int64_t d = 0; d < D; ++d) dot += qr[d] * at(k, slot, d);
                   x[j] = dot;
                 }
               }
@@ -81,8 +93,8 @@ int main() {
               const float p = std::exp2(x[j] * to_log2 - base);
               sum += p;
               if (p == 0.f) continue;
-              const int64_t slot = dm::step_key_slot(c0 + j, lo[b], hi[b]);
-              for (int64_t d = 0; d < D; ++d) acc[d] += p * v[(head + slot) * D + d];
+              const int64_t slot = dm::step_key_slot(c0 + j, L, H);
+              for (int64_t d = 0; d < D; ++d) acc[d] += p * at(v, slot, d);
             }
             attn::softmax_add(row, corr, sum);
           }
@@ -94,7 +106,7 @@ int main() {
         for (float m : maxes) all_max = std::fmax(all_max, m);
         for (int64_t d = 0; d < D; ++d) {
           float num = 0.f, den = 0.f;
-          for (int64_t s = 0; s < splits; ++s) {
+          for (int64_t s = 0; s < live; ++s) {
             const float w = dm::split_weight(maxes[s], all_max, to_log2);
             den += w * sums[s];
             num += w * accs[s * D + d];

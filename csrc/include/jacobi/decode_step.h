@@ -8,9 +8,11 @@
 // Rounding: `round` is the caller's "round to the tensor's dtype and back" (identity for fp32,
 // fp32 -> bf16 -> fp32 for bf16), applied exactly where transformers' eager ops round, so that
 // both devices compute what the model's own modules compute, product by product. The fp32
-// products and sums go through *_rn: IEEE round-to-nearest whatever the compiler's flags
-// (the CUDA kernels build with --use_fast_math and nvcc contracts a * b + c into an FMA by
-// default; torch's elementwise kernels round each product).
+// products and sums go through *_rn: IEEE round-to-nearest whatever the compiler's flags (nvcc
+// contracts a * b + c into an FMA by default; torch's elementwise kernels round each product).
+// The CUDA twins build without --use_fast_math (CMakeLists.txt): under it __fmul_rn and
+// __fadd_rn flush denormal inputs and results to zero, and comparisons (greedy_better) see a
+// denormal as +-0, where torch and the CPU kernels keep them.
 #pragma once
 
 #include <math.h>
@@ -112,6 +114,28 @@ JACOBI_HD int64_t step_key_slot(int64_t t, int64_t lo, int64_t hi) {
   return t < hi - lo ? lo + t : t - (hi - lo);
 }
 JACOBI_HD int64_t step_keys(int64_t lo, int64_t hi, int64_t Q) { return hi - lo + Q; }
+
+// A sequence's committed range [lo, hi) as the CUDA attention reads it: Q <= lo <= hi <=
+// capacity. Every plan the runtime makes is so already (lo = scratch + padding >= Q, and the
+// host raises when a commit would pass the capacity); a plan that is not (a commit the kernel
+// skipped because it did not fit, while hi still moved) then reads only this sequence's own
+// cache rows, never another head's or past the allocation, and never the scratch slots [0, Q)
+// that the same launch writes.
+struct StepRange {
+  int64_t lo, hi;
+};
+JACOBI_HD StepRange step_committed(int64_t lo, int64_t hi, int64_t Q, int64_t capacity) {
+  lo = lo < Q ? Q : lo;
+  lo = lo > capacity ? capacity : lo;
+  hi = hi > capacity ? capacity : hi;
+  hi = hi < lo ? lo : hi;
+  return {lo, hi};
+}
+// The splits of `split_keys` keys that hold any of a sequence's `nkeys` keys: the later ones
+// see nothing, so the attention writes no partials for them and the merge stops before them.
+JACOBI_HD int64_t step_live_splits(int64_t nkeys, int64_t split_keys) {
+  return (nkeys + split_keys - 1) / split_keys;
+}
 
 // ---- the K/V commit ---------------------------------------------------------------------------
 // Slots [src, src + count) move to [dst, dst + count). Whether anything moves, and the n-th slot
