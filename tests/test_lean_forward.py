@@ -4,6 +4,8 @@ behind every nn.Linear, and every method returns exactly our AR's tokens. (The f
 test_decoding_lossless.py and test_decoding_batch.py, run on F.linear; these are the fp32/bf16
 runs on the kernel that decoding uses by default on a CPU.)"""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -84,13 +86,14 @@ def test_rotary_tables_are_the_models_rotary_bitwise(dtype, head_dim):
         rope = model.model.rotary_emb
         h = torch.zeros(1, 1, 2 * head_dim, dtype=dtype)
         n = 1100  # several pieces, not a multiple of one
+        rt = SimpleNamespace(capacity=n, rope_tables={})  # (the runtime owns its tables)
         g = torch.Generator().manual_seed(0)
         for pos in [torch.arange(n)[:, None], torch.randint(0, n, (3, 17), generator=g)]:
-            got = dec._cos_sin(h, pos, n)
+            got = dec._cos_sin(h, pos, rt)
             want = rope.forward(h, pos)
             for a, b in zip(got, want, strict=True):
                 assert a.dtype == dtype and torch.equal(a, b)
-        assert (dec._rope is None) == (head_dim % 32 != 0)
+        assert (not rt.rope_tables) == (head_dim % 32 != 0)
 
 
 @pytest.mark.parametrize("lean_env,fused", [("0", "0"), ("1", "0"), ("1", "1")])

@@ -251,7 +251,8 @@ class LeanDecoder:
         self.native = None  # refresh: the layers as one LeanLayers where they can be
         self.native_ar = False  # refresh: whether ar_step runs (its inputs natively too)
         self.greedy_head = None  # refresh: the LM head's greedy form, where it has one
-        self._rope = None  # _cos_sin's tables: ((dtype, device), cos, sin)
+        self.act_dtype = _activation_dtype(model)  # the hidden states' dtype
+        self._cast: dict[int, tuple] = {}  # norm_weight's casts: id -> (weight, version, cast)
 
     def current(self) -> bool:
         """Whether the model's modules are still the ones this decoder packed."""
@@ -288,9 +289,36 @@ class LeanDecoder:
         nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.inner.norm
         return (
             *L.qkv.call(), L.splits[0] // a.head_dim, L.splits[1] // a.head_dim, a.head_dim,
-            a.scaling, *L.o.call(), L.ln2.weight, L.ln2.variance_epsilon, *L.gate_up.call(),
-            L if not L.silu else None, *L.down.call(), nxt.weight, nxt.variance_epsilon,
+            a.scaling, *L.o.call(), self.norm_weight(L.ln2), L.ln2.variance_epsilon,
+            *L.gate_up.call(), L if not L.silu else None, *L.down.call(), self.norm_weight(nxt),
+            nxt.variance_epsilon,
         )  # fmt: skip
+
+    def norm_weight(self, norm) -> torch.Tensor:
+        """An RMSNorm's weight in the hidden states' dtype. Checkpoints may keep their norms in
+        float32 beside bfloat16 linears; transformers' Llama / Qwen2 / Qwen3 forwards raise on
+        such a model (the norm returns float32 into a bfloat16 linear), and our fused ops take
+        one dtype. The weight is cast once (kept while the module's weight is unchanged, so a
+        captured graph keeps reading the same tensor): the model then runs as it would with its
+        norms cast to that dtype (tests/test_lean_forward.py)."""
+        w = norm.weight
+        if w.dtype == self.act_dtype:
+            return w
+        kept = self._cast.get(id(norm))
+        if kept is None or kept[0] is not w or kept[1] != w._version:
+            with torch.no_grad():
+                kept = (w, w._version, w.detach().to(self.act_dtype))
+            self._cast[id(norm)] = kept
+        return kept[2]
+
+    def _norm(self, norm, h: torch.Tensor) -> torch.Tensor:
+        """The unfused forward's RMSNorm: the module's own, or (its weight in another dtype)
+        the same formula with norm_weight's cast (transformers' LlamaRMSNorm.forward)."""
+        if norm.weight.dtype == h.dtype:
+            return norm.forward(h)
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return self.norm_weight(norm) * x.to(h.dtype)
 
     def _native_layers(self):
         """The plans as one torch.classes.jacobi_ext.LeanLayers (csrc/torch/lean_ops.cpp), which
@@ -322,15 +350,16 @@ class LeanDecoder:
         an nn.Embedding's rows) and the first norm. False where ar_step cannot run: another
         embedding, or rotary tables that _rope_tables cannot keep."""
         emb, first = self.inner.embed_tokens, self.layers[0].ln1
+        first_w = self.norm_weight(first)
         if not self._static_rope():
             return False
         if isinstance(emb, GGUFEmbedding) and emb.ggml_type == 8:  # Q8_0
             table, q8_0 = emb.raw_tensor(), True
-        elif type(emb) is nn.Embedding and emb.weight.dtype == first.weight.dtype:
+        elif type(emb) is nn.Embedding and emb.weight.dtype == first_w.dtype:
             table, q8_0 = emb.weight.detach(), False
         else:
             return False
-        self.native.set_input(table, q8_0, first.weight.detach(), float(first.variance_epsilon))
+        self.native.set_input(table, q8_0, first_w.detach(), float(first.variance_epsilon))
         return True
 
     @torch.inference_mode()
@@ -340,8 +369,8 @@ class LeanDecoder:
         rows, first norm, mask and slots made natively, then the layers and the head as
         __call__'s (the same values: the same bits). Where native_ar."""
         rt = cache.layers[0]._rt
-        ref = self.layers[0].ln1.weight
-        cos_tab, sin_tab = self._rope_tables(ref.dtype, ref.device, rt.capacity)
+        ref = self.norm_weight(self.layers[0].ln1)
+        cos_tab, sin_tab = self._rope_tables(ref.dtype, ref.device, rt)
         kts, keys, values = self._cache_lists(cache, ref.new_empty(1, 1, 1))
         x = self.native.ar_step(
             torch.tensor(toks), lo, hi, cos_tab, sin_tab, keys, values, kts, rt.scratch
@@ -391,7 +420,7 @@ class LeanDecoder:
         for i, L in enumerate(self.layers):
             a = L.attn
             residual = h
-            x = L.ln1.forward(h)
+            x = self._norm(L.ln1, h)
             q, k, v = L.qkv(x).split(L.splits, dim=-1)
             q = q.view(B, Q, -1, a.head_dim).transpose(1, 2)
             k = k.view(B, Q, -1, a.head_dim).transpose(1, 2)
@@ -401,10 +430,10 @@ class LeanDecoder:
             out, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
             h = residual + L.o(out.reshape(B, Q, -1).contiguous())
             residual = h
-            x = L.ln2.forward(h)
+            x = self._norm(L.ln2, h)
             g, u = L.gate_up(x).split((L.mlp_split, L.mlp_split), dim=-1)
             h = residual + L.down(L.act(g) * u)
-        return self._head(inner.norm.forward(h), keep, greedy)
+        return self._head(self._norm(inner.norm, h), keep, greedy)
 
     def _head(self, x: torch.Tensor, keep: int | None, greedy: bool = False) -> torch.Tensor:
         """The LM head on the normed hidden states x [B, Q, hidden], or on their last `keep`
@@ -422,18 +451,19 @@ class LeanDecoder:
     STATIC_ROPE = ("default", "linear", "llama3")
     ROPE_PIECE = 128  # positions per piece of the tables
 
-    def _cos_sin(self, h: torch.Tensor, pos: torch.Tensor, positions: int):
-        """cos, sin [B, Q, D] of positions pos (all < `positions`), as the model's rotary
-        embedding computes them: rows of tables it made once per dtype and size (its call is ten
-        small tensor ops, ~30 us a step). The same bits: it is elementwise (each position times
-        each frequency, then cos, sin and the scaling), and the tables are made in pieces of 128
-        positions, each one vectorised pass on one thread as a step's own call is (one tensor of
-        every position would be split among threads at points where a scalar tail may differ in
-        the last bit; tests/test_lean_forward.py compares every position). Rotary embeddings whose
-        frequencies depend on the positions seen, and head sizes off 32 lanes, call it."""
+    def _cos_sin(self, h: torch.Tensor, pos: torch.Tensor, rt):
+        """cos, sin [B, Q, D] of positions pos (all < the runtime rt's capacity), as the model's
+        rotary embedding computes them: rows of tables made once per runtime and dtype (its call
+        is ten small tensor ops, ~30 us a step). The same bits: it is elementwise (each position
+        times each frequency, then cos, sin and the scaling), and the tables are made in pieces
+        of 128 positions, each one vectorised pass on one thread as a step's own call is (one
+        tensor of every position would be split among threads at points where a scalar tail may
+        differ in the last bit; tests/test_lean_forward.py compares every position). Rotary
+        embeddings whose frequencies depend on the positions seen, and head sizes off 32 lanes,
+        call it."""
         if not self._static_rope():
             return self.inner.rotary_emb.forward(h, pos)
-        cos, sin = self._rope_tables(h.dtype, h.device, positions)
+        cos, sin = self._rope_tables(h.dtype, h.device, rt)
         return cos[pos], sin[pos]
 
     def _static_rope(self) -> bool:
@@ -441,24 +471,27 @@ class LeanDecoder:
         D = self.layers[0].attn.head_dim
         return getattr(rope, "rope_type", None) in self.STATIC_ROPE and D % 32 == 0
 
-    def _rope_tables(self, dtype, device, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cos, sin tables [>= positions, D] _cos_sin indexes (made on first need, in
-        pieces: see there)."""
-        tab = self._rope
-        if tab is None or tab[0] != (dtype, device) or tab[1].shape[0] < positions:
+    def _rope_tables(self, dtype, device, rt) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos, sin tables [>= rt.capacity, D] _cos_sin indexes, made in pieces (see there)
+        at the runtime's first step and owned by it (rt.rope_tables): a CUDA graph the runtime
+        captured gathers rows from them, so they live as long as its graphs and are never
+        replaced (a table kept here and regrown for a larger runtime, a probe's, was freed under
+        the graphs of the model's kept runtime: silent wrong tokens)."""
+        key = (dtype, device, id(self.inner.rotary_emb))
+        tab = rt.rope_tables.get(key)
+        if tab is None:
             rope = self.inner.rotary_emb
             h = torch.zeros(1, 1, self.layers[0].attn.head_dim, dtype=dtype, device=device)
-            n = -(-positions // self.ROPE_PIECE) * self.ROPE_PIECE
+            n = -(-rt.capacity // self.ROPE_PIECE) * self.ROPE_PIECE
             pieces = [
                 rope.forward(h, torch.arange(i, i + self.ROPE_PIECE, device=device)[None])
                 for i in range(0, n, self.ROPE_PIECE)
             ]
-            tab = self._rope = (
-                (dtype, device),
+            tab = rt.rope_tables[key] = (
                 torch.cat([c[0] for c, _ in pieces]),
                 torch.cat([s[0] for _, s in pieces]),
             )
-        return tab[1], tab[2]
+        return tab
 
     def _fused(self, ids, pos, mask, cache) -> torch.Tensor:
         """The same forward on our fused CPU ops: per layer eight calls (norm with the residual
@@ -470,12 +503,12 @@ class LeanDecoder:
             mask = mask == 0
         h = inner.embed_tokens.forward(ids)
         rt = cache.layers[0]._rt  # the runtime: where this step's K/V go, how far to attend
-        cos, sin = self._cos_sin(h, pos, rt.capacity)
+        cos, sin = self._cos_sin(h, pos, rt)
         B, Q = ids.shape
         # context in slots [scratch, attend), the step's tokens in [0, scratch): sums by position
         slots, attend, ctx0 = rt.write_slots, rt.attend, rt.scratch
         first = self.layers[0].ln1
-        x = ops.cpu_rms_norm(h, first.weight, first.variance_epsilon)
+        x = ops.cpu_rms_norm(h, self.norm_weight(first), first.variance_epsilon)
         if self.native is not None:
             kts, keys, values = self._cache_lists(cache, h)
             return self.native.run(x, h, cos, sin, keys, values, kts, slots, attend, mask, ctx0)
@@ -620,10 +653,10 @@ class CudaLeanDecoder(LeanDecoder):
         ops = torch.ops.jacobi_ext
         inner = self.inner
         h = inner.embed_tokens.forward(ids)
-        cos, sin = self._cos_sin(h, pos, cache.layers[0]._rt.capacity)
+        cos, sin = self._cos_sin(h, pos, cache.layers[0]._rt)
         B, Q = ids.shape
         first = self.layers[0].ln1
-        x = ops.cpu_rms_norm(h, first.weight, first.variance_epsilon)
+        x = ops.cpu_rms_norm(h, self.norm_weight(first), first.variance_epsilon)
         attention = ops.decode_rope_attention.default
         add_rms_norm, silu_mul = ops.cpu_add_rms_norm.default, ops.cpu_silu_mul.default
         for layer, p in zip(cache.layers, self.plans, strict=False):
@@ -638,6 +671,14 @@ class CudaLeanDecoder(LeanDecoder):
             )  # fmt: skip
             h, x = self._after_attention(p, out.view(B, Q, -1), h, add_rms_norm, silu_mul)
         return x
+
+
+def _activation_dtype(model) -> torch.dtype:
+    """The dtype of the hidden states: the embedding's (float32 for GGUF codes)."""
+    w = getattr(model.model.embed_tokens, "weight", None)
+    if isinstance(w, torch.Tensor) and w.is_floating_point():
+        return w.dtype
+    return torch.float32
 
 
 def _greedy_head(head) -> _GreedyHead | None:

@@ -168,6 +168,11 @@ def decode(
         for s in active:
             row = rows[s.b]
             hi_host[s.b] += row[1]
+            if hi_host[s.b] > rt.capacity:  # (free: the host's copy; the runtime is sized so)
+                raise RuntimeError(
+                    f"sequence {s.b} committed past the cache's {rt.capacity} slots (a sizing "
+                    "bug: the device skips such a commit, so its tokens would be lost)"
+                )
             s.advance(row, width, plans[s.b].q)
         _settle(active, before, stop, streamer)
         stats.host_seconds += time.perf_counter() - tv

@@ -251,6 +251,10 @@ class StaticRuntime:
         self.warmup_seconds = 0.0  # spent capturing graphs (once per bucket)
         self.graph_replays = 0
         self._lean = None  # lean.LeanDecoder, False where it does not apply; set at prefill
+        # The lean forward's rotary tables, made at the first step (lean._rope_tables): owned
+        # here, so that they live as long as the graphs that gather from them.
+        self.rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._captured_reads: tuple | None = None  # step_reads() when the graphs were captured
         self._lo_host = scratch  # self.lo[0], as the last prefill set it
         ops = torch.ops.jacobi_ext
         native_commit = dev.type == "cpu" or cuda_decode_on(dev)
@@ -259,6 +263,8 @@ class StaticRuntime:
         )
 
     def fits(self, model, batch: int, committed: int, scratch: int) -> bool:
+        """Whether this runtime can serve a call of that size on the model as it is now. (Its
+        graphs' forward and weights are checked at each prefill: _pick_forward.)"""
         p = next(model.parameters())
         return (
             model is self.model
@@ -294,9 +300,38 @@ class StaticRuntime:
 
     def _pick_forward(self):
         """The lean forward (repacked where the model's weights changed) or False where it does
-        not apply: picked at each prefill, kept for the steps after it."""
+        not apply: picked at each prefill, kept for the steps after it. Graphs captured with
+        another forward or over other weights are dropped here (recaptured at their next use)."""
         self._lean = lean_decoder(self.model) or False
+        if self._graphs and self.step_reads() != self._captured_reads:
+            self.drop_graphs()
         return self._lean
+
+    def step_reads(self) -> tuple:
+        """What a captured step reads besides the runtime's own buffers, as identities: the
+        forward (the lean decoder object and its mode, or transformers') and the address of
+        every weight it reads (the model's parameters and buffers, the lean forward's packed or
+        concatenated weights and cast norms) and of the rotary tables. A CUDA graph replays
+        reads from the addresses it was captured with: while this is unchanged they hold what
+        the forward would read now. An adapter wrapped or unloaded (the lean forward rebuilt
+        over other weights), a weight replaced rather than written in place, or another forward
+        picked changes it."""
+        lean = self._lean
+        mode = (id(lean), lean.fused, lean.takes_plan) if lean else (None,)
+        ptrs = [t.data_ptr() for t in self.model.parameters()]
+        ptrs += [t.data_ptr() for t in self.model.buffers()]
+        if lean:
+            ptrs += [t.data_ptr() for t in _tensors(lean.plans)]
+            ptrs += [t.data_ptr() for t in _tensors(lean.head.call()[1])]
+        ptrs += [t.data_ptr() for t in _tensors(list(self.rope_tables.values()))]
+        return (*mode, tuple(ptrs))
+
+    def drop_graphs(self) -> None:
+        """Forget every captured graph (and compiled step): the next replay of each key
+        captures it again over what the forward reads now."""
+        self._graphs.clear()
+        self._pool = None
+        self._captured_reads = None
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -514,6 +549,7 @@ class StaticRuntime:
             out = fn()
         else:
             self._graphs[key] = f
+            self._captured_reads = self.step_reads()
         torch.cuda.synchronize(self.device)
         self.warmup_seconds += time.perf_counter() - t0
         return out
@@ -544,6 +580,7 @@ class StaticRuntime:
                     out = fn()
             self._pool = graph.pool()
             self._graphs[key] = (graph, out)
+            self._captured_reads = self.step_reads()
             return self._graphs[key]
         except Exception as exc:  # an exotic model: eager is slower, never wrong
             _graph_failure("CUDA graph capture", exc)
@@ -590,6 +627,15 @@ class StaticRuntime:
                 t = buf.transpose(1, 2)  # [B, slots, H, D] view
                 t[rows, d] = t[rows, s]
         self.hi.add_(count)
+
+
+def _tensors(obj):
+    """The tensors in obj, a tensor or nested tuples / lists of them and other values."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _tensors(x)
 
 
 def runtime_for(
