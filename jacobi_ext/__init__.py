@@ -73,7 +73,17 @@ def build_info() -> dict[str, object]:
         # the same bits)
         "gguf int8 activations": f"Q4_1, Q8_0 ({_int8_tile()})" if _gguf_types() else "none",
         "cpu threads": torch.get_num_threads(),
+        # The families whose layers run on our fused decode step (jacobi_ext/models/families);
+        # any other causal LM decodes through transformers' forward.
+        "model families (fused cpu step)": _families(),
+        "model families (fused cuda step)": _families() if WITH_CUDA else "none (no CUDA kernels)",
     }
+
+
+def _families() -> str:
+    from .models.families import FAMILIES
+
+    return "; ".join(f"{f.name} ({', '.join(f.classes)})" for f in FAMILIES.values())
 
 
 def _int8_tile() -> str:

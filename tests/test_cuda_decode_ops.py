@@ -255,12 +255,17 @@ def _model(family, dtype, seed=0):
         vocab_size=101, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=1, seed=seed,
         family=family,
     )  # head dim 64, GQA 4  # fmt: skip
+    if family == "qwen3":  # per-head q/k norms that count
+        with torch.no_grad():
+            for layer in m.model.layers:
+                for n in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    n.weight.normal_(1, 0.3)
     return m.to(device="cuda", dtype=dtype)
 
 
 @pytest.mark.gpu_timeout(180)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_cuda_lean_logits_match_transformers_forward(family, dtype, monkeypatch):
     from jacobi_ext.decoding.runtime import StaticRuntime
 
@@ -288,10 +293,11 @@ def test_cuda_lean_logits_match_transformers_forward(family, dtype, monkeypatch)
 
 @pytest.mark.gpu_timeout(300)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_method_is_our_ar_on_cuda(dtype):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_every_method_is_our_ar_on_cuda(family, dtype):
     from jacobi_ext.decoding.engine import generate
 
-    model = _model("llama", dtype, seed=4)
+    model = _model(family, dtype, seed=4)
     ids = torch.randint(0, 101, (3, 9), generator=torch.Generator().manual_seed(2)).cuda()
     ar = generate(model, ids, max_new_tokens=48, method="ar").tokens
     assert isinstance(model.__dict__.get(lean._ATTR), lean.CudaLeanDecoder)

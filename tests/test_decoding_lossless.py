@@ -73,6 +73,29 @@ def test_all_methods_equal_greedy(models, case: int) -> None:
         assert sum(res.accepted) == len(want) - (res.forwards == 0)
 
 
+@pytest.mark.parametrize("case", range(6))
+def test_qwen3_methods_equal_greedy(case: int) -> None:
+    """Qwen3 (per-head q/k norms, jacobi_ext/models/families/qwen3.py), float64: every method
+    returns transformers' greedy token for token."""
+    rng = random.Random(100 + case)
+    model = tiny_llama(vocab_size=VOCAB, seed=case % 3, dtype=torch.float64, family="qwen3")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for n in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                n.weight.normal_(1, 0.3)
+    ids = torch.tensor([[rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]])
+    max_new = rng.randint(1, 60)
+    eos = rng.choice([None, rng.randrange(VOCAB)])
+    want = _hf_greedy(model, ids, max_new, eos)
+    for method, kw in [
+        ("ar", {}),
+        ("jacobi", dict(block_size=rng.choice([3, 8]), lookup=case % 2 == 0)),
+        ("multiblock", dict(block_size=4, num_blocks=rng.randint(1, 3), pool_size=2)),
+    ]:
+        res = generate(model, ids, max_new_tokens=max_new, method=method, eos_token_id=eos, **kw)
+        assert res.tokens[0].tolist() == want, (method, kw)
+
+
 def test_recycling_candidates_win_and_stay_lossless(models) -> None:
     """A repetitive continuation makes recycled candidates win; the commit path that moves
     their K/V into place must still reproduce greedy exactly."""

@@ -80,6 +80,19 @@ def test_the_shipped_models_step_count(method, record_property) -> None:
     kc.check_budget(c)
 
 
+@pytest.mark.parametrize("method", ["ar", "jacobi"])
+def test_a_qwen3_step_count(method, record_property) -> None:
+    """Qwen3-0.6B's shape (28 layers, hidden 1024, 16 / 8 heads of 128, q/k norms), bf16, on
+    the CUDA path: the fused forward with one more kernel a layer for the q/k norms, <= 10 a
+    layer (transformers' Qwen3 layer was ~69)."""
+    c = kc.count_step(kc.qwen3_06b_config(), method=method, n=64)
+    print(f"\n{kc.report([c])}")
+    record_property("kernels", dict(total=c.total, per_layer=c.per_layer, forward=c.forward))
+    assert c.layers == 28 and c.forward == "CudaLeanDecoder"
+    assert c.ops.get("jacobi_ext.qk_rms_norm_") == 28
+    assert c.per_layer <= 10, kc.report([c])
+
+
 def test_the_count_sees_transformers_forward_when_the_lean_one_is_off(monkeypatch) -> None:
     """The count is of what the runtime runs: with the lean forward off, transformers' layer
     (~57 kernels) is what it counts, and the budget check says so."""

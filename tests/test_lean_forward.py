@@ -15,7 +15,7 @@ from jacobi_ext.decoding.runtime import StaticRuntime
 from jacobi_ext.models import tiny_llama
 
 DTYPES = [torch.float32, torch.bfloat16]
-MODELS = [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")]
+MODELS = [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager")]
 
 
 def _model(family, attn, dtype, seed=0):
@@ -28,6 +28,11 @@ def _model(family, attn, dtype, seed=0):
             for layer in m.model.layers:
                 for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     p.bias.normal_(0, 1)
+    if family == "qwen3":  # per-head q/k norms: weights away from ones, so that they count
+        with torch.no_grad():
+            for layer in m.model.layers:
+                for n in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    n.weight.normal_(1, 0.3)
     return m.to(dtype)
 
 
@@ -122,7 +127,7 @@ def test_prefill_heads_only_the_positions_decoding_reads(lean_env, fused, n, mon
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_native_layer_loop_is_the_python_loop_bitwise(family, dtype, monkeypatch):
     """The fused ops run from C++ in one call (torch.classes.jacobi_ext.LeanLayers) give the
     bits of the same ops called one by one from Python, at prefill and at a step (Qwen2: with
@@ -146,7 +151,7 @@ def test_native_layer_loop_is_the_python_loop_bitwise(family, dtype, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_every_method_is_our_ar_on_the_kernel(family, dtype, monkeypatch):
     """Lossless where the linears run on our kernel (and attention and norms on our fused ops):
     jacobi, multiblock (with and without lookup drafts) and a batch give exactly our AR's

@@ -24,6 +24,11 @@ def _model(family, seed=0):
             for layer in m.model.layers:
                 for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     p.bias.normal_(0, 1)
+    if family == "qwen3":  # per-head q/k norms that count
+        with torch.no_grad():
+            for layer in m.model.layers:
+                for n in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    n.weight.normal_(1, 0.3)
     return m
 
 
@@ -50,7 +55,7 @@ def _step_logits(model, monkeypatch, lean_env):
     return rt, pre, step
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_plan_forward_logits_match_transformers_forward(family, plan_path, monkeypatch):
     model = _model(family)
     rt, pre, step = _step_logits(model, monkeypatch, "1")

@@ -664,6 +664,27 @@ void rms(const RmsNormArgs& a) {
 }
 
 template <typename T>
+void qk_rms(const QkRmsNormArgs& a) {
+  T* qkv = static_cast<T*>(a.qkv);
+  const T* wq = static_cast<const T*>(a.q_weight);
+  const T* wk = static_cast<const T*>(a.k_weight);
+  const int64_t D = a.D, per_token = a.heads + a.kv_heads, rows = a.tokens * per_token;
+  const RoundTo<T> round;  // rms's formula, row by row (each head a row of D)
+  cpu::parallel_for(0, rows, std::max<int64_t>(1, kRowOpGrain / std::max<int64_t>(D, 1)),
+                   [&](int64_t r0, int64_t r1) {
+                     for (int64_t r = r0; r < r1; ++r) {
+                       const int64_t t = r / per_token, h = r % per_token;
+                       T* x = qkv + t * a.row + h * D;
+                       const T* w = h < a.heads ? wq : wk;
+                       const float inv = decode::rms_inverse(sum_of_squares(x, D), D, a.eps);
+                       for (int64_t i = 0; i < D; ++i)
+                         x[i] = static_cast<T>(
+                             decode::rms_output(to_f(x[i]), inv, to_f(w[i]), round));
+                     }
+                   });
+}
+
+template <typename T>
 void silu_mul_impl(const SiluMulArgs& a) {
   const T* gu = static_cast<const T*>(a.gu);
   T* out = static_cast<T*>(a.out);
@@ -834,6 +855,11 @@ void rope_attention(const RopeAttnArgs& a) {
   if (a.dtype != LinearDType::f32) return rope_attn<c10::BFloat16, c10::BFloat16>(a);
   if (a.kv_half) return rope_attn<float, c10::Half>(a);
   return rope_attn<float, float>(a);
+}
+
+void qk_rms_norm(const QkRmsNormArgs& a) {
+  if (a.dtype == LinearDType::f32) return qk_rms<float>(a);
+  return qk_rms<c10::BFloat16>(a);
 }
 
 void silu_mul(const SiluMulArgs& a) {

@@ -123,6 +123,19 @@ struct RmsNormArgs {
   void* y;               // [rows, n]: the norm of h
 };
 
+// The RMSNorm of each head of q and of k (Qwen3's q_norm / k_norm, over head_dim), in place in
+// the fused q/k/v projection: per token, the row of qkv holds `heads` q heads, then `kv_heads` k
+// heads, then the v heads (untouched), each of D features.
+struct QkRmsNormArgs {
+  LinearDType dtype;  // of qkv and both weights
+  int64_t tokens, row;  // qkv [tokens, row] contiguous, row = (heads + 2 kv_heads) D
+  int64_t heads, kv_heads, D;
+  void* qkv;
+  const void* q_weight;  // [D]
+  const void* k_weight;  // [D]
+  float eps;
+};
+
 struct SiluMulArgs {
   LinearDType dtype;
   int64_t rows, n;  // gu [rows, 2n] contiguous -> out [rows, n]
@@ -139,6 +152,8 @@ JACOBI_DECLARE_CPU_KERNEL(void rope_attention(const ::jacobi::cpu::RopeAttnArgs&
 // h = residual + x (if residual), y = weight * (h * rsqrt(mean(h^2) + eps)), transformers'
 // RMSNorm: the normalised row is rounded to the dtype before the weight multiplies it.
 JACOBI_DECLARE_CPU_KERNEL(void rms_norm(const ::jacobi::cpu::RmsNormArgs& args))
+// rms_norm's formula on each q and k head of qkv, in place (QkRmsNormArgs).
+JACOBI_DECLARE_CPU_KERNEL(void qk_rms_norm(const ::jacobi::cpu::QkRmsNormArgs& args))
 // out[r] = the index of the first NaN of row r of x [rows, vocab] (contiguous), else of the first
 // of its maxima: torch's max(-1).indices, the greedy pick.
 JACOBI_DECLARE_CPU_KERNEL(void argmax_f32(const float* x, int64_t rows, int64_t vocab,

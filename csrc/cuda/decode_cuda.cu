@@ -135,6 +135,25 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormLaunch a)
     E::store(y + i, dm::rms_output(h_at(i), inv, E::load(w + i), round));
 }
 
+// ---- Qwen3's q/k norms: one warp a head, in place ---------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(32) qk_rms_norm_kernel(QkRmsNormLaunch a) {
+  using E = Elem<T>;
+  const RoundTo<T> round;
+  const int64_t per_token = a.heads + a.kv_heads, r = blockIdx.x;
+  const int64_t t = r / per_token, head = r % per_token;
+  T* x = static_cast<T*>(a.qkv) + t * a.row + head * a.D;
+  const T* w = static_cast<const T*>(head < a.heads ? a.q_weight : a.k_weight);
+  double ss = 0.0;  // (rms_norm_kernel's sum: squares exact in double)
+  for (int64_t i = threadIdx.x; i < a.D; i += 32) {
+    const double v = E::load(x + i);
+    ss += v * v;
+  }
+  const float inv = dm::rms_inverse(warp_sum(ss), a.D, a.eps);
+  for (int64_t i = threadIdx.x; i < a.D; i += 32)  // (each lane rewrites only what it read)
+    E::store(x + i, dm::rms_output(E::load(x + i), inv, E::load(w + i), round));
+}
+
 // ---- SiLU times up ------------------------------------------------------------------------------
 template <typename T>
 __global__ void __launch_bounds__(256) silu_mul_kernel(int64_t rows, int64_t n, const T* gu,
@@ -490,6 +509,17 @@ cudaError_t rms_norm(const RmsNormLaunch& a, cudaStream_t stream) {
     rms_norm_kernel<float><<<grid, kNormThreads, 0, stream>>>(a);
   else
     rms_norm_kernel<__nv_bfloat16><<<grid, kNormThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t qk_rms_norm(const QkRmsNormLaunch& a, cudaStream_t stream) {
+  const int64_t rows = a.tokens * (a.heads + a.kv_heads);
+  if (rows <= 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(rows);
+  if (a.dtype == DecodeDType::kFloat32)
+    qk_rms_norm_kernel<float><<<grid, 32, 0, stream>>>(a);
+  else
+    qk_rms_norm_kernel<__nv_bfloat16><<<grid, 32, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -25,6 +25,18 @@ struct RmsNormLaunch {
 };
 cudaError_t rms_norm(const RmsNormLaunch& a, cudaStream_t stream);
 
+// Qwen3's q/k norms: the RMSNorm of each q head and k head of qkv [tokens, row] (row = (heads +
+// 2 kv_heads) D), in place, with q_weight / k_weight [D]: one warp a head.
+struct QkRmsNormLaunch {
+  DecodeDType dtype;  // of qkv and both weights
+  int64_t tokens, row, heads, kv_heads, D;
+  void* qkv;
+  const void* q_weight;
+  const void* k_weight;
+  float eps;
+};
+cudaError_t qk_rms_norm(const QkRmsNormLaunch& a, cudaStream_t stream);
+
 // out [rows, n] = silu(gu[:, :n]) * gu[:, n:] (gu [rows, 2 n]).
 cudaError_t silu_mul(DecodeDType dtype, int64_t rows, int64_t n, const void* gu, void* out,
                      cudaStream_t stream);

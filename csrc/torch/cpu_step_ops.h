@@ -22,6 +22,10 @@ at::Tensor cpu_linear_gguf(const at::Tensor& x, const at::Tensor& packed, int64_
                            const std::optional<at::Tensor>& lora_panel_r0,
                            bool int8_activations);
 at::Tensor cpu_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// Qwen3's q_norm / k_norm: the RMSNorm of each q and k head of qkv [..., (heads + 2 kv_heads) D]
+// with q_weight / k_weight [D], in place (the v heads untouched).
+void qk_rms_norm_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& q_weight,
+                  const at::Tensor& k_weight, double eps);
 at::Tensor cpu_gguf_q8_0_rows(const at::Tensor& raw, const at::Tensor& ids);
 std::tuple<at::Tensor, at::Tensor> cpu_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                     const at::Tensor& weight, double eps);

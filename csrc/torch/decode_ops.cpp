@@ -170,6 +170,29 @@ at::Tensor silu_mul_impl(const at::Tensor& gu, at::Tensor* out_ws) {
 
 at::Tensor cpu_silu_mul(const at::Tensor& gu) { return silu_mul_impl(gu, nullptr); }
 
+void qk_rms_norm_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& q_weight,
+                  const at::Tensor& k_weight, double eps) {
+  const LinearDType d = small_op_dtype(qkv, "qkv");
+  TORCH_CHECK_VALUE(qkv.device().is_cpu(), "qkv must be on the CPU, got ", qkv.device());
+  TORCH_CHECK_VALUE(qkv.is_contiguous() && qkv.dim() >= 1, "qkv must be contiguous [..., (heads "
+                    "+ 2 kv_heads) D], got ", qkv.sizes());
+  TORCH_CHECK_VALUE(heads >= 1 && kv_heads >= 1, "heads and kv_heads must be >= 1");
+  ck::rank(q_weight, "q_weight", 1, "[head_dim]");
+  const int64_t D = q_weight.size(0), row = qkv.size(-1);
+  TORCH_CHECK_VALUE(D >= 1 && row == (heads + 2 * kv_heads) * D, "qkv's last dim is ", row,
+                    ", expected (heads + 2 kv_heads) * head_dim = ", (heads + 2 * kv_heads) * D);
+  for (auto [w, name] : {std::pair{&q_weight, "q_weight"}, {&k_weight, "k_weight"}}) {
+    TORCH_CHECK_VALUE(w->dim() == 1 && w->size(0) == D && w->scalar_type() == qkv.scalar_type() &&
+                          w->device().is_cpu(),
+                      name, " must be [head_dim = ", D, "] of qkv's dtype ", qkv.scalar_type(),
+                      " on the CPU, got ", w->sizes(), " ", w->scalar_type());
+  }
+  const at::Tensor wq = q_weight.contiguous(), wk = k_weight.contiguous();
+  cpu::QkRmsNormArgs a{d, row ? qkv.numel() / row : 0, row, heads, kv_heads, D,
+                       qkv.data_ptr(), wq.data_ptr(), wk.data_ptr(), static_cast<float>(eps)};
+  if (a.tokens > 0) JACOBI_CPU_DISPATCH(qk_rms_norm, a);
+}
+
 void cpu_silu_mul_out(const at::Tensor& gu, at::Tensor& out) { silu_mul_impl(gu, &out); }
 
 namespace {
@@ -458,6 +481,7 @@ TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("cpu_rms_norm", &cpu_rms_norm);
   m.impl("cpu_add_rms_norm", &cpu_add_rms_norm);
   m.impl("cpu_silu_mul", &cpu_silu_mul);
+  m.impl("qk_rms_norm_", &qk_rms_norm_);
   m.impl("cpu_rope_attention", &cpu_rope_attention);
   m.impl("decode_rope_attention", &decode_rope_attention_cpu);
 }

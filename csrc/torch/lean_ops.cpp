@@ -1,8 +1,8 @@
 // torch.classes.jacobi_ext.LeanLayers: the decoder layers of the lean CPU forward
 // (jacobi_ext/decoding/lean.py) run in one call from Python.
 //
-// Why: the Python loop called 8 ops a layer (q/k/v, rotary + cache write + attention, o, add +
-// norm, gate/up, silu * up, down, add + norm), 240 a step on a 30-layer model, and each call from
+// Why: the Python loop called 8 ops a layer (q/k/v, [Qwen3's q/k norms,] rotary + cache write +
+// attention, o, add + norm, gate/up, silu * up, down, add + norm), 240 a step on a 30-layer model, and each call from
 // Python cost 2-4 us in argument conversion and dispatch before any kernel ran: ~0.7 ms of a
 // ~11 ms one-token step, with the OpenMP worker waiting through it. Here the same ops (the same
 // functions, argument checks and kernels; cpu_step_ops.h) are called from C++ in the same order on
@@ -67,6 +67,8 @@ struct LeanLayer {
   double scale = 1.0;
   at::Tensor ln2_weight, next_weight;  // the post-attention norm; the next layer's input norm
   double ln2_eps = 0.0, next_eps = 0.0;  // (after the last layer: the model's final norm)
+  at::Tensor q_norm, k_norm;  // Qwen3's per-head norms of q and k (undefined: none)
+  double qk_eps = 0.0;
 };
 
 struct LeanLayers : torch::CustomClassHolder {
@@ -100,6 +102,13 @@ struct LeanLayers : torch::CustomClassHolder {
                                scale, std::move(ln2_weight), std::move(next_weight), ln2_eps,
                                next_eps});
     pending.clear();
+  }
+
+  // The last added layer normalises each head of q and of k before the rotary (Qwen3).
+  void set_qk_norm(at::Tensor q_weight, at::Tensor k_weight, double eps) {
+    TORCH_CHECK_VALUE(!layers.empty(), "set_qk_norm follows the add_layer it belongs to");
+    LeanLayer& l = layers.back();
+    l.q_norm = std::move(q_weight), l.k_norm = std::move(k_weight), l.qk_eps = eps;
   }
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
@@ -186,6 +195,8 @@ struct LeanLayers : torch::CustomClassHolder {
         const int64_t D = keys[i].size(-1);
         at::Tensor& qkv = Workspace::ensure(ws.qkv, B, Q, l.qkv.n, x);
         l.qkv.into(x, qkv, ws.lora_t);
+        if (l.q_norm.defined())
+          qk_rms_norm_(qkv, l.heads, l.kv_heads, l.q_norm, l.k_norm, l.qk_eps);
         at::Tensor& attn = Workspace::ensure(ws.attn, B, Q, l.heads * D, x);
         cpu_rope_attention_out(qkv, l.heads, l.kv_heads, cos, sin, keys[i], values[i], slots,
                                attend, mask, l.scale, keys_t[i], context_start, attn);
@@ -218,6 +229,7 @@ TORCH_LIBRARY_FRAGMENT(jacobi_ext, m) {
       .def(torch::init<>())
       .def("add_linear", &LeanLayers::add_linear)
       .def("add_layer", &LeanLayers::add_layer)
+      .def("set_qk_norm", &LeanLayers::set_qk_norm)
       .def("size", &LeanLayers::size)
       .def("set_input", &LeanLayers::set_input)
       .def("ar_step", &LeanLayers::ar_step)

@@ -148,6 +148,10 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def("cpu_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
         "(Tensor h, Tensor y)");
   m.def("cpu_silu_mul(Tensor gu) -> Tensor");
+  // Qwen3's q/k norms: the RMSNorm of each q head (q_weight [D]) and k head (k_weight [D]) of
+  // qkv [..., (heads + 2 kv_heads) D], in place, before the rotary (the v heads untouched).
+  m.def("qk_rms_norm_(Tensor(a!) qkv, int heads, int kv_heads, Tensor q_weight, Tensor k_weight, "
+        "float eps) -> ()");
   // The attention block of a decoding step from the fused q/k/v projection qkv [B, Q, (heads +
   // 2 kv_heads) D]: q and k rotated by cos, sin [B, Q, D] as transformers' apply_rotary_pos_emb
   // does, k and v written into the caches [B, kv_heads, capacity, D] at slots[i] (in place),

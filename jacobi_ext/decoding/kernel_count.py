@@ -161,8 +161,25 @@ def qwen25_7b_config():
     )  # fmt: skip
 
 
+def qwen3_06b_config():
+    """Qwen3-0.6B's architecture: 28 layers, hidden 1024, 16 query and 8 K/V heads of 128 with
+    per-head q/k RMSNorms, MLP 3072, vocabulary 151936, tied LM head."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True,
+        eos_token_id=151645,
+    )  # fmt: skip
+
+
 # Architectures by name, for `jacobi-forcing tune --kernels --model NAME` (nothing is loaded).
-SHAPES = {"smollm2-135m": smollm2_135m_config, "qwen2.5-7b": qwen25_7b_config}
+SHAPES = {
+    "smollm2-135m": smollm2_135m_config,
+    "qwen2.5-7b": qwen25_7b_config,
+    "qwen3-0.6b": qwen3_06b_config,
+}
 
 
 def config_for(name: str | None):

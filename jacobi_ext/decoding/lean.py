@@ -48,12 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.families import family_of, supported_classes
 from ..models.quantized import GGUFEmbedding, GGUFLinear
 from . import prepack
 from .prepack import env_off, same_stamp, weight_stamp
 
 _ATTR = "_jacobi_ext_lean_decoder"
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED = supported_classes()  # (jacobi_ext/models/families: Llama, Mistral, Qwen2, Qwen3)
 
 
 def _linear(m) -> bool:
@@ -63,7 +64,8 @@ def _linear(m) -> bool:
 
 def _unsupported(model) -> str | None:
     """Why `model` cannot run the lean forward (None: it can)."""
-    if type(model).__name__ not in SUPPORTED:
+    fam = family_of(model)
+    if fam is None:
         return f"{type(model).__name__} is not one of {SUPPORTED}"
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     if impl not in ("sdpa", "eager"):
@@ -86,13 +88,17 @@ def _unsupported(model) -> str | None:
             return f"layer {i} is not Llama-shaped (q/k/v/o and gate/up/down nn.Linear)"
         if getattr(attn, "sliding_window", None) is not None:
             return f"layer {i} uses a sliding window"
-        if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
-            return f"layer {i} normalises q/k"
+        if not fam.qk_norm and any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+            return f"layer {i} normalises q/k, which the {fam.name} family does not declare"
         norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
+        if fam.qk_norm:
+            norms += [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
-            return f"layer {i} lacks Llama's two RMSNorms"
-        if len(list(layer.children())) != 4 or len(list(attn.children())) != 4:
-            return f"layer {i} has modules beyond Llama's"
+            return f"layer {i} lacks the {fam.name} family's RMSNorms"
+        if fam.qk_norm and attn.q_norm.weight.shape != (attn.head_dim,):
+            return f"layer {i}'s q/k norms are not over head_dim"
+        if len(list(layer.children())) != 4 or len(list(attn.children())) != fam.attention_modules:
+            return f"layer {i} has modules beyond the {fam.name} family's"
     return None
 
 
@@ -204,12 +210,15 @@ def _gguf_calls(mods) -> list:
 class _Layer:
     __slots__ = (
         "ln1", "ln2", "attn", "qkv", "o", "gate_up", "down", "act", "silu", "splits", "mlp_split",
+        "q_norm", "k_norm",
     )  # fmt: skip
 
     def __init__(self, layer, linear=None) -> None:
         linear = linear or _Packed  # (the CUDA forward's: _CatLinear)
         a, m = layer.self_attn, layer.mlp
         self.ln1, self.ln2, self.attn = layer.input_layernorm, layer.post_attention_layernorm, a
+        # a family with q/k norms (families.Family.qk_norm: Qwen3), else None
+        self.q_norm, self.k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         self.qkv = linear(a.q_proj, a.k_proj, a.v_proj)
         self.o = linear(a.o_proj)
         self.gate_up = linear(m.gate_proj, m.up_proj)
@@ -221,6 +230,31 @@ class _Layer:
 
     def linears(self):
         return (self.qkv, self.o, self.gate_up, self.down)
+
+
+class LayerPlan(NamedTuple):
+    """What the fused forwards need of one layer, looked up once per refresh (at one token a
+    step's 30 layers spent ~1 ms in Python attribute lookups and call frames, the size of the
+    attention itself). fn(x, *args) is a linear (the _Packed / _CatLinear .call() forms)."""
+
+    qkv_fn: object
+    qkv_args: tuple
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    qk_norm: tuple | None  # (q weight, k weight, eps): Qwen3's per-head norms, else None
+    o_fn: object
+    o_args: tuple
+    ln2_w: torch.Tensor
+    ln2_eps: float
+    gu_fn: object
+    gu_args: tuple
+    act_layer: object  # the _Layer where the activation is not SiLU (called from Python)
+    down_fn: object
+    down_args: tuple
+    norm_w: torch.Tensor  # the next layer's input norm (after the last: the final norm)
+    norm_eps: float
 
 
 class LeanDecoder:
@@ -282,14 +316,19 @@ class LeanDecoder:
                 lin.refresh()
         self.head.refresh()
 
-    def _plan(self, i: int) -> tuple:
-        """What _fused needs of layer i, looked up once: at one token a step's 30 layers spent
-        ~1 ms in Python attribute lookups and call frames, the size of the attention itself."""
+    def _plan(self, i: int) -> LayerPlan:
+        """Layer i's LayerPlan."""
         L, a = self.layers[i], self.layers[i].attn
         nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.inner.norm
-        return (
+        qk = None
+        if L.q_norm is not None:
+            eps = L.q_norm.variance_epsilon
+            if L.k_norm.variance_epsilon != eps:  # (one op normalises both)
+                raise ValueError(f"layer {i}: q_norm and k_norm have different epsilons")
+            qk = (self.norm_weight(L.q_norm), self.norm_weight(L.k_norm), eps)
+        return LayerPlan(
             *L.qkv.call(), L.splits[0] // a.head_dim, L.splits[1] // a.head_dim, a.head_dim,
-            a.scaling, *L.o.call(), self.norm_weight(L.ln2), L.ln2.variance_epsilon,
+            a.scaling, qk, *L.o.call(), self.norm_weight(L.ln2), L.ln2.variance_epsilon,
             *L.gate_up.call(), L if not L.silu else None, *L.down.call(), self.norm_weight(nxt),
             nxt.variance_epsilon,
         )  # fmt: skip
@@ -328,13 +367,11 @@ class LeanDecoder:
         linear = torch.ops.jacobi_ext.cpu_linear.default
         gguf = torch.ops.jacobi_ext.cpu_linear_gguf.default
         native = torch.classes.jacobi_ext.LeanLayers()
-        for plan in self.plans:
-            (qkv_fn, qkv_args, heads, kv_heads, _, scaling, o_fn, o_args, ln2_w, ln2_eps,
-             gu_fn, gu_args, act_layer, down_fn, down_args, norm_w, norm_eps) = plan  # fmt: skip
-            if act_layer is not None:
+        for p in self.plans:
+            if p.act_layer is not None:
                 return None
-            for fn, args in ((qkv_fn, qkv_args), (o_fn, o_args), (gu_fn, gu_args),
-                             (down_fn, down_args)):  # fmt: skip
+            for fn, args in ((p.qkv_fn, p.qkv_args), (p.o_fn, p.o_args), (p.gu_fn, p.gu_args),
+                             (p.down_fn, p.down_args)):  # fmt: skip
                 if fn is linear:
                     packed, n, bias = args
                     native.add_linear(packed, -1, n, bias, None, None, None, False)
@@ -342,7 +379,10 @@ class LeanDecoder:
                     native.add_linear(*args)
                 else:
                     return None
-            native.add_layer(heads, kv_heads, scaling, ln2_w, ln2_eps, norm_w, norm_eps)
+            native.add_layer(p.heads, p.kv_heads, p.scaling, p.ln2_w, p.ln2_eps, p.norm_w,
+                             p.norm_eps)  # fmt: skip
+            if p.qk_norm is not None:
+                native.set_qk_norm(*p.qk_norm)
         return native
 
     def _native_input(self) -> bool:
@@ -394,7 +434,7 @@ class LeanDecoder:
     def _layer_cache(layer, plan, h: torch.Tensor) -> torch.Tensor:
         """A runtime cache layer's blocked transposed keys, its buffers made on first use."""
         if not layer.is_initialized:  # (in the runtime's K/V element type: SlotLayer)
-            kv = h.new_empty(h.shape[0], plan[3], 1, plan[4])  # [B, kv_heads, 1, head_dim]
+            kv = h.new_empty(h.shape[0], plan.kv_heads, 1, plan.head_dim)
             layer.lazy_initialization(kv, kv)
         kt = getattr(layer, "keys_t", None)
         if kt is None:
@@ -422,8 +462,10 @@ class LeanDecoder:
             residual = h
             x = self._norm(L.ln1, h)
             q, k, v = L.qkv(x).split(L.splits, dim=-1)
-            q = q.view(B, Q, -1, a.head_dim).transpose(1, 2)
-            k = k.view(B, Q, -1, a.head_dim).transpose(1, 2)
+            q, k = q.view(B, Q, -1, a.head_dim), k.view(B, Q, -1, a.head_dim)
+            if L.q_norm is not None:  # (Qwen3: per head, before the rotary)
+                q, k = self._norm(L.q_norm, q), self._norm(L.k_norm, k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(B, Q, -1, a.head_dim).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
             k, v = cache.layers[i].update(k, v)
@@ -517,28 +559,28 @@ class LeanDecoder:
             ops.cpu_add_rms_norm.default,
             ops.cpu_silu_mul.default,
         )
+        qk_norm = ops.qk_rms_norm_.default
         for layer, plan in zip(cache.layers, self.plans, strict=False):
-            qkv_fn, qkv_args, heads, kv_heads, _, scaling = plan[:6]
-            qkv = qkv_fn(x, *qkv_args)
+            qkv = plan.qkv_fn(x, *plan.qkv_args)
+            if plan.qk_norm is not None:
+                qk_norm(qkv, plan.heads, plan.kv_heads, *plan.qk_norm)
             kt = self._layer_cache(layer, plan, h)
             out = rope_attention(
-                qkv, heads, kv_heads, cos, sin, layer.keys, layer.values, slots, attend, mask,
-                scaling, kt, ctx0,
+                qkv, plan.heads, plan.kv_heads, cos, sin, layer.keys, layer.values, slots,
+                attend, mask, plan.scaling, kt, ctx0,
             )  # fmt: skip
             h, x = self._after_attention(plan, out.view(B, Q, -1), h, add_rms_norm, silu_mul)
         return x
 
-    def _after_attention(self, plan: tuple, attn: torch.Tensor, h: torch.Tensor, add_rms_norm,
-                         silu_mul) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _after_attention(self, p: LayerPlan, attn: torch.Tensor, h: torch.Tensor,
+                         add_rms_norm, silu_mul) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A layer after its attention, as both fused forwards (CPU and CUDA) run it: the o
         projection added to the residual and normed, gate/up, SiLU * up, the down projection
         added and normed by the next layer's norm. Returns (residual stream, normed input)."""
-        (o_fn, o_args, ln2_w, ln2_eps, gu_fn, gu_args, act_layer, down_fn, down_args, norm_w,
-         norm_eps) = plan[6:]  # fmt: skip
-        h, x = add_rms_norm(o_fn(attn, *o_args), h, ln2_w, ln2_eps)
-        gu = gu_fn(x, *gu_args)
-        m = silu_mul(gu) if act_layer is None else self._act_mul(act_layer, gu)
-        return add_rms_norm(down_fn(m, *down_args), h, norm_w, norm_eps)
+        h, x = add_rms_norm(p.o_fn(attn, *p.o_args), h, p.ln2_w, p.ln2_eps)
+        gu = p.gu_fn(x, *p.gu_args)
+        m = silu_mul(gu) if p.act_layer is None else self._act_mul(p.act_layer, gu)
+        return add_rms_norm(p.down_fn(m, *p.down_args), h, p.norm_w, p.norm_eps)
 
     @staticmethod
     def _act_mul(L, gu: torch.Tensor) -> torch.Tensor:
@@ -659,15 +701,17 @@ class CudaLeanDecoder(LeanDecoder):
         x = ops.cpu_rms_norm(h, self.norm_weight(first), first.variance_epsilon)
         attention = ops.decode_rope_attention.default
         add_rms_norm, silu_mul = ops.cpu_add_rms_norm.default, ops.cpu_silu_mul.default
+        qk_norm = ops.qk_rms_norm_.default
         for layer, p in zip(cache.layers, self.plans, strict=False):
-            qkv_fn, qkv_args, heads, kv_heads, head_dim, scaling = p[:6]
             if not layer.is_initialized:  # (a prefill made them; a bare probe may not have)
-                kv = h.new_empty(B, kv_heads, 1, head_dim)
+                kv = h.new_empty(B, p.kv_heads, 1, p.head_dim)
                 layer.lazy_initialization(kv, kv)
-            qkv = qkv_fn(x, *qkv_args)
+            qkv = p.qkv_fn(x, *p.qkv_args)
+            if p.qk_norm is not None:
+                qk_norm(qkv, p.heads, p.kv_heads, *p.qk_norm)
             out = attention(
-                qkv, heads, kv_heads, cos, sin, layer.keys, layer.values, plan.seg, plan.off,
-                plan.lo, plan.hi, scaling,
+                qkv, p.heads, p.kv_heads, cos, sin, layer.keys, layer.values, plan.seg, plan.off,
+                plan.lo, plan.hi, p.scaling,
             )  # fmt: skip
             h, x = self._after_attention(p, out.view(B, Q, -1), h, add_rms_norm, silu_mul)
         return x

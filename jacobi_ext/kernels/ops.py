@@ -281,6 +281,11 @@ def _cpu_add_rms_norm_fake(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
+@torch.library.register_fake("jacobi_ext::qk_rms_norm_")
+def _qk_rms_norm_fake(qkv, heads, kv_heads, q_weight, k_weight, eps):
+    return None
+
+
 @torch.library.register_fake("jacobi_ext::cpu_silu_mul")
 def _cpu_silu_mul_fake(gu):
     return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))

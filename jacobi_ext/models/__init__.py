@@ -329,11 +329,14 @@ def tiny_llama(
     eos_token_id: int | None = None,
     family: str = "llama",
 ):
-    """A randomly initialised tiny Llama / Qwen2 model built from a config (tests, examples)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """A randomly initialised tiny Llama / Qwen2 / Qwen3 model built from a config (tests,
+    examples)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    extra = {"head_dim": hidden_size // num_heads} if family == "qwen3" else {}  # (default 128)
     cfg = cls(
+        **extra,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
