@@ -10,19 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
-def accepted_length(tokens: list[int], greedy: list[int], eos: int | None) -> int:
-    """1 + longest prefix with tokens[i+1] == greedy[i], capped at the first EOS (inclusive)."""
-    if not tokens:
-        return 0
-    a = 1
-    for i in range(1, len(tokens)):
-        if tokens[0] == eos or tokens[a - 1] == eos:
-            break
-        if tokens[i] != greedy[i - 1]:
-            break
-        a += 1
-    return a
+from .next_draft import accepted_length, next_main_row  # the next-draft rule, shared
 
 
 @dataclass
@@ -58,27 +46,13 @@ def verify_step(
     accept = [accepted_length(r, g, eos) for r, g in zip(rows, greedy, strict=True)]
     winner = max(range(len(rows)), key=lambda r: (accept[r], -r))
     a = accept[winner]
-    row, g_w, g_main = rows[winner], greedy[winner], greedy[0]
+    row = rows[winner]
     commit = row[:a]
     finished = eos is not None and commit[-1] == eos
-    main_len = len(rows[0])
-
-    def greedy_before(p: int) -> int:  # the Jacobi update: position p takes the argmax at p-1
-        return g_w[p - 1] if p - 1 < len(row) else g_main[p - 1]
-
-    nxt = [greedy_before(p) for p in range(a, main_len)]
-    ends = [e - a for e in block_ends if e - a > 0]
-    # converged tokens of the newest block in flight (before this step's commit)
-    if len(block_ends) == 1:
-        converged = (n - block_ends[0]) + min(a, block_ends[0])
-    else:
-        s, e = block_ends[-2], block_ends[-1]
-        converged = accepted_length(rows[0][s:e], g_main[s:e], None)
-    seed = g_w[a - 1]
-    if not finished and len(ends) < max_blocks and (not ends or converged >= thr):
-        first = seed if not ends else greedy_before(main_len)
-        ends.append(len(nxt) + n)
-        nxt += [first] + list(init_tokens[1:n])
+    nxt, ends = next_main_row(
+        rows[0], greedy[0], a, block_ends, init_tokens, n, max_blocks, thr, finished,
+        win_row=row, win_greedy=greedy[winner],
+    )  # fmt: skip
 
     pool = [list(e) for e in pool]
     if pool and not finished and len(row) - a >= 2:

@@ -1,0 +1,206 @@
+"""JacobiProposer: Jacobi decoding as a vLLM `custom_class` speculative proposer.
+
+    LLM(model=DIR, dtype="float32",
+        speculative_config={"model": "jacobi_vllm.JacobiProposer", "num_speculative_tokens": 15},
+        additional_config={"jacobi": {"block_size": 16}})
+
+vLLM verifies the proposed chain with its own rejection sampler, so the output is vLLM's greedy
+output whatever the drafts are. The drafts are our engine's: after each step the request's main
+row becomes the model's own predictions at the positions it did not accept (the Jacobi update,
+jacobi_ext/decoding/next_draft.py, the same function the engine's reference step calls); a
+converged block starts a new one from a context-lookup continuation where the context has a
+match, else from context tokens; with `num_blocks` > 1 up to that many blocks ride one after the
+other in the one chain vLLM verifies. The target's predictions come from the wrapper in
+jacobi_vllm.hook; where it cannot be installed, drafts come from context lookup only.
+
+Settings, all optional, in `additional_config={"jacobi": {...}}`:
+- block_size (n): drafts per block; default (num_speculative_tokens + 1) // num_blocks.
+- num_blocks (K): blocks in flight in the chain; default 1 (the paper's plain Jacobi).
+- activation_ratio: a new block starts behind the newest one when this share of the newest has
+  converged (the engine's multiblock rule); default 0.85.
+- lookup: "spawn" (default): a new block starts from a lookup continuation where the context has
+  a match; "tail": besides, a match of `lookup_min_match` tokens whose continuation differs from
+  the Jacobi tail replaces the tail for a step; "off": new blocks from context tokens only.
+- lookup_min_match: default 3.
+- seed: for the context tokens a new block starts from (they change the speed, never the
+  output); default 0.
+- record: keep every step's record and proposal in jacobi_vllm.hook.STATE.history and
+  JacobiProposer.PROPOSALS (tests, benchmarks); default False.
+- allow_untested_vllm: wrap vLLM versions other than those tested when the signature matches.
+
+This module imports vLLM's names only inside the worker (vLLM imports it there) and never the
+jacobi_ext package: the rule and the lookup index are loaded by file (jacobi_vllm._rules).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from . import hook
+from ._rules import NgramIndex, accepted_length, next_main_row
+
+logger = logging.getLogger("jacobi_vllm")
+
+LOOKUP_MODES = ("spawn", "tail", "off")
+
+
+@dataclass
+class _Req:
+    """One request's state between steps (keyed by its vLLM request id)."""
+
+    index: NgramIndex
+    rng: random.Random
+    main_len: int = 0  # 1 + drafts proposed last step (the row vLLM should verify next)
+    block_ends: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Proposal:
+    step: int
+    req_id: str
+    source: str  # "jacobi" (the tail), "spawn" (a new block), "tail-lookup", "lookup", "none"
+    accepted: int  # drafts accepted in the step just verified
+    draft: list[int]
+
+
+class JacobiProposer:
+    PROPOSALS: deque | None = None  # every proposal, when record is on (class-level: one worker)
+
+    def __init__(self, vllm_config) -> None:
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        extra = vllm_config.additional_config
+        cfg = dict((extra or {}).get("jacobi", {}) if isinstance(extra, dict) else {})
+        unknown = set(cfg) - {
+            "block_size", "num_blocks", "activation_ratio", "lookup", "lookup_min_match",
+            "seed", "record", "allow_untested_vllm",
+        }  # fmt: skip
+        if unknown:
+            raise ValueError(f"unknown jacobi settings in additional_config: {sorted(unknown)}")
+        self.num_blocks = int(cfg.get("num_blocks", 1))
+        self.block_size = int(cfg.get("block_size", (self.k + 1) // self.num_blocks))
+        if self.block_size < 2 or self.num_blocks < 1:
+            raise ValueError(
+                f"jacobi block_size must be >= 2 and num_blocks >= 1, got {self.block_size}, "
+                f"{self.num_blocks} (num_speculative_tokens={self.k})"
+            )
+        if self.block_size * self.num_blocks - 1 > self.k:
+            raise ValueError(
+                f"num_speculative_tokens={self.k} is less than block_size * num_blocks - 1 = "
+                f"{self.block_size * self.num_blocks - 1}: raise it or lower the blocks"
+            )
+        ratio = float(cfg.get("activation_ratio", 0.85))
+        self.spawn_threshold = math.ceil(ratio * self.block_size)
+        self.lookup = cfg.get("lookup", "spawn")
+        if self.lookup not in LOOKUP_MODES:
+            raise ValueError(f"jacobi lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
+        self.lookup_min_match = int(cfg.get("lookup_min_match", 3))
+        self.seed = int(cfg.get("seed", 0))
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        record = bool(cfg.get("record", False))
+        if record and JacobiProposer.PROPOSALS is None:
+            JacobiProposer.PROPOSALS = deque()
+        self.record = record
+        self.jacobi = hook.install(
+            record_history=record, allow_untested=bool(cfg.get("allow_untested_vllm", False))
+        )
+        self.reqs: dict[str, _Req] = {}
+        logger.info(
+            "jacobi_vllm: %s, block_size %d, num_blocks %d, lookup %s, %d drafts a step at most",
+            "Jacobi drafts" if self.jacobi else "lookup-only drafts (see the warning above)",
+            self.block_size, self.num_blocks, self.lookup, self.k,
+        )  # fmt: skip
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load: the target's own predictions are the drafts."""
+
+    # ---- vLLM's call, once a step, after the step's bookkeeping ---------------------------------
+    def propose(
+        self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None
+    ) -> list[list[int]]:
+        rec = hook.STATE.last if self.jacobi and hook.STATE.broken is None else None
+        hook.STATE.last = None  # each record serves the step it was taken in, once
+        if rec is not None and len(rec.req_ids) != len(sampled_token_ids):
+            rec = None
+        out: list[list[int]] = []
+        live: set[str] = set()
+        for i, sampled in enumerate(sampled_token_ids):
+            rid = rec.req_ids[i] if rec is not None else None
+            if rid is not None:
+                live.add(rid)
+            ntok = int(num_tokens_no_spec[i])
+            room = min(self.k, self.max_model_len - ntok)
+            if not sampled or room <= 0:  # a partial prefill, or no room left
+                out.append([])
+                continue
+            ctx = token_ids_cpu[i, :ntok].tolist()
+            if rec is None:
+                draft, source, acc = self._lookup_only(ctx, room), "lookup", -1
+            else:
+                draft, source, acc = self._jacobi(rid, rec.drafts[i], rec.argmax[i], sampled, ctx)
+                draft = draft[:room]
+                self.reqs[rid].main_len = 1 + len(draft)
+            if self.record:
+                JacobiProposer.PROPOSALS.append(
+                    Proposal(rec.step if rec else -1, rid or str(i), source, acc, draft)
+                )
+            out.append(draft)
+        if rec is not None:
+            for gone in set(self.reqs) - live:  # finished, aborted or preempted
+                del self.reqs[gone]
+        return out
+
+    # ---- drafts ---------------------------------------------------------------------------------
+    def _rng_for(self, rid: str) -> random.Random:
+        """The generator of a request's context tokens (a new block's drafts)."""
+        return random.Random(f"{self.seed}:{rid}")
+
+    def _state(self, rid: str, ctx: list[int]) -> _Req:
+        st = self.reqs.get(rid)
+        if st is None or len(st.index.toks) > len(ctx):
+            st = _Req(NgramIndex(ctx), self._rng_for(rid))
+            self.reqs[rid] = st
+        else:
+            st.index.extend(ctx[len(st.index.toks) :])
+        return st
+
+    def _jacobi(self, rid, verified, greedy, sampled, ctx) -> tuple[list[int], str, int]:
+        st = self._state(rid, ctx)
+        n, seed = self.block_size, ctx[-1]
+        # The row vLLM verified: the token fed first (the previous step's bonus token, now the
+        # last committed one before this step's tokens) and the drafts after it.
+        row = [ctx[len(ctx) - len(sampled) - 1], *verified]
+        a = accepted_length(row, greedy, None)
+        if list(sampled) != row[1:a] + [greedy[a - 1]] or seed != greedy[a - 1]:
+            # vLLM committed something else than the argmax chain (sampling, a logits
+            # processor): the tail is not the model's greedy continuation; restart from lookup.
+            st.block_ends = []
+            return self._lookup_only(ctx, n - 1, st.index), "lookup", -1
+        ends = st.block_ends if st.main_len == len(row) and st.block_ends else [len(row)]
+        left = [e - a for e in ends if e - a > 0]
+        g, j = st.index.match() if self.lookup != "off" else (0, -1)
+        if not left and g > 0:
+            init = [seed, *st.index.continuation(j, n - 1)]
+        else:
+            init = [seed] + [ctx[st.rng.randrange(len(ctx))] for _ in range(n - 1)]
+        nxt, ends = next_main_row(
+            row, greedy, a, ends, init, n, self.num_blocks, self.spawn_threshold, False
+        )
+        source = "spawn" if not left else "jacobi"
+        if left and self.lookup == "tail" and g >= self.lookup_min_match:
+            cont = st.index.continuation(j, n - 1)
+            if cont != nxt[1:n]:
+                nxt, ends, source = [seed, *cont], [n], "tail-lookup"
+        st.block_ends = ends
+        return nxt[1:], source, a - 1
+
+    def _lookup_only(self, ctx, k, index=None) -> list[int]:
+        """Drafts from context lookup only (the fallback): what followed the context's last 2-3
+        tokens the last time they occurred."""
+        index = index or NgramIndex(ctx[-4096:])
+        g, j = index.match()
+        return index.continuation(j, k) if g >= 2 else []

@@ -1,0 +1,158 @@
+"""The vLLM proposer's next drafts are the engine's: one rule (jacobi_ext/decoding/next_draft.py)
+that the engine's reference step calls and that jacobi_vllm loads by file, without importing
+jacobi_ext. No vLLM needed: the proposer is driven here with the records vLLM's wrapped sampler
+would hand it, and its drafts are compared with the reference step's main row, step by step."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("jacobi_vllm") is None:  # a checkout not installed: its folder, last
+    sys.path.append(str(ROOT))
+RULE_FILES = [ROOT / "jacobi_ext/decoding/next_draft.py", ROOT / "jacobi_ext/decoding/lookup.py"]
+
+
+def _engine():
+    """jacobi_ext's reference step, or a skip where jacobi_ext is not installed (vLLM's own
+    environment runs these tests too, without it)."""
+    try:
+        from jacobi_ext.decoding import next_draft, reference
+    except ImportError as exc:
+        pytest.skip(f"the engine's reference needs jacobi_ext installed ({exc.__class__.__name__})")
+    return next_draft, reference
+
+
+def _env_with_root() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
+def test_rule_files_import_only_the_standard_library(path):
+    """Loaded by path inside vLLM's worker: no relative imports, nothing outside the stdlib."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and node.module == "__future__", ast.dump(node)
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".")[0] for a in node.names]
+            assert all(n in sys.stdlib_module_names for n in names), names
+
+
+def test_loading_the_rule_does_not_import_jacobi_ext():
+    code = (
+        "import sys, json; from jacobi_vllm import _rules; import jacobi_vllm.proposer; "
+        "print(json.dumps([_rules.next_draft.__file__, sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('jacobi_ext', 'vllm', 'torch'))]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env_with_root()
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    path, loaded = json.loads(out.stdout)
+    assert Path(path).name == "next_draft.py"
+    assert loaded == [], f"importing jacobi_vllm pulled in {loaded}"
+
+
+def test_reference_calls_the_shared_rule():
+    next_draft, reference = _engine()
+    from jacobi_vllm import _rules
+
+    assert reference.next_main_row is next_draft.next_main_row
+    assert reference.accepted_length is next_draft.accepted_length
+    assert Path(_rules.next_draft.__file__).read_bytes() == Path(next_draft.__file__).read_bytes()
+
+
+# ---- the proposer against the reference step, without vLLM ------------------------------------
+
+
+def _model(vocab: int, seed: int):
+    """A deterministic 'model': the next token is a function of the last two (repetitive, so
+    drafts get accepted at varied lengths)."""
+    rng = random.Random(seed)
+    table = {(i, j): rng.randrange(vocab) for i in range(vocab) for j in range(vocab)}
+    return lambda seq: table[(seq[-2], seq[-1])]
+
+
+def _proposer(n: int, K: int, ratio: float):
+    from jacobi_vllm import hook, proposer
+
+    cfg = types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=n * K - 1),
+        additional_config={"jacobi": {"num_blocks": K, "block_size": n, "lookup": "off",
+                                      "activation_ratio": ratio}},
+        model_config=types.SimpleNamespace(max_model_len=10_000),
+    )  # fmt: skip
+    orig = hook.install
+    hook.install = lambda **kw: True  # no vLLM here: records are handed in by the test
+    try:
+        p = proposer.JacobiProposer(cfg)
+    finally:
+        hook.install = orig
+    return p
+
+
+@pytest.mark.parametrize("n,K,ratio", [(4, 1, 0.85), (6, 1, 0.5), (4, 2, 0.5), (5, 3, 0.85)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_proposer_drafts_are_the_reference_main_row(n, K, ratio, seed):
+    import math
+
+    np = pytest.importorskip("numpy")
+    verify_step = _engine()[1].verify_step
+    from jacobi_vllm import hook
+
+    vocab, steps = 6, 40
+    nxt = _model(vocab, seed)
+    prompt = [random.Random(seed).randrange(vocab) for _ in range(8)]
+    c = prompt[0]
+    p = _proposer(n, K, ratio)
+
+    class _Rng:  # context tokens for a new block: always position 0, so both sides agree
+        def randrange(self, k):
+            return 0
+
+    p._rng_for = lambda rid: _Rng()
+
+    # vLLM's side: the committed tokens, one record per step
+    vctx = list(prompt)
+    sampled = [nxt(vctx)]  # the prefill step
+    rec = hook.StepRecord(1, ["r0"], [[]], [sampled[:]])
+    vctx += sampled
+    # the reference's side: main row = seed + drafts, after the same prefill
+    ref_ctx = list(prompt)
+    main_row, ends = [vctx[-1]] + [c] * (n - 1), [n]
+    thr = math.ceil(ratio * n)
+    for step in range(steps):
+        hook.STATE.last, hook.STATE.broken = rec, None
+        tok = np.zeros((1, 1000), dtype=np.int64)
+        tok[0, : len(vctx)] = vctx
+        (draft,) = p.propose([sampled], np.array([len(vctx)]), tok)
+        assert [vctx[-1], *draft] == main_row, f"step {step}"
+        # verify the row as vLLM would: greedy along the row, accept, commit
+        row = [vctx[-1], *draft]
+        greedy = [nxt(vctx + row[1 : i + 1]) for i in range(len(row))]
+        a = 1
+        while a < len(row) and row[a] == greedy[a - 1]:
+            a += 1
+        sampled = row[1:a] + [greedy[a - 1]]
+        rec = hook.StepRecord(step + 2, ["r0"], [draft], [greedy])
+        vctx += sampled
+        # the reference step on the same row
+        ref_greedy = [nxt(ref_ctx + main_row[: i + 1]) for i in range(len(main_row))]
+        init = [main_row[0]] + [c] * (n - 1)
+        res = verify_step([main_row], [ref_greedy], ends, init, [], 0, n, K, spawn_threshold=thr)
+        assert res.accepted == a
+        ref_ctx += res.commit
+        main_row, ends = res.next_tokens, res.next_block_ends
+        assert ref_ctx + [main_row[0]] == vctx
