@@ -68,11 +68,14 @@ LAYER_TYPES = (
 
 
 def tiny_config(tied: bool = False, family: str = "llama"):
-    """A Llama (or Qwen2) config whose every linear has K a multiple of 256 (k-quants' block)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A Llama (Qwen2, Qwen3) config whose every linear has K a multiple of 256 (k-quants'
+    block)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    extra = {"head_dim": 64} if family == "qwen3" else {}  # (Qwen3Config's default is 128)
     return cls(
+        **extra,
         vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=len(LAYER_TYPES),
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None, pad_token_id=None,
@@ -118,7 +121,13 @@ def write_tiny_model(path: Path, config, seed: int = 0, embed_type=Q.Q8_0, head_
                 tensors[f"blk.{i}.{name}.bias"] = rng.normal(0, 0.1, shapes[name][0]).astype(
                     np.float32
                 )
-    arch = "qwen2" if getattr(config, "model_type", "") == "qwen2" else "llama"
+        if getattr(config, "model_type", "") == "qwen3":  # per-head q/k norms (head_dim)
+            for name in ("attn_q_norm", "attn_k_norm"):
+                tensors[f"blk.{i}.{name}.weight"] = (1 + 0.3 * rng.normal(size=hd)).astype(
+                    np.float32
+                )
+    model_type = getattr(config, "model_type", "")
+    arch = model_type if model_type in ("qwen2", "qwen3") else "llama"
     return write_tensors(path, tensors, arch=arch)
 
 

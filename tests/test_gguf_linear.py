@@ -430,7 +430,9 @@ def _build(tmp_path, tied=False, family="llama"):
     return cfg, path, model, caught
 
 
-@pytest.mark.parametrize("tied, family", [(False, "llama"), (True, "llama"), (False, "qwen2")])
+@pytest.mark.parametrize(
+    "tied, family", [(False, "llama"), (True, "llama"), (False, "qwen2"), (False, "qwen3")]
+)
 def test_model_on_codes_is_the_dequantized_model(tmp_path, tied, family):
     from jacobi_ext.decoding import prepack
     from jacobi_ext.models.quantized import GGUFEmbedding, GGUFLinear, describe
@@ -612,10 +614,16 @@ def test_config_and_tokenizer_come_back_from_the_cache(tmp_path, monkeypatch):
     assert cfg3.to_dict() == cfg.to_dict() and tok3(text).input_ids == tok(text).input_ids
 
 
-def test_decoding_on_codes_equals_ar_and_the_dequantized_model(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decoding_on_codes_equals_ar_and_the_dequantized_model(tmp_path, family):
+    """Decoding from the file's codes (the exact mode) returns the tokens of the model
+    dequantized to fp32, for every method: Llama, and Qwen3 (q/k norms) through the fused
+    path."""
     from jacobi_ext import generate
+    from jacobi_ext.decoding import lean
 
-    cfg, path, model, _ = _build(tmp_path)
+    cfg, path, model, _ = _build(tmp_path, family=family)
+    assert lean.why_not(model) is None
     ref = dequantized_model(cfg, path)
     ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
     ar = generate(ref, ids, max_new_tokens=40, method="ar").tokens
