@@ -51,7 +51,8 @@ from torch import nn
 from ..models.families import family_of, supported_classes
 from ..models.quantized import GGUFEmbedding, GGUFLinear
 from . import prepack
-from .prepack import env_off, same_stamp, weight_stamp
+from .options import options
+from .prepack import same_stamp, weight_stamp
 
 _ATTR = "_jacobi_ext_lean_decoder"
 SUPPORTED = supported_classes()  # (jacobi_ext/models/families: Llama, Mistral, Qwen2, Qwen3)
@@ -302,13 +303,15 @@ class LeanDecoder:
         return True
 
     def refresh(self) -> None:
-        """Repack what changed; read JACOBI_EXT_FUSED (at each prefill: a call's steps agree)."""
-        self.fused = not env_off("JACOBI_EXT_FUSED")
+        """Repack what changed; read the switches (options.py: at each prefill, so that a call's
+        steps agree)."""
+        opts = options()
+        self.fused = opts.fused
         self._refresh_linears()
         self.plans = [self._plan(i) for i in range(len(self.layers))]
-        self.native = None if env_off("JACOBI_EXT_NATIVE") else self._native_layers()
+        self.native = self._native_layers() if opts.native else None
         self.native_ar = self.native is not None and self._native_input()
-        self.greedy_head = None if env_off("JACOBI_EXT_GREEDY_SCREEN") else _greedy_head(self.head)
+        self.greedy_head = _greedy_head(self.head) if opts.greedy_screen else None
 
     def _refresh_linears(self) -> None:
         for layer in self.layers:
@@ -801,7 +804,7 @@ def keys_transposed(keys: torch.Tensor) -> torch.Tensor:
 
 def lean_decoder(model) -> LeanDecoder | None:
     """The model's lean forward, packed and up to date, or None where it does not apply."""
-    if env_off("JACOBI_EXT_LEAN"):
+    if not options().lean:
         return None
     which = prepack.lean_backend(model)
     if torch.is_grad_enabled() or which is None:
@@ -827,7 +830,7 @@ def lean_decoder(model) -> LeanDecoder | None:
 
 def why_not(model) -> str | None:
     """Why the lean forward does not run for `model` (None: it does)."""
-    if env_off("JACOBI_EXT_LEAN"):
+    if not options().lean:
         return "JACOBI_EXT_LEAN=0"
     which = prepack.lean_backend(model)
     if which == "cuda":

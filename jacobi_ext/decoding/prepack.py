@@ -20,7 +20,7 @@ Backends, per model (`backend(model)`):
   - None: `F.linear` (float64 and float16 models, GPUs, or switched off).
 JACOBI_EXT_CPU_LINEAR=0 switches our kernel off (fp32 then runs `F.linear`, bf16 oneDNN's packed
 op as before it existed); =kernel or =onednn forces one. JACOBI_EXT_CPU_PREPACK=0 switches the
-oneDNN packing off.
+oneDNN packing off (both read in one place with the engine's other switches: options.py).
 
 How: the runtime's forwards run inside `packed(model)`, which points each `nn.Linear`'s forward
 at the packed copy of its weight for the duration of the call and restores it after, so the
@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import statistics
 import time
 
 import torch
 from torch import nn
+
+from .options import options
 
 _ATTR = "_jacobi_ext_packed_linears"
 _ACTIVE = "_jacobi_ext_packed_active"
@@ -80,26 +81,16 @@ def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return False
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default).strip().lower()
-
-
-def env_off(name: str) -> bool:
-    """Whether the environment switch `name` is set to off ("0", "off", "false" or "no", any case,
-    spaces ignored); unset, or any other value, is on. The switches here and the lean forward's
-    (lean.py) all read this way, so the same words turn any of them off."""
-    return _env(name, "1") in ("0", "off", "false", "no")
-
-
 def backend(model) -> str | None:
     """Which packed linear the runtime's forwards of `model` use: "kernel", "onednn" or None
     (`F.linear`); see the module docstring for the rule and the environment switches."""
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
         return None
-    want = _env("JACOBI_EXT_CPU_LINEAR", "auto")
-    onednn_ok = p.dtype == torch.bfloat16 and available() and not env_off("JACOBI_EXT_CPU_PREPACK")
-    if env_off("JACOBI_EXT_CPU_LINEAR"):
+    opts = options()
+    want = opts.cpu_linear
+    onednn_ok = p.dtype == torch.bfloat16 and available() and opts.cpu_prepack
+    if want == "off":
         return "onednn" if onednn_ok else None
     if want == "onednn":
         return "onednn" if onednn_ok else None

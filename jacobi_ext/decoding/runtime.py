@@ -38,7 +38,6 @@ import contextlib
 import gc
 import inspect
 import logging
-import os
 import time
 import warnings
 
@@ -48,6 +47,7 @@ from transformers.cache_utils import StaticCache, StaticLayer
 from ..models.quantized import kv_cache_dtype
 from .lean import StepPlan, lean_decoder
 from .masks import for_backend, prefill_mask, step_mask, step_positions
+from .options import GRAPH_MODES, options
 from .prepack import cuda_decode_on, packed
 
 log = logging.getLogger(__name__)
@@ -137,9 +137,6 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in stock else "past_key_values"
 
 
-GRAPH_MODES = ("capture", "compile")
-
-
 @contextlib.contextmanager
 def no_gc():
     """Python's garbage collector off for a CUDA graph capture (and its warm-up), on again after.
@@ -174,8 +171,7 @@ def _graphs_wanted(device: torch.device, cuda_graphs: bool | str | None) -> str 
     "compile" (torch.compile(mode="reduce-overhead") of the same step) or None (eager). CPU
     steps always run eagerly. None = env JACOBI_EXT_CUDA_GRAPHS (0 / capture / compile)."""
     if cuda_graphs is None:
-        env = os.environ.get("JACOBI_EXT_CUDA_GRAPHS", "1").strip().lower()
-        cuda_graphs = env if env in GRAPH_MODES else env not in ("0", "off", "false")
+        cuda_graphs = options().cuda_graphs or False
     if cuda_graphs is True:
         cuda_graphs = "capture"
     if cuda_graphs is not False and cuda_graphs not in GRAPH_MODES:
@@ -198,16 +194,8 @@ def prefill_chunk(graph_mode: str | None) -> int:
     170-token prompt on an H200, the time of ~200 decoded tokens). On a CPU one pass is faster
     (one large product per linear, no launches to save). JACOBI_EXT_PREFILL_CHUNK=N sets it
     (0: one pass), on any device."""
-    env = os.environ.get("JACOBI_EXT_PREFILL_CHUNK")
-    if env is not None and env.strip():
-        try:
-            chunk = int(env)
-        except ValueError:
-            chunk = -1
-        if chunk < 0:
-            raise ValueError(
-                f"JACOBI_EXT_PREFILL_CHUNK must be a token count >= 0 (0: one pass), got {env!r}"
-            )
+    chunk = options().prefill_chunk
+    if chunk is not None:
         return chunk
     return PREFILL_CHUNK if graph_mode is not None else 0
 
