@@ -113,7 +113,7 @@ def cuda_decode_available() -> bool:
         has(f"jacobi_ext::{op}", "CUDA")
         for op in (
             "decode_rope_attention", "cpu_rms_norm", "cpu_add_rms_norm", "cpu_silu_mul",
-            "cpu_kv_commit", "cpu_argmax",
+            "cpu_kv_commit", "cpu_argmax", "qk_rms_norm_",
         )
     )  # fmt: skip
 
