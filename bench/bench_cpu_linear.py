@@ -12,7 +12,7 @@ in a whole decoding step, fp32 and bf16, side by side in one run.
    oneDNN-packed weights, transformers' forward), "kernel" (our kernel behind every nn.Linear,
    transformers' forward) and "kernel+lean" (the default: our kernel and the lean forward);
    beside the roofline floor max(weight bytes / read bandwidth, FLOPs / peak), the peak being the
-   faster of the library GEMM and our kernel at 256 rows (jacobi_ext.decoding.roofline's rule).
+   faster of the library GEMM and our kernel at 256 rows (jacobi_ext.tools.roofline's rule).
 
     pytest bench/bench_cpu_linear.py -o python_files='bench_*.py' --benchmark-json=cpu_linear.json
     JACOBI_BENCH_QUICK=1 pytest bench/bench_cpu_linear.py -o python_files='bench_*.py'  # seconds
@@ -54,7 +54,7 @@ def _interleaved(fns: dict, rounds=ROUNDS) -> dict[str, float]:
 def peaks():
     """The machine's read bandwidth (GB/s) and, per dtype, compute peak (GFLOP/s) this run: the
     library GEMM (`torch.mm` 2048^2) and our kernel at 256 rows of a 1536 x 576 weight in cache;
-    the floor takes the faster (as jacobi_ext.decoding.roofline does: a floor must be a floor)."""
+    the floor takes the faster (as jacobi_ext.tools.roofline does: a floor must be a floor)."""
     from jacobi_ext.kernels._native import ops
 
     n = (1 << 20) if QUICK else (212 << 20) // 4
@@ -233,8 +233,8 @@ CONFIGS = {  # name -> environment of the runtime's forward
 def test_decoding_step(benchmark, peaks, models, dtype, monkeypatch):
     """The runtime's step at widths 1, 4, 16, 64 over 256 tokens of context, per configuration,
     all interleaved in one run; with the roofline floor of each width."""
-    from jacobi_ext.decoding import roofline
     from jacobi_ext.decoding.runtime import StepProbe
+    from jacobi_ext.tools import roofline
 
     model = models[dtype]
     context = 32 if QUICK else 256

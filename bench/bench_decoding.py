@@ -39,8 +39,8 @@ import pytest
 import torch
 
 from jacobi_ext import generate, left_pad
-from jacobi_ext.decoding.baselines import hf_greedy
 from jacobi_ext.decoding.tuning import Tuner
+from jacobi_ext.tools.baselines import hf_greedy
 
 _ref: dict[str, object] = {}  # reference outputs and speeds of this run (hf-greedy, ar, ...)
 
@@ -405,7 +405,7 @@ def _qwen7b():
     if _QWEN7B is None:
         from transformers import AutoModelForCausalLM
 
-        from jacobi_ext.decoding.kernel_count import qwen25_7b_config
+        from jacobi_ext.tools.kernel_count import qwen25_7b_config
 
         cfg = qwen25_7b_config()
         with torch.device("meta"):

@@ -157,7 +157,7 @@ def gguf_weight_bytes(path) -> tuple[int, dict]:
 class BandwidthProbe:
     """GB/s of `x.sum()` over `nbytes` of fp32 (the bytes a forward reads: the GGUF's weights)
     with torch's current threads, one reading a call: the buffer read once untimed, then the
-    fastest of four timed reads back to back (jacobi_ext.decoding.roofline.reread_gbps). A decode
+    fastest of four timed reads back to back (jacobi_ext.tools.roofline.reread_gbps). A decode
     loop reads the same weights every forward, so they stream from wherever a working set of
     their size settles: on a CPU whose cache holds them, that cache, and a floor is the fastest
     such pace. (On a 2-core Xeon with
@@ -175,7 +175,7 @@ class BandwidthProbe:
         self.readings: list[float] = []
 
     def __call__(self) -> float:
-        from jacobi_ext.decoding.roofline import reread_gbps  # the tune command's floor, too
+        from jacobi_ext.tools.roofline import reread_gbps  # the tune command's floor, too
 
         self.readings.append(reread_gbps(self.x))
         return self.readings[-1]

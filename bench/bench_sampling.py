@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from jacobi_ext import generate
-from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
+from jacobi_ext.tools.baselines import hf_greedy, hf_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import QUICK  # noqa: E402

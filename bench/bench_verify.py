@@ -78,10 +78,10 @@ def test_decoding_loop_overhead(benchmark, bench_model):
 def test_forward_latency_vs_tokens(benchmark, bench_model, q, record_property):
     """The roofline this library tunes to: one decoding step of q new tokens over a 256-token
     cache, run as the engine runs it (static runtime; a CUDA graph replay on GPUs), beside the
-    floor this machine allows (jacobi_ext.decoding.roofline: max(weight bytes / read bandwidth,
+    floor this machine allows (jacobi_ext.tools.roofline: max(weight bytes / read bandwidth,
     FLOPs / compute peak), both measured here and cached; the summary prints the table)."""
-    from jacobi_ext.decoding import roofline
     from jacobi_ext.decoding.runtime import StepProbe
+    from jacobi_ext.tools import roofline
 
     model, _, _, _ = bench_model
     probe = StepProbe(model, context=256, max_q=q)

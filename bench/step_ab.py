@@ -27,8 +27,8 @@ def _model(tiny: bool, dev: torch.device, dtype: torch.dtype):
     or with `tiny` the tests' tiny Llama."""
     from transformers import LlamaForCausalLM
 
-    from jacobi_ext.decoding.kernel_count import smollm2_135m_config
     from jacobi_ext.models import tiny_llama
+    from jacobi_ext.tools.kernel_count import smollm2_135m_config
 
     torch.manual_seed(0)
     model = tiny_llama(seed=0) if tiny else LlamaForCausalLM(smollm2_135m_config())

@@ -1,5 +1,5 @@
 """Where jacobi_ext keeps what it measures or derives once and reads back later: the tuner's
-forward-time curves and machine figures (decoding/tuning.py, decoding/roofline.py) and a GGUF
+forward-time curves and machine figures (decoding/tuning.py, tools/roofline.py) and a GGUF
 file's transformers config and tokenizer (models/quantized.py). JACOBI_EXT_CACHE overrides the
 place ($XDG_CACHE_HOME/jacobi_ext, else ~/.cache/jacobi_ext). Everything in it can be deleted:
 it is made again when needed."""

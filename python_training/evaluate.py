@@ -33,7 +33,7 @@ import torch
 
 from jacobi_ext.data import humaneval_input_ids, load_humaneval
 from jacobi_ext.decoding import generate
-from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
+from jacobi_ext.tools.baselines import hf_greedy, hf_sample
 
 from .checkers import CHECKERS, MEASURES, check_row
 

@@ -1,4 +1,4 @@
-"""The CUDA decode step's kernel count, on a CPU (jacobi_ext/decoding/kernel_count.py,
+"""The CUDA decode step's kernel count, on a CPU (jacobi_ext/tools/kernel_count.py,
 `jacobi-forcing tune --kernels`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from jacobi_ext.apps.cli import main
-from jacobi_ext.decoding import kernel_count as kc
+from jacobi_ext.tools import kernel_count as kc
 
 
 class _Known(nn.Module):

@@ -1,4 +1,4 @@
-"""Which CPU mode decodes faster here (jacobi_ext/decoding/modes.py, `jacobi-forcing info
+"""Which CPU mode decodes faster here (jacobi_ext/tools/modes.py, `jacobi-forcing info
 --modes`, the demo's line): both modes timed on the model in front of it, the verdict read off
 the times, the model left in the mode it was in, and a model without Q4_1 / Q8_0 codes told why
 it has one mode."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jacobi_ext.decoding import modes as M
+from jacobi_ext.tools import modes as M
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gguf_fixtures import tiny_config, write_tiny_model  # noqa: E402

@@ -12,8 +12,9 @@ import matplotlib
 import pytest
 import torch
 
-from jacobi_ext.decoding import roofline, tuning
+from jacobi_ext.decoding import tuning
 from jacobi_ext.models import tiny_llama
+from jacobi_ext.tools import roofline
 
 matplotlib.use("Agg")
 

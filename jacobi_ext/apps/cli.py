@@ -49,8 +49,8 @@ def _modes(args: argparse.Namespace):
     """The exact and 8-bit modes' one-token forwards on the model asked for, side by side."""
     from rich.console import Console
 
-    from jacobi_ext.decoding.modes import compare_modes
     from jacobi_ext.models import load_model
+    from jacobi_ext.tools.modes import compare_modes
 
     with Console(stderr=True).status("loading the model and timing both modes"):
         model, _ = load_model(args.model)
@@ -159,12 +159,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_kernels(args: argparse.Namespace) -> int:
-    """tune --kernels: the CUDA step's kernels, counted on this CPU (decoding/kernel_count.py)."""
+    """tune --kernels: the CUDA step's kernels, counted on this CPU (tools/kernel_count.py)."""
     import torch
 
-    from jacobi_ext.decoding import kernel_count
     from jacobi_ext.decoding.runtime import PREFILL_CHUNK
     from jacobi_ext.models import DTYPE_NAMES
+    from jacobi_ext.tools import kernel_count
 
     dtype = DTYPE_NAMES[args.dtype or "bfloat16"]
     config = kernel_count.config_for(args.model)
@@ -187,7 +187,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jacobi_ext.decoding import roofline, tuning
+    from jacobi_ext.decoding import tuning
+    from jacobi_ext.tools import roofline
 
     if args.kernels:
         return _cmd_kernels(args)

@@ -181,7 +181,8 @@ def _forward_curve(model, out_dir: Path):
     """This machine's forward latency against parallel tokens, its roofline floor, and the
     figure of both: (curve, floor, png path)."""
     from jacobi_ext.apps.plots import plot_step_curve
-    from jacobi_ext.decoding import roofline, tuning
+    from jacobi_ext.decoding import tuning
+    from jacobi_ext.tools import roofline
 
     curve = tuning.step_curve(model, progress=True, full=True)
     floor = roofline.floor_curve(*roofline.model_machine(model), curve)
@@ -220,7 +221,7 @@ def _decode_prompt(args, console, models, tok, ids, methods, samp, totals) -> No
     """Decode one prompt by every row's method, adding to `totals`; the tuned row is shown
     live (one colour per forward) unless --quiet."""
     from jacobi_ext.decoding import generate
-    from jacobi_ext.decoding.baselines import hf_greedy, hf_sample
+    from jacobi_ext.tools.baselines import hf_greedy, hf_sample
 
     sampled = bool(samp.get("do_sample"))
     refs = {}
@@ -279,9 +280,9 @@ def _rows(totals: dict, weights: dict, hf_name: str) -> list[dict]:
 
 
 def _modes(model, console):
-    """Which CPU mode is faster here (decoding/modes.py; the table then says it); None off a
+    """Which CPU mode is faster here (tools/modes.py; the table then says it); None off a
     CPU."""
-    from jacobi_ext.decoding.modes import compare_modes
+    from jacobi_ext.tools.modes import compare_modes
 
     if next(model.parameters()).device.type != "cpu":
         return None

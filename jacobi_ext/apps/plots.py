@@ -9,7 +9,7 @@ def plot_step_curve(
     curve, path: str | Path, title: str | None = None, floor: list[float] | None = None
 ) -> Path:
     """Forward latency vs parallel tokens (log x), with the knee marked, and where `floor` is
-    given (seconds per curve.sizes: jacobi_ext.decoding.roofline.floor_curve) the roofline floor
+    given (seconds per curve.sizes: jacobi_ext.tools.roofline.floor_curve) the roofline floor
     as a dashed line."""
     import matplotlib
 
@@ -22,7 +22,7 @@ def plot_step_curve(
     ms = [1e3 * s for s in curve.seconds]
     ax.plot(curve.sizes, ms, "o-", label="forward")
     if floor is not None:
-        from jacobi_ext.decoding.roofline import FLOOR_LABEL
+        from jacobi_ext.tools.roofline import FLOOR_LABEL
 
         ax.plot(curve.sizes, [1e3 * s for s in floor], "--", color="tab:red", label=FLOOR_LABEL)
     ax.set_xscale("log", base=2)

@@ -55,8 +55,8 @@ def run(args) -> None:
     import torch
 
     from jacobi_ext import generate
-    from jacobi_ext.decoding.baselines import hf_greedy
     from jacobi_ext.models import load_model
+    from jacobi_ext.tools.baselines import hf_greedy
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype=torch.float32)

@@ -236,9 +236,9 @@ class StepCount:
 def _one_step(model, method: str, n: int, context: int) -> tuple[KernelCounter, str]:
     """The kernels of one step of `method` (n: the Jacobi block) on a meta model, counted on its
     second run (the first one initialises the cache's buffers, as a graph's warm-up does)."""
-    from .prepack import meta_as_cuda
-    from .runtime import StaticRuntime, bucket
-    from .step import BatchStep
+    from ..decoding.prepack import meta_as_cuda
+    from ..decoding.runtime import StaticRuntime, bucket
+    from ..decoding.step import BatchStep
 
     if method == "prefill":
         return _one_chunk(model, n, context)
@@ -265,8 +265,8 @@ def _one_step(model, method: str, n: int, context: int) -> tuple[KernelCounter, 
 def _one_chunk(model, chunk: int, context: int) -> tuple[KernelCounter, str]:
     """The kernels of one middle chunk of a chunked prefill (runtime._prefill_chunked: a step of
     `chunk` prompt tokens in one row, no LM head, then its commit) after `context` tokens."""
-    from .prepack import meta_as_cuda
-    from .runtime import StaticRuntime
+    from ..decoding.prepack import meta_as_cuda
+    from ..decoding.runtime import StaticRuntime
 
     with torch.inference_mode(), meta_as_cuda():
         rt = StaticRuntime(model, 1, context + 2 * chunk, chunk, cuda_graphs=False)

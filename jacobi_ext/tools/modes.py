@@ -98,7 +98,7 @@ def compare_modes(model, context: int = 256, steps: int = 15, rounds: int = 3) -
     """The median one-token forward of `model` (its context `context` tokens) exact and on 8-bit
     activations with a float16 cache, measured in `rounds` alternating rounds of `steps` steps
     each after a warm-up. The model is left in the mode it was in."""
-    from .runtime import StepProbe
+    from ..decoding.runtime import StepProbe
 
     was = _mode_of(model)
     why = why_no_int8(model)

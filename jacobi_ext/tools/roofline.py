@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .tuning import StepCurve
+    from ..decoding.tuning import StepCurve
 
 # .tuning is imported where it is used: the tuner imports this module, in either order.
 
@@ -70,13 +70,13 @@ def _normalise(device: torch.device | str) -> torch.device:
 
 
 def _hardware(dev: torch.device) -> str:
-    from .tuning import cpu_name
+    from ..decoding.tuning import cpu_name
 
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
 
 
 def _machine_path(dev: torch.device, dtype: torch.dtype) -> Path:
-    from .tuning import cache_dir
+    from ..decoding.tuning import cache_dir
 
     raw = f"{_hardware(dev)}|{dev}|{dtype}|{torch.get_num_threads()}"
     return cache_dir() / "machine" / f"{hashlib.sha1(raw.encode()).hexdigest()}.json"
@@ -147,7 +147,7 @@ def measure_machine(device: torch.device | str = "cpu", dtype=torch.float32) -> 
         if cuda or t * 8 > 0.025:  # the next size costs 8x: time it only where that is cheap
             break
     if not cuda and dtype in (torch.float32, torch.bfloat16):
-        from .prepack import kernel_available
+        from ..decoding.prepack import kernel_available
 
         if kernel_available():  # our decode-shaped kernel can beat torch's GEMM on a CPU
             from ..kernels._native import ops
