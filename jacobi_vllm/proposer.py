@@ -18,10 +18,14 @@ Settings, all optional, in `additional_config={"jacobi": {...}}`:
 - num_blocks (K): blocks in flight in the chain; default 1 (the paper's plain Jacobi).
 - activation_ratio: a new block starts behind the newest one when this share of the newest has
   converged (the engine's multiblock rule); default 0.85.
-- lookup: "spawn" (default): a new block starts from a lookup continuation where the context has
-  a match; "tail": besides, a match of `lookup_min_match` tokens whose continuation differs from
-  the Jacobi tail replaces the tail for a step; "off": new blocks from context tokens only.
-- lookup_min_match: default 3.
+- lookup: where context-lookup continuations (our NgramIndex) go, since vLLM verifies one chain
+  a request and our engine's lookup row, verified beside the main row, has no place:
+  "auto" (default): a new block starts from one where the context has a match, and one replaces
+  the Jacobi tail for a step when lookups after a match of that length have been accepted
+  longer, on average, than the tails (both learnt as the requests go, over a prior);
+  "tail": one replaces the tail whenever the match has `lookup_min_match` tokens;
+  "spawn": new blocks only; "off": new blocks from context tokens only.
+- lookup_min_match: for "tail"; default 1.
 - seed: for the context tokens a new block starts from (they change the speed, never the
   output); default 0.
 - record: keep every step's record and proposal in jacobi_vllm.hook.STATE.history and
@@ -45,7 +49,11 @@ from ._rules import NgramIndex, accepted_length, next_main_row
 
 logger = logging.getLogger("jacobi_vllm")
 
-LOOKUP_MODES = ("spawn", "tail", "off")
+LOOKUP_MODES = ("auto", "tail", "spawn", "off")
+# Prior drafts accepted a step, worth PRIOR_WEIGHT steps: the Jacobi tail, and a lookup after a
+# match of g tokens (LookupPolicy's per-token priors 0.25 / 0.45 / 0.6, as rho / (1 - rho)).
+PRIOR = {"jacobi": 0.5, 1: 0.33, 2: 0.8, 3: 1.5}
+PRIOR_WEIGHT = 2.0
 
 
 @dataclass
@@ -56,6 +64,7 @@ class _Req:
     rng: random.Random
     main_len: int = 0  # 1 + drafts proposed last step (the row vLLM should verify next)
     block_ends: list[int] = field(default_factory=list)
+    source: object = None  # where last step's first block came from: "jacobi", g (lookup), None
 
 
 @dataclass
@@ -95,10 +104,12 @@ class JacobiProposer:
             )
         ratio = float(cfg.get("activation_ratio", 0.85))
         self.spawn_threshold = math.ceil(ratio * self.block_size)
-        self.lookup = cfg.get("lookup", "spawn")
+        self.lookup = cfg.get("lookup", "auto")
         if self.lookup not in LOOKUP_MODES:
             raise ValueError(f"jacobi lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
-        self.lookup_min_match = int(cfg.get("lookup_min_match", 3))
+        self.lookup_min_match = int(cfg.get("lookup_min_match", 1))
+        # drafts accepted a step, [sum, steps], per source ("jacobi", or a lookup's match length)
+        self.accepted = {s: [v * PRIOR_WEIGHT, PRIOR_WEIGHT] for s, v in PRIOR.items()}
         self.seed = int(cfg.get("seed", 0))
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         record = bool(cfg.get("record", False))
@@ -178,8 +189,12 @@ class JacobiProposer:
         if list(sampled) != row[1:a] + [greedy[a - 1]] or seed != greedy[a - 1]:
             # vLLM committed something else than the argmax chain (sampling, a logits
             # processor): the tail is not the model's greedy continuation; restart from lookup.
-            st.block_ends = []
+            st.block_ends, st.source = [], None
             return self._lookup_only(ctx, n - 1, st.index), "lookup", -1
+        if st.source is not None and len(row) > 1:  # learn what last step's source gave
+            acc = self.accepted.setdefault(st.source, [0.0, 0.0])
+            acc[0] += a - 1
+            acc[1] += 1
         ends = st.block_ends if st.main_len == len(row) and st.block_ends else [len(row)]
         left = [e - a for e in ends if e - a > 0]
         g, j = st.index.match() if self.lookup != "off" else (0, -1)
@@ -190,13 +205,21 @@ class JacobiProposer:
         nxt, ends = next_main_row(
             row, greedy, a, ends, init, n, self.num_blocks, self.spawn_threshold, False
         )
-        source = "spawn" if not left else "jacobi"
-        if left and self.lookup == "tail" and g >= self.lookup_min_match:
+        source, st.source = ("jacobi", "jacobi") if left else ("spawn", g or None)
+        if left and g > 0 and self._lookup_beats_tail(g):
             cont = st.index.continuation(j, n - 1)
             if cont != nxt[1:n]:
-                nxt, ends, source = [seed, *cont], [n], "tail-lookup"
+                nxt, ends, source, st.source = [seed, *cont], [n], "tail-lookup", g
         st.block_ends = ends
         return nxt[1:], source, a - 1
+
+    def _lookup_beats_tail(self, g: int) -> bool:
+        if self.lookup == "tail":
+            return g >= self.lookup_min_match
+        if self.lookup != "auto":
+            return False
+        mean = {s: v[0] / v[1] for s, v in self.accepted.items() if v[1] > 0}
+        return mean.get(g, 0.0) > mean["jacobi"]
 
     def _lookup_only(self, ctx, k, index=None) -> list[int]:
         """Drafts from context lookup only (the fallback): what followed the context's last 2-3
