@@ -156,3 +156,31 @@ def test_proposer_drafts_are_the_reference_main_row(n, K, ratio, seed):
         ref_ctx += res.commit
         main_row, ends = res.next_tokens, res.next_block_ends
         assert ref_ctx + [main_row[0]] == vctx
+
+
+@pytest.mark.parametrize("lookup_wins", [True, False])
+def test_auto_lookup_replaces_the_tail_when_it_has_been_accepted_longer(lookup_wins):
+    """One chain a request: a lookup continuation takes the tail's place for a step where
+    lookups after a match of that length have been accepted longer than tails."""
+    np = pytest.importorskip("numpy")
+    from jacobi_vllm import hook
+
+    p = _proposer(8, 1, 0.85)
+    p.lookup = "auto"
+    p.accepted = {"jacobi": [1.0, 10.0], 3: [30.0 if lookup_wins else 0.0, 10.0]}  # per step
+    # The step just verified: seed 2, drafts [5, 0, ...]; 5 accepted, then the model said 7.
+    # The context now ends in 2 5 7, which occurred before, followed by 9 9 4 3 8 2 5.
+    ctx = [1, 2, 5, 7, 9, 9, 4, 3, 8, 2, 5, 7]
+    verified = [5, 0, 0, 0, 0, 0, 0]
+    greedy = [5, 7, 11, 12, 13, 14, 15, 16]
+    sampled = [5, 7]
+    hook.STATE.last, hook.STATE.broken = hook.StepRecord(5, ["r"], [verified], [greedy]), None
+    p.reqs.clear()
+    tok = np.zeros((1, 64), dtype=np.int64)
+    tok[0, : len(ctx)] = ctx
+    (draft,) = p.propose([sampled], np.array([len(ctx)]), tok)
+    tail = greedy[2:-1]  # the model's own predictions after the accepted prefix
+    if lookup_wins:
+        assert draft == [9, 9, 4, 3, 8, 2, 5]  # what followed 2 5 7 last time
+    else:
+        assert draft == tail
