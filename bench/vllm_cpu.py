@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,14 @@ MODES = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
               "prompt_lookup_min": 2},
     "jacobi": {"model": "jacobi_vllm.JacobiProposer", "num_speculative_tokens": 15},
+    # the proposer without lookup: the paper's plain Jacobi, to set beside our engine's
+    "jacobi-plain": {"model": "jacobi_vllm.JacobiProposer", "num_speculative_tokens": 15},
 }  # fmt: skip
+JACOBI_SETTINGS = {"jacobi": {}, "jacobi-plain": {"lookup": "off"}}
+ENGINE_METHODS = {  # our engine's fixed methods, for their tokens per forward
+    "engine-jacobi": dict(method="jacobi", block_size=16, lookup=False),
+    "engine-jacobi+lookup": dict(method="jacobi", block_size=16, lookup=True),
+}
 
 
 def _prompts(args) -> None:
@@ -62,6 +70,22 @@ def _batches(ids: list, batch: int) -> list[list]:
 
 
 def _vllm(args) -> None:
+    modes = args.modes.split(",")
+    if len(modes) > 1:  # one process a mode: vLLM 0.32's CPU build fails to build a third
+        # compiled engine in one process (its Triton-override scan trips on what the first two
+        # left in sys.modules), and a fresh process is the fairer start anyway
+        results, meta = {}, {}
+        for mode in modes:
+            out = Path(args.out).with_suffix(f".{mode}.json")
+            # the last --modes / --out given win (argparse)
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--modes", mode, "--out", str(out)]
+            subprocess.run(cmd, check=True)
+            r = json.loads(out.read_text())
+            results.update(r["results"])
+            meta = r["meta"]
+        _equal(results, results.get("ar", {}).get("batch1", {}).get("tokens"))
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}))
+        return
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     sys.path.append(str(ROOT))
@@ -76,21 +100,21 @@ def _vllm(args) -> None:
     hook.install(record_history=True)  # counts the forwards of every mode (a read-only wrapper)
     results, greedy = {}, None
     jacobi = json.loads(args.jacobi) if args.jacobi else {}
-    for mode in args.modes.split(","):
+    for mode in modes:
         spec = MODES[mode]
         kw = dict(model=args.model, dtype=args.dtype, max_model_len=1024, seed=0,
                   max_num_seqs=8, enforce_eager=args.eager)  # fmt: skip
         if spec is not None:
             kw["speculative_config"] = dict(spec)
-            if mode == "jacobi":
+            if mode in JACOBI_SETTINGS:
                 kw["speculative_config"]["num_speculative_tokens"] = args.k
-                kw["additional_config"] = {"jacobi": jacobi}
+                kw["additional_config"] = {"jacobi": {**jacobi, **JACOBI_SETTINGS[mode]}}
         t0 = time.perf_counter()
         llm = LLM(**kw)
         load_s = time.perf_counter() - t0
         llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up
         results[mode] = {"load_seconds": load_s, "settings": kw.get("speculative_config"),
-                         "jacobi": jacobi if mode == "jacobi" else None}  # fmt: skip
+                         "jacobi": kw.get("additional_config")}  # fmt: skip
         for batch in (1, 4):
             hook.STATE.history.clear()
             outs, t0 = [], time.perf_counter()
@@ -104,6 +128,7 @@ def _vllm(args) -> None:
                 "seconds": secs, "new_tokens": n, "tokens_per_s": n / secs,
                 "forwards": forwards, "tokens_per_forward": n / max(forwards, 1),
                 "request_steps": sum(len(r.req_ids) for r in hook.STATE.history),
+                "loadavg_1min_after": os.getloadavg()[0],  # a shared machine says so here
                 "tokens": toks,
             }  # fmt: skip
             if mode == "ar" and batch == 1:
@@ -143,6 +168,7 @@ def _engine(args) -> None:
     ids = [torch.tensor(p, device=args.device) for p in data["ids"]]
     generate(model, ids[0][None], max_new_tokens=args.max_new)  # warm-up: tunes, measures
     res = {"settings": "generate(model, ids, max_new_tokens) defaults: the tuned multiblock"}
+    extra = {}
     for batch in (1, 4):
         toks, forwards, t0, how = [], 0, time.perf_counter(), None
         for group in _batches(ids, batch):
@@ -155,15 +181,28 @@ def _engine(args) -> None:
         secs = time.perf_counter() - t0
         n = sum(map(len, toks))
         res[f"batch{batch}"] = {"seconds": secs, "new_tokens": n, "tokens_per_s": n / secs,
+                                "loadavg_1min_after": os.getloadavg()[0],
                                 "forwards": forwards, "tokens_per_forward": n / forwards,
                                 "tokens": toks, "method": how}  # fmt: skip
         print(f"engine  batch {batch}: {n / secs:6.1f} tokens/s, {n / forwards:.2f} "
               f"tokens/forward ({how})", flush=True)  # fmt: skip
+    for name, kw in ENGINE_METHODS.items():  # tokens per forward of fixed methods, batch 1
+        toks, forwards, t0 = [], 0, time.perf_counter()
+        for p in ids:
+            r = generate(model, p[None], max_new_tokens=args.max_new, **kw)
+            toks.append(r.tokens[0, : (r.lengths or [r.tokens.shape[1]])[0]].tolist())
+            forwards += r.forwards
+        secs, n = time.perf_counter() - t0, sum(map(len, toks))
+        res_m = {"seconds": secs, "new_tokens": n, "tokens_per_s": n / secs, "forwards": forwards,
+                 "tokens_per_forward": n / forwards, "tokens": toks, "method": str(kw)}  # fmt: skip
+        extra[name] = {"batch1": res_m}
+        print(f"{name:14s} batch 1: {n / secs:6.1f} tokens/s, {n / forwards:.2f} tokens/forward",
+              flush=True)  # fmt: skip
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "max_new": args.max_new, "engine_dtype": args.dtype,
             "engine_device": args.device}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": {"engine": res}}))
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": {"engine": res, **extra}}))
 
 
 def _report(args) -> None:
