@@ -81,3 +81,23 @@ def test_silu_mul_matches_the_float64_reference(n, dtype):
     want = torch.nn.functional.silu(gate) * up
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(ops.cpu_silu_mul(gu).double(), want, **tol)
+
+
+def test_qk_rms_norm_is_the_rms_norm_of_each_q_and_k_head_and_checks_its_arguments():
+    """Qwen3's q/k norms in place: each q head and each k head of qkv is cpu_rms_norm's row,
+    bitwise; the v heads are untouched; wrong shapes and dtypes raise ValueError."""
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D = 4, 2, 16
+    qkv = torch.randn(2, 3, (H + 2 * Hkv) * D, generator=g)
+    wq, wk = 1 + torch.randn(D, generator=g), 1 + torch.randn(D, generator=g)
+    want = qkv.clone().view(2, 3, H + 2 * Hkv, D)
+    want[:, :, :H] = ops.cpu_rms_norm(want[:, :, :H].contiguous(), wq, 1e-6)
+    want[:, :, H : H + Hkv] = ops.cpu_rms_norm(want[:, :, H : H + Hkv].contiguous(), wk, 1e-6)
+    ops.qk_rms_norm_(qkv, H, Hkv, wq, wk, 1e-6)
+    assert torch.equal(qkv.view_as(want), want)
+    with pytest.raises(ValueError, match="last dim"):
+        ops.qk_rms_norm_(qkv, H + 1, Hkv, wq, wk, 1e-6)
+    with pytest.raises(ValueError, match="k_weight must be"):
+        ops.qk_rms_norm_(qkv, H, Hkv, wq, wk[:-1], 1e-6)
+    with pytest.raises(ValueError, match="q_weight must be"):
+        ops.qk_rms_norm_(qkv, H, Hkv, wq.double(), wk, 1e-6)

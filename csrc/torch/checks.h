@@ -50,4 +50,25 @@ inline at::Tensor out_or_new(at::Tensor* given, const char* name, at::IntArrayRe
   return *given;
 }
 
+// qk_rms_norm_'s arguments on either device: qkv contiguous [..., (heads + 2 kv_heads) D] with
+// q_weight and k_weight [D] of its dtype and on its device. Returns D.
+inline int64_t qk_norm_args(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                            const at::Tensor& q_weight, const at::Tensor& k_weight) {
+  TORCH_CHECK_VALUE(qkv.is_contiguous() && qkv.dim() >= 1, "qkv must be contiguous [..., (heads "
+                    "+ 2 kv_heads) D], got ", qkv.sizes());
+  TORCH_CHECK_VALUE(heads >= 1 && kv_heads >= 1, "heads and kv_heads must be >= 1");
+  rank(q_weight, "q_weight", 1, "[head_dim]");
+  const int64_t D = q_weight.size(0), row = qkv.size(-1);
+  TORCH_CHECK_VALUE(D >= 1 && row == (heads + 2 * kv_heads) * D, "qkv's last dim is ", row,
+                    ", expected (heads + 2 kv_heads) * head_dim = ", (heads + 2 * kv_heads) * D);
+  for (const at::Tensor* w : {&q_weight, &k_weight}) {
+    const char* name = w == &q_weight ? "q_weight" : "k_weight";
+    TORCH_CHECK_VALUE(w->dim() == 1 && w->size(0) == D && w->scalar_type() == qkv.scalar_type(),
+                      name, " must be [head_dim = ", D, "] of qkv's dtype ", qkv.scalar_type(),
+                      ", got ", w->sizes(), " ", w->scalar_type());
+    same_device(*w, name, qkv, "qkv");
+  }
+  return D;
+}
+
 }  // namespace jacobi::checks

@@ -174,19 +174,8 @@ void qk_rms_norm_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Te
                   const at::Tensor& k_weight, double eps) {
   const LinearDType d = small_op_dtype(qkv, "qkv");
   TORCH_CHECK_VALUE(qkv.device().is_cpu(), "qkv must be on the CPU, got ", qkv.device());
-  TORCH_CHECK_VALUE(qkv.is_contiguous() && qkv.dim() >= 1, "qkv must be contiguous [..., (heads "
-                    "+ 2 kv_heads) D], got ", qkv.sizes());
-  TORCH_CHECK_VALUE(heads >= 1 && kv_heads >= 1, "heads and kv_heads must be >= 1");
-  ck::rank(q_weight, "q_weight", 1, "[head_dim]");
-  const int64_t D = q_weight.size(0), row = qkv.size(-1);
-  TORCH_CHECK_VALUE(D >= 1 && row == (heads + 2 * kv_heads) * D, "qkv's last dim is ", row,
-                    ", expected (heads + 2 kv_heads) * head_dim = ", (heads + 2 * kv_heads) * D);
-  for (auto [w, name] : {std::pair{&q_weight, "q_weight"}, {&k_weight, "k_weight"}}) {
-    TORCH_CHECK_VALUE(w->dim() == 1 && w->size(0) == D && w->scalar_type() == qkv.scalar_type() &&
-                          w->device().is_cpu(),
-                      name, " must be [head_dim = ", D, "] of qkv's dtype ", qkv.scalar_type(),
-                      " on the CPU, got ", w->sizes(), " ", w->scalar_type());
-  }
+  const int64_t D = ck::qk_norm_args(qkv, heads, kv_heads, q_weight, k_weight);
+  const int64_t row = qkv.size(-1);
   const at::Tensor wq = q_weight.contiguous(), wk = k_weight.contiguous();
   cpu::QkRmsNormArgs a{d, row ? qkv.numel() / row : 0, row, heads, kv_heads, D,
                        qkv.data_ptr(), wq.data_ptr(), wk.data_ptr(), static_cast<float>(eps)};

@@ -100,7 +100,7 @@ struct LeanLayers : torch::CustomClassHolder {
                       "(q/k/v, o, gate/up, down), got ", pending.size());
     layers.push_back(LeanLayer{pending[0], pending[1], pending[2], pending[3], heads, kv_heads,
                                scale, std::move(ln2_weight), std::move(next_weight), ln2_eps,
-                               next_eps});
+                               next_eps, {}, {}, 0.0});  // (q/k norms: set_qk_norm)
     pending.clear();
   }
 
