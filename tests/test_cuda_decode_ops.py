@@ -255,11 +255,6 @@ def _model(family, dtype, seed=0):
         vocab_size=101, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=1, seed=seed,
         family=family,
     )  # head dim 64, GQA 4  # fmt: skip
-    if family == "qwen3":  # per-head q/k norms that count
-        with torch.no_grad():
-            for layer in m.model.layers:
-                for n in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                    n.weight.normal_(1, 0.3)
     return m.to(device="cuda", dtype=dtype)
 
 

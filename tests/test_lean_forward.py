@@ -28,11 +28,6 @@ def _model(family, attn, dtype, seed=0):
             for layer in m.model.layers:
                 for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     p.bias.normal_(0, 1)
-    if family == "qwen3":  # per-head q/k norms: weights away from ones, so that they count
-        with torch.no_grad():
-            for layer in m.model.layers:
-                for n in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                    n.weight.normal_(1, 0.3)
     return m.to(dtype)
 
 

@@ -360,6 +360,10 @@ def tiny_llama(
         for p in model.parameters():
             if p.dim() >= 2:
                 p.mul_(4.0)
+        if family == "qwen3":  # per-head q/k norms: weights away from ones, so that they count
+            for layer in model.model.layers:
+                for n in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    n.weight.normal_(1, 0.3)
     return model.eval()
 
 
