@@ -1,4 +1,4 @@
-"""The CPU decoding step's cache ops. cpu_kv_commit, the step's commit (runtime.py): for every
+"""The CPU decoding step's cache ops. kv_commit, the step's commit (runtime.py): for every
 cache [B, H, capacity, D] and each sequence b, slots [src[b], src[b] + count[b]) move to [dst[b],
 ...), exactly as the indexed copy the runtime runs on other devices (gather, then scatter); and
 cpu_rope_attention's kept transposed keys (kt_cache), bitwise the same as transposing the cache."""
@@ -38,7 +38,7 @@ def test_commit_matches_the_indexed_copy(seed, dtype):
     caches = [torch.randn(B, H, cap, D, generator=g).to(dtype) for _ in range(4)]
     want = [c.clone() for c in caches]
     _indexed_commit(want, src, dst, count)
-    torch.ops.jacobi_ext.cpu_kv_commit(caches, src, dst, count, [])
+    torch.ops.jacobi_ext.kv_commit(caches, src, dst, count, [])
     for got, ref in zip(caches, want, strict=True):
         assert torch.equal(got, ref)
 
@@ -48,13 +48,13 @@ def test_overlapping_ranges_move_as_a_gather_then_scatter():
     want = cache.clone()
     want[:, :, 2:6] = cache[:, :, 0:4].clone()
     one = torch.tensor([0]), torch.tensor([2]), torch.tensor([4])
-    torch.ops.jacobi_ext.cpu_kv_commit([cache], *one, [])
+    torch.ops.jacobi_ext.kv_commit([cache], *one, [])
     assert torch.equal(cache, want)
 
 
 def test_bad_arguments_say_what_is_wrong():
     cache = torch.zeros(1, 2, 8, 4)
-    op = torch.ops.jacobi_ext.cpu_kv_commit
+    op = torch.ops.jacobi_ext.kv_commit
     with pytest.raises(ValueError, match="outside the cache"):
         op([cache], torch.tensor([6]), torch.tensor([0]), torch.tensor([3]), [])
     with pytest.raises(ValueError, match="src must have dtype Long"):
@@ -81,7 +81,7 @@ def test_transposed_copies_move_with_their_slots(src, dst, count):
     keys = torch.randn(B, H, cap, D, generator=g)
     kt = _blocks(keys)
     src, dst, count = torch.tensor(src), torch.tensor(dst), torch.tensor(count)
-    torch.ops.jacobi_ext.cpu_kv_commit([keys], src, dst, count, [kt])
+    torch.ops.jacobi_ext.kv_commit([keys], src, dst, count, [kt])
     assert torch.equal(kt, _blocks(keys))
 
 
@@ -170,7 +170,7 @@ def test_rope_attention_on_a_half_cache(Q):
         )
         assert got.dtype == torch.float32 and torch.equal(got, want)
     src, dst, count = torch.tensor([0, 2]), torch.tensor([20, 33]), torch.tensor([5, 9])
-    torch.ops.jacobi_ext.cpu_kv_commit([k16, v16], src, dst, count, [kt])
+    torch.ops.jacobi_ext.kv_commit([k16, v16], src, dst, count, [kt])
     assert torch.equal(kt.float(), _blocks(k16))
 
 

@@ -1,4 +1,4 @@
-"""cpu_rms_norm, cpu_add_rms_norm and cpu_silu_mul, the lean CPU forward's small ops
+"""rms_norm, fused_add_rms_norm and silu_and_mul, the lean CPU forward's small ops
 (csrc/cpu/decode_cpu.cpp): against float64 references on random shapes (widths off every vector
 and chain width), fp32 and bf16; and the property the lossless methods rest on, that a row's
 output is the same bits whatever rows share the call and however many threads split it."""
@@ -27,9 +27,9 @@ def test_rms_norm_matches_the_float64_reference(n, dtype):
     res = torch.randn(2, 5, n, generator=g).to(dtype)
     w = torch.randn(n, generator=g).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    y = ops.cpu_rms_norm(x, w, 1e-5)
+    y = ops.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(y.double(), _rms_reference(x, w, 1e-5), **tol)
-    h, y = ops.cpu_add_rms_norm(x, res, w, 1e-5)
+    h, y = ops.fused_add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(h, (res.float() + x.float()).to(dtype))  # the sum rounded to the dtype
     torch.testing.assert_close(y.double(), _rms_reference(h, w, 1e-5), **tol)
 
@@ -44,7 +44,7 @@ def test_rms_norm_of_a_zero_row_is_zero_and_transformers_agree():
     with torch.no_grad():
         norm.weight.copy_(torch.randn(576, generator=g))
         want = norm(x)
-    y = ops.cpu_rms_norm(x, norm.weight.detach(), 1e-5)
+    y = ops.rms_norm(x, norm.weight.detach(), 1e-5)
     assert torch.equal(y[1], torch.zeros(576))
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
 
@@ -60,14 +60,14 @@ def test_a_row_is_the_same_bits_in_any_call(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y = ops.cpu_rms_norm(x, w, 1e-6)
-        h, y2 = ops.cpu_add_rms_norm(x, res, w, 1e-6)
-        s = ops.cpu_silu_mul(gu)
+        y = ops.rms_norm(x, w, 1e-6)
+        h, y2 = ops.fused_add_rms_norm(x, res, w, 1e-6)
+        s = ops.silu_and_mul(gu)
         for i in (0, 1, 150, rows - 1):
-            assert torch.equal(ops.cpu_rms_norm(x[i : i + 1], w, 1e-6)[0], y[i])
-            h1, y1 = ops.cpu_add_rms_norm(x[i : i + 1], res[i : i + 1], w, 1e-6)
+            assert torch.equal(ops.rms_norm(x[i : i + 1], w, 1e-6)[0], y[i])
+            h1, y1 = ops.fused_add_rms_norm(x[i : i + 1], res[i : i + 1], w, 1e-6)
             assert torch.equal(h1[0], h[i]) and torch.equal(y1[0], y2[i])
-            assert torch.equal(ops.cpu_silu_mul(gu[i : i + 1])[0], s[i])
+            assert torch.equal(ops.silu_and_mul(gu[i : i + 1])[0], s[i])
     finally:
         torch.set_num_threads(before)
 
@@ -80,19 +80,19 @@ def test_silu_mul_matches_the_float64_reference(n, dtype):
     gate, up = gu.double().split(n, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(ops.cpu_silu_mul(gu).double(), want, **tol)
+    torch.testing.assert_close(ops.silu_and_mul(gu).double(), want, **tol)
 
 
 def test_qk_rms_norm_is_the_rms_norm_of_each_q_and_k_head_and_checks_its_arguments():
-    """Qwen3's q/k norms in place: each q head and each k head of qkv is cpu_rms_norm's row,
+    """Qwen3's q/k norms in place: each q head and each k head of qkv is rms_norm's row,
     bitwise; the v heads are untouched; wrong shapes and dtypes raise ValueError."""
     g = torch.Generator().manual_seed(0)
     H, Hkv, D = 4, 2, 16
     qkv = torch.randn(2, 3, (H + 2 * Hkv) * D, generator=g)
     wq, wk = 1 + torch.randn(D, generator=g), 1 + torch.randn(D, generator=g)
     want = qkv.clone().view(2, 3, H + 2 * Hkv, D)
-    want[:, :, :H] = ops.cpu_rms_norm(want[:, :, :H].contiguous(), wq, 1e-6)
-    want[:, :, H : H + Hkv] = ops.cpu_rms_norm(want[:, :, H : H + Hkv].contiguous(), wk, 1e-6)
+    want[:, :, :H] = ops.rms_norm(want[:, :, :H].contiguous(), wq, 1e-6)
+    want[:, :, H : H + Hkv] = ops.rms_norm(want[:, :, H : H + Hkv].contiguous(), wk, 1e-6)
     ops.qk_rms_norm_(qkv, H, Hkv, wq, wk, 1e-6)
     assert torch.equal(qkv.view_as(want), want)
     with pytest.raises(ValueError, match="last dim"):

@@ -31,18 +31,18 @@ def test_add_rms_norm_matches_the_cpu_op(rows, n, dtype):
     x = torch.randn(rows, n, generator=g).to(dtype)
     r = torch.randn(rows, n, generator=g).to(dtype)
     w = torch.randn(n, generator=g).to(dtype)
-    h_cpu, y_cpu = ops.cpu_add_rms_norm(x, r, w, 1e-5)
-    h, y = ops.cpu_add_rms_norm(x.cuda(), r.cuda(), w.cuda(), 1e-5)
+    h_cpu, y_cpu = ops.fused_add_rms_norm(x, r, w, 1e-5)
+    h, y = ops.fused_add_rms_norm(x.cuda(), r.cuda(), w.cuda(), 1e-5)
     assert torch.equal(h.cpu(), h_cpu)  # the residual add: one rounding, the same bits
     torch.testing.assert_close(y.cpu(), y_cpu, **_tol(dtype))
-    torch.testing.assert_close(ops.cpu_rms_norm(x.cuda(), w.cuda(), 1e-5).cpu(),
-                               ops.cpu_rms_norm(x, w, 1e-5), **_tol(dtype))  # fmt: skip
+    torch.testing.assert_close(ops.rms_norm(x.cuda(), w.cuda(), 1e-5).cpu(),
+                               ops.rms_norm(x, w, 1e-5), **_tol(dtype))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_silu_mul_matches_the_cpu_op(dtype):
     gu = (torch.randn(37, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
-    torch.testing.assert_close(ops.cpu_silu_mul(gu.cuda()).cpu(), ops.cpu_silu_mul(gu),
+    torch.testing.assert_close(ops.silu_and_mul(gu.cuda()).cpu(), ops.silu_and_mul(gu),
                                **_tol(dtype))  # fmt: skip
 
 
@@ -62,8 +62,8 @@ def test_plan_attention_matches_cpu_twin_and_float64(case, dtype):
         for cache in (g[3], g[4]):
             cache[b, :, Q : int(lo[b])] = float("nan")
             cache[b, :, int(hi[b]) :] = float("nan")
-    twin = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, scale)
-    got = ops.decode_rope_attention(g[0], Hq, Hkv, *g[1:], scale)
+    twin = ops.rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, scale)
+    got = ops.rope_attention(g[0], Hq, Hkv, *g[1:], scale)
     assert torch.equal(g[3][:, :, :Q].cpu(), kc[:, :, :Q])
     assert torch.equal(g[4][:, :, :Q].cpu(), vc[:, :, :Q])
     assert not got.isnan().any()
@@ -79,8 +79,8 @@ def test_plan_attention_reads_the_plan_from_strided_views():
     wide_seg = torch.full((B, 2 * Q), -1, dtype=torch.long, device="cuda")
     wide_off = torch.zeros(B, 2 * Q, dtype=torch.long, device="cuda")
     wide_seg[:, :Q], wide_off[:, :Q] = g[5], g[6]
-    a = ops.decode_rope_attention(g[0], Hq, Hkv, *g[1:5], g[5], g[6], g[7], g[8], 0.1)
-    b = ops.decode_rope_attention(
+    a = ops.rope_attention(g[0], Hq, Hkv, *g[1:5], g[5], g[6], g[7], g[8], 0.1)
+    b = ops.rope_attention(
         g[0], Hq, Hkv, *g[1:5], wide_seg[:, :Q], wide_off[:, :Q], g[7], g[8], 0.1
     )
     assert torch.equal(a, b)
@@ -103,13 +103,13 @@ def test_plan_attention_main_row_is_independent_of_the_rest_of_the_step():
     hi = lo + n_ctx
     seg = torch.tensor([[0, 0, 0, 0, 1, 1, -1, -1]], device="cuda")
     off = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 0]], device="cuda")
-    wide = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.125)
+    wide = ops.rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.125)
     # The same token 3 of row 0 as an AR step: its row's first three tokens committed.
     kc2, vc2 = kc.clone(), vc.clone()
     end = Q + n_ctx  # hi
     kc2[:, :, end : end + 3] = kc[:, :, :3]
     vc2[:, :, end : end + 3] = vc[:, :, :3]
-    one = ops.decode_rope_attention(
+    one = ops.rope_attention(
         qkv[:, 3:4], Hq, Hkv, cos[:, 3:4], sin[:, 3:4], kc2, vc2, seg[:, :1], off[:, :1], lo,
         hi + 3, 0.125,
     )  # fmt: skip
@@ -130,8 +130,8 @@ def test_argmax_matches_the_cpu_op_and_torch(dtype):
     x[5, 10] = torch.finfo(dtype).tiny / 4  # a denormal beats zeros (no flush to zero)
     x[6] = -1.0
     x[6, 20] = -torch.finfo(dtype).tiny / 4  # a negative denormal beats -1, loses to nothing
-    got = ops.cpu_argmax(x.cuda()).cpu()
-    assert torch.equal(got, ops.cpu_argmax(x))
+    got = ops.argmax(x.cuda()).cpu()
+    assert torch.equal(got, ops.argmax(x))
     assert torch.equal(got, x.max(-1).indices)
     assert got[1] == 100 and got[2] == 3 and got[3] == 0 and got[4] == 49151
     assert got[5] == 10 and got[6] == 20
@@ -149,23 +149,23 @@ def test_kv_commit_matches_the_cpu_op(dtype, D):
     dst = torch.tensor([40, 24, 5])  # apart, overlapping (moving up), no move
     count = torch.tensor([7, 9, 4])
     gpu = [c.cuda() for c in caches]
-    ops.cpu_kv_commit(caches, src, dst, count, [])
-    ops.cpu_kv_commit(gpu, src.cuda(), dst.cuda(), count.cuda(), [])
+    ops.kv_commit(caches, src, dst, count, [])
+    ops.kv_commit(gpu, src.cuda(), dst.cuda(), count.cuda(), [])
     for a, b in zip(gpu, caches, strict=True):
         assert torch.equal(a.cpu(), b)
     down = [c.clone() for c in caches]
-    ops.cpu_kv_commit(down, torch.tensor([30, 10, 0]), torch.tensor([25, 2, 0]),
+    ops.kv_commit(down, torch.tensor([30, 10, 0]), torch.tensor([25, 2, 0]),
                       torch.tensor([10, 12, 0]), [])  # fmt: skip
     gdown = [c.cuda() for c in caches]
-    ops.cpu_kv_commit(gdown, torch.tensor([30, 10, 0]).cuda(), torch.tensor([25, 2, 0]).cuda(),
+    ops.kv_commit(gdown, torch.tensor([30, 10, 0]).cuda(), torch.tensor([25, 2, 0]).cuda(),
                       torch.tensor([10, 12, 0]).cuda(), [])  # fmt: skip
     for a, b in zip(gdown, down, strict=True):
         assert torch.equal(a.cpu(), b)
     # caches of two shapes in one call (layers with their own head counts): one launch each
     mixed = [caches[0].clone(), caches[1][:, :1].clone(), caches[2].clone()]
     gmixed = [c.cuda() for c in mixed]
-    ops.cpu_kv_commit(mixed, src, dst, count, [])
-    ops.cpu_kv_commit(gmixed, src.cuda(), dst.cuda(), count.cuda(), [])
+    ops.kv_commit(mixed, src, dst, count, [])
+    ops.kv_commit(gmixed, src.cuda(), dst.cuda(), count.cuda(), [])
     for a, b in zip(gmixed, mixed, strict=True):
         assert torch.equal(a.cpu(), b)
 
@@ -180,8 +180,8 @@ def test_kv_commit_moves_16_bit_units_from_2_byte_aligned_caches():
     gpu = [b.cuda()[1:].view(shape) for b in bufs]
     assert all(c.data_ptr() % 4 == 2 for c in gpu)
     src, dst, count = torch.tensor([0, 3]), torch.tensor([20, 6]), torch.tensor([9, 5])
-    ops.cpu_kv_commit(caches, src, dst, count, [])
-    ops.cpu_kv_commit(gpu, src.cuda(), dst.cuda(), count.cuda(), [])
+    ops.kv_commit(caches, src, dst, count, [])
+    ops.kv_commit(gpu, src.cuda(), dst.cuda(), count.cuda(), [])
     torch.cuda.synchronize()
     for a, b in zip(gpu, caches, strict=True):
         assert torch.equal(a.cpu(), b)
@@ -199,9 +199,9 @@ def test_plan_attention_clamps_a_plan_past_the_cache(dtype):
     at_cap[0] = cap
     past = hi.clone()
     past[0] = cap + 37
-    want = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc.clone(), vc.clone(), seg, off,
+    want = ops.rope_attention(qkv, Hq, Hkv, cos, sin, kc.clone(), vc.clone(), seg, off,
                                      lo, at_cap, D**-0.5)  # fmt: skip
-    got = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc.clone(), vc.clone(), seg, off,
+    got = ops.rope_attention(qkv, Hq, Hkv, cos, sin, kc.clone(), vc.clone(), seg, off,
                                     lo, past, D**-0.5)  # fmt: skip
     assert torch.equal(got, want)
 
@@ -214,7 +214,7 @@ def test_plan_attention_refuses_caches_off_16_byte_alignment():
     n = kc.numel()
     shifted = torch.zeros(n + 1, device="cuda")[1:].view(kc.shape)  # 4 bytes into a vector
     with pytest.raises(ValueError, match="16-byte aligned"):
-        ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, shifted, vc, seg, off, lo, hi, 0.1)
+        ops.rope_attention(qkv, Hq, Hkv, cos, sin, shifted, vc, seg, off, lo, hi, 0.1)
 
 
 def test_fused_ops_capture_in_a_cuda_graph():
@@ -227,9 +227,9 @@ def test_fused_ops_capture_in_a_cuda_graph():
     w = torch.randn(512, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        out = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
-        h, y = ops.cpu_add_rms_norm(x, x, w, 1e-6)
-        return out, ops.cpu_silu_mul(y)
+        out = ops.rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
+        h, y = ops.fused_add_rms_norm(x, x, w, 1e-6)
+        return out, ops.silu_and_mul(y)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -343,7 +343,7 @@ def test_bad_arguments_raise_value_errors():
     B, Hq, Hkv, D, Q, cap, ctx = CASES[1]
     g = [t.cuda() for t in make_case(B, Hq, Hkv, D, Q, cap, ctx, torch.float32)]
     qkv, cos, sin, kc, vc, seg, off, lo, hi = g
-    op = ops.decode_rope_attention
+    op = ops.rope_attention
     with pytest.raises(ValueError, match="head dims"):
         k96 = torch.zeros(B, Hkv, cap, 96, device="cuda")
         op(qkv, Hq, Hkv, cos, sin, k96, k96.clone(), seg, off, lo, hi, 0.1)
@@ -356,13 +356,13 @@ def test_bad_arguments_raise_value_errors():
     with pytest.raises(ValueError, match="multiple"):
         op(qkv, Hq, 2, cos, sin, kc, vc, seg, off, lo, hi, 0.1)
     with pytest.raises(ValueError, match="transposed"):
-        ops.cpu_kv_commit([kc], lo, hi, lo, [kc])
+        ops.kv_commit([kc], lo, hi, lo, [kc])
     with pytest.raises(ValueError, match="contiguous"):
-        ops.cpu_kv_commit([kc, kc.transpose(1, 2)], lo, hi, lo, [])
+        ops.kv_commit([kc, kc.transpose(1, 2)], lo, hi, lo, [])
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        ops.cpu_silu_mul(torch.zeros(3, 8, device="cuda", dtype=torch.float16))
+        ops.silu_and_mul(torch.zeros(3, 8, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="features"):
-        ops.cpu_rms_norm(torch.zeros(3, 8, device="cuda"), torch.ones(7, device="cuda"), 1e-6)
+        ops.rms_norm(torch.zeros(3, 8, device="cuda"), torch.ones(7, device="cuda"), 1e-6)
 
 
 @pytest.mark.gpu_timeout(300)

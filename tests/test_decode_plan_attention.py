@@ -1,4 +1,4 @@
-"""decode_rope_attention, the attention block of a decoding step read from the step plan (seg,
+"""rope_attention, the attention block of a decoding step read from the step plan (seg,
 off, lo, hi) instead of a bool mask: its CPU twin (which runs here) against a float64 reference
 built from jacobi_ext.decoding.masks.step_mask, on GQA ratios 1, 3 and 4, head dims 64 and 128,
 plans with a main row, a candidate row, padding and left-padded sequences. The CUDA kernel is
@@ -85,7 +85,7 @@ def test_cpu_plan_attention_matches_float64_reference(case, dtype):
     qkv, cos, sin, kc, vc, seg, off, lo, hi = make_case(B, Hq, Hkv, D, Q, cap, ctx, dtype)
     scale = D**-0.5
     want, kc_want, vc_want = reference(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, scale)
-    got = torch.ops.jacobi_ext.decode_rope_attention(
+    got = torch.ops.jacobi_ext.rope_attention(
         qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, scale
     )
     assert got.shape == (B, Q, Hq, D) and got.dtype == dtype
@@ -100,7 +100,7 @@ def test_cpu_plan_attention_is_cpu_rope_attention_with_the_step_mask():
     qkv, cos, sin, kc, vc, seg, off, lo, hi = make_case(B, Hq, Hkv, D, Q, cap, ctx, torch.float32)
     kc2, vc2 = kc.clone(), vc.clone()
     ops = torch.ops.jacobi_ext
-    got = ops.decode_rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.125)
+    got = ops.rope_attention(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi, 0.125)
     width = int(hi.max())
     mask = ops.cpu_step_mask(seg, off, lo, hi, width)
     assert torch.equal(mask, step_mask(seg, off, lo, hi, width))
@@ -113,7 +113,7 @@ def test_cpu_plan_attention_is_cpu_rope_attention_with_the_step_mask():
 def test_cpu_plan_attention_rejects_bad_plans():
     B, Hq, Hkv, D, Q, cap, ctx = CASES[1]
     qkv, cos, sin, kc, vc, seg, off, lo, hi = make_case(B, Hq, Hkv, D, Q, cap, ctx, torch.float32)
-    op = torch.ops.jacobi_ext.decode_rope_attention
+    op = torch.ops.jacobi_ext.rope_attention
     with pytest.raises(ValueError, match="committed slots"):
         op(qkv, Hq, Hkv, cos, sin, kc, vc, seg, off, lo, hi + cap, 0.1)
     with pytest.raises(ValueError, match="seg and off"):

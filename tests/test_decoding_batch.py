@@ -144,12 +144,11 @@ def test_buckets_and_masks() -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_native_ar_acceptance_is_the_steps(seed: int) -> None:
-    """The CPU step's one-pass AR rows (cpu_ar_accept) against BatchStep._ar_rows' tensor ops
-    on random steps: drafts that match their targets for a while, EOS anywhere (fed or not),
-    sequences that feed nothing, with and without EOS ids, rows wider than the step."""
-    from types import SimpleNamespace
-
-    from jacobi_ext.decoding.step import BatchStep
+    """The step's AR rows (the ar_accept op, jacobi/step_row.h: the one AR acceptance) against
+    the rule restated in plain Python (reference.ar_step_row) on random steps: drafts that match
+    their targets for a while, EOS anywhere (fed or not), sequences that feed nothing, with and
+    without EOS ids, rows wider than the step."""
+    from jacobi_ext.decoding.reference import ar_step_row
 
     g = torch.Generator().manual_seed(seed)
     B, Q = 1 + seed % 4, 1 + 2 * seed
@@ -161,15 +160,39 @@ def test_native_ar_acceptance_is_the_steps(seed: int) -> None:
     fed = torch.randint(0, Q + 1, (B,), generator=g)
     S, tail = Q + seed % 3, seed
     for eos in (None, torch.tensor([2]), torch.tensor([0, 5])):
-        step = SimpleNamespace(eos=eos, S=S, tail=tail)
-        step._ar = lambda *a, step=step: BatchStep._ar(step, *a)
-        want = BatchStep._ar_rows(step, toks, tgt, fed, Q)
-        got = torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed, eos, S, tail)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), eos
+        ids = set() if eos is None else set(eos.tolist())
+        want = [
+            ar_step_row(toks[b].tolist(), tgt[b].tolist(), int(fed[b]), ids, S, tail)
+            for b in range(B)
+        ]
+        rows, count = torch.ops.jacobi_ext.ar_accept(toks, tgt, fed, eos, S, tail)
+        assert rows.tolist() == [r for r, _ in want], eos
+        assert count.tolist() == [c for _, c in want], eos
     with pytest.raises(ValueError, match="fed must be"):
-        torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed[:0], None, S, tail)
+        torch.ops.jacobi_ext.ar_accept(toks, tgt, fed[:0], None, S, tail)
     with pytest.raises(ValueError, match="must hold"):
-        torch.ops.jacobi_ext.cpu_ar_accept(toks, tgt, fed, None, Q - 1, tail)
+        torch.ops.jacobi_ext.ar_accept(toks, tgt, fed, None, Q - 1, tail)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(8))
+def test_ar_acceptance_on_cuda_is_the_cpus(seed: int) -> None:
+    """ar_accept's CUDA kernel (the same jacobi/step_row.h function, one thread a sequence)
+    gives the CPU op's rows and counts, on random steps with and without EOS ids."""
+    g = torch.Generator().manual_seed(seed)
+    B, Q = 1 + seed, 1 + 3 * seed
+    tgt = torch.randint(0, 6, (B, Q), generator=g)
+    toks = torch.randint(0, 6, (B, Q), generator=g)
+    for b in range(B):
+        run = int(torch.randint(0, Q + 1, (1,), generator=g))
+        toks[b, 1:run] = tgt[b, : max(run - 1, 0)]
+    fed = torch.randint(0, Q + 1, (B,), generator=g)
+    for eos in (None, torch.tensor([2]), torch.tensor([0, 5])):
+        want = torch.ops.jacobi_ext.ar_accept(toks, tgt, fed, eos, Q + 2, 5)
+        cuda = [t.cuda() if t is not None else None for t in (toks, tgt, fed, eos)]
+        got = torch.ops.jacobi_ext.ar_accept(*cuda, Q + 2, 5)
+        for a, w in zip(got, want, strict=True):
+            assert a.is_cuda and torch.equal(a.cpu(), w)
 
 
 @pytest.mark.parametrize("seed", range(6))

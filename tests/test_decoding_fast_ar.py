@@ -1,6 +1,6 @@
 """One AR sequence on a CPU takes the step from lists (step.BatchStep.ar_row,
 runtime.StaticRuntime.ar_forward) instead of the batch step's fixed-shape tensors: the same
-forward (mask, positions, slots, ops), the same acceptance (cpu_ar_accept's rule) and the same
+forward (mask, positions, slots, ops), the same acceptance (ar_accept's rule) and the same
 commit. Checked here: every token, every forward's accepted count and the forward count equal
 the batch step's, with lookup drafts, EOS in the stream and max_new cuts, on an fp32 model and on
 GGUF codes (whose exact head is the greedy one); and which steps take it (AR methods, one greedy

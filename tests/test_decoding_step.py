@@ -4,6 +4,8 @@ neutral inputs that change nothing (what the warm-up before a capture runs on)."
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,7 +28,7 @@ def models():
 
 
 def _count_launches(monkeypatch) -> list[int]:
-    """The verify op's launches (on a CPU inside cpu_verify_rows, one each)."""
+    """The verify op's launches (on a CPU inside verify_rows, one each)."""
     calls: list[int] = []
     for name in ("verify", "verify_rows"):
         real = getattr(step, name)
@@ -53,16 +55,18 @@ def test_one_verify_launch_per_step_for_the_whole_batch(models, monkeypatch, kw)
         assert set(calls) == {IDS.shape[0]}  # each launch covers the whole batch
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kw", [
     dict(method="jacobi", block_size=4),
     dict(method="multiblock", block_size=5, num_blocks=3, pool_size=3),
     dict(method="multiblock", block_size=3, lookup=True, eos_token_id=[3, 7]),
 ])  # fmt: skip
-def test_native_verify_rows_are_the_tensor_ops(models, monkeypatch, kw) -> None:
-    """On a CPU the verify side of a step is one native call (cpu_verify_rows): at every step of
-    a batch (sequences that finish early, take part or not, AR fallbacks), its packed rows,
-    winner offsets, counts and flags, and every state it updates (next rows and candidates, block
-    ends, pool, context), equal the tensor ops' on the same inputs."""
+def test_native_verify_rows_are_the_tensor_ops(models, monkeypatch, kw, device) -> None:
+    """The verify side of a step is one op (verify_rows, jacobi/verify_rows.h; on CUDA one
+    kernel): at every step of a batch (sequences that finish early, take part or not, AR
+    fallbacks), its packed rows, winner offsets, counts and flags, and every state it updates
+    (next rows and candidates, block ends, pool, context), equal the tensor ops' on the same
+    inputs (BatchStep._verify_reference)."""
     real = step.BatchStep._verify
     checked = []
 
@@ -87,8 +91,10 @@ def test_native_verify_rows_are_the_tensor_ops(models, monkeypatch, kw) -> None:
         return got
 
     monkeypatch.setattr(step.BatchStep, "_verify", both)
-    for model in models:
-        res = generate(model, IDS, 40, attention_mask=MASK, **kw)
+    for model in models:  # (eager on CUDA: the comparison reads the device)
+        model = copy.deepcopy(model).to(device)  # (the module's models stay on the CPU)
+        res = generate(model, IDS.to(device), 40, attention_mask=MASK.to(device),
+                       cuda_graphs=False, **kw)  # fmt: skip
         assert res.tokens.shape[0] == IDS.shape[0]
     assert len(checked) > 10
 

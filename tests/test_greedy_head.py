@@ -1,6 +1,6 @@
 """The exact mode's greedy LM head: torch.ops.jacobi_ext.cpu_linear_gguf_greedy
 (csrc/include/jacobi/greedy_screen.h) returns bitwise the argmax of the exact product,
-cpu_argmax(cpu_linear_gguf(x, ...)), found through an 8-bit product and an error bound.
+argmax(cpu_linear_gguf(x, ...)), found through an 8-bit product and an error bound.
 
 What could break it, and is checked here on weights the tests write with the `gguf` package:
 - the bound: near-ties (columns one code apart), exact ties (duplicate columns, in one panel and
@@ -46,7 +46,7 @@ def _check(x: torch.Tensor, raw: np.ndarray, qtype: Q) -> torch.Tensor:
     packed, sums, _ = _weight(raw, qtype)
     N = raw.shape[0]
     got = ops.cpu_linear_gguf_greedy(x, packed, int(qtype), N, sums)
-    want = ops.cpu_argmax(ops.cpu_linear_gguf(x, packed, int(qtype), N))
+    want = ops.argmax(ops.cpu_linear_gguf(x, packed, int(qtype), N))
     assert got.shape == x.shape[:-1] and got.dtype == torch.long
     assert torch.equal(got, want), (got, want)
     return got
@@ -271,4 +271,4 @@ def test_default_models_head_on_its_own_hidden_states(monkeypatch):
     assert ((a.double() - exact.double()).abs() <= E.double()).all()
     assert (count >= 1).all() and count.double().median() <= 2, count
     got = ops.cpu_linear_gguf_greedy(x, packed, qtype, N, sums)
-    assert torch.equal(got, ops.cpu_argmax(exact))
+    assert torch.equal(got, ops.argmax(exact))

@@ -1,7 +1,7 @@
 """The CUDA lean forward's Python side (lean.CudaLeanDecoder: torch linears over concatenated
 weights, the step plan passed instead of a mask, the runtime's plan path and commit) run on a
-CPU: its ops have CPU twins under the same names (decode_rope_attention, cpu_add_rms_norm,
-cpu_silu_mul, cpu_kv_commit), so forcing the "cuda" lean backend on a CPU model runs every line
+CPU: its ops have CPU twins under the same names (rope_attention, fused_add_rms_norm,
+silu_and_mul, kv_commit), so forcing the "cuda" lean backend on a CPU model runs every line
 of the path a GPU runs, with the CPU kernels behind it. The GPU run itself is
 test_cuda_decode_ops.py."""
 

@@ -464,15 +464,15 @@ at::Tensor decode_rope_attention_cpu(const at::Tensor& qkv, int64_t heads, int64
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
-  m.impl("cpu_kv_commit", &cpu_kv_commit);
+  m.impl("kv_commit", &cpu_kv_commit);
   m.impl("cpu_step_mask", &cpu_step_mask);
   m.impl("cpu_decode_attention", &cpu_decode_attention);
-  m.impl("cpu_rms_norm", &cpu_rms_norm);
-  m.impl("cpu_add_rms_norm", &cpu_add_rms_norm);
-  m.impl("cpu_silu_mul", &cpu_silu_mul);
+  m.impl("rms_norm", &cpu_rms_norm);
+  m.impl("fused_add_rms_norm", &cpu_add_rms_norm);
+  m.impl("silu_and_mul", &cpu_silu_mul);
   m.impl("qk_rms_norm_", &qk_rms_norm_);
   m.impl("cpu_rope_attention", &cpu_rope_attention);
-  m.impl("decode_rope_attention", &decode_rope_attention_cpu);
+  m.impl("rope_attention", &decode_rope_attention_cpu);
 }
 
 }  // namespace jacobi::ops

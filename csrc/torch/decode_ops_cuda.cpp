@@ -75,7 +75,7 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor* residual, const 
                                 residual ? rc.data_ptr() : nullptr, wc.data_ptr(),
                                 static_cast<float>(eps), h_out ? h_out->data_ptr() : nullptr,
                                 y.data_ptr()};
-  launched(jacobi::cuda::rms_norm(a, stream()), "cpu_rms_norm");
+  launched(jacobi::cuda::rms_norm(a, stream()), "rms_norm");
   return y;
 }
 
@@ -102,7 +102,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   at::Tensor out = at::empty(shape, gu.options());
   launched(jacobi::cuda::silu_mul(d, n ? out.numel() / n : 0, n, c.data_ptr(), out.data_ptr(),
                                   stream()),
-           "cpu_silu_mul");
+           "silu_and_mul");
   return out;
 }
 
@@ -190,7 +190,7 @@ at::Tensor decode_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t k
   a.partial_out = partial_out.data_ptr<float>();
   a.partial_stats = partial_stats.data_ptr<float>();
   a.out = out.data_ptr();
-  launched(jacobi::cuda::rope_attention(a, stream()), "decode_rope_attention");
+  launched(jacobi::cuda::rope_attention(a, stream()), "rope_attention");
   return out;
 }
 
@@ -216,7 +216,7 @@ at::Tensor argmax(const at::Tensor& logits) {
   if (rows == 0) return out;
   const at::Tensor x = logits.contiguous();
   launched(jacobi::cuda::argmax(type, x.data_ptr(), rows, V, out.data_ptr<int64_t>(), stream()),
-           "cpu_argmax");
+           "argmax");
   return out;
 }
 
@@ -261,20 +261,20 @@ void kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& d
            caches[i0].element_size() == first.element_size()) {
       a.caches[a.count++] = caches[i0++].data_ptr();
     }
-    launched(jacobi::cuda::kv_commit(a, stream()), "cpu_kv_commit");
+    launched(jacobi::cuda::kv_commit(a, stream()), "kv_commit");
   }
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CUDA, m) {
-  m.impl("cpu_rms_norm", &rms_norm);
-  m.impl("cpu_add_rms_norm", &add_rms_norm);
-  m.impl("cpu_silu_mul", &silu_mul);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_mul);
   m.impl("qk_rms_norm_", &qk_rms_norm_);
-  m.impl("cpu_kv_commit", &kv_commit);
-  m.impl("cpu_argmax", &argmax);
-  m.impl("decode_rope_attention", &decode_rope_attention);
+  m.impl("kv_commit", &kv_commit);
+  m.impl("argmax", &argmax);
+  m.impl("rope_attention", &decode_rope_attention);
 }
 
 }  // namespace jacobi::ops

@@ -419,7 +419,7 @@ GreedyScreen greedy_screen_of(const at::Tensor& x, const linear_common::Rows& ro
                               const at::Tensor& abs_sums) {
   namespace gs = jacobi::greedy_screen;
   TORCH_CHECK_VALUE(int8_type(type), "cpu_linear_gguf_greedy screens Q4_1 (3) and Q8_0 (8) "
-                    "weights, got ggml type ", type, "; take cpu_argmax of cpu_linear_gguf instead");
+                    "weights, got ggml type ", type, "; take argmax of cpu_linear_gguf instead");
   const int64_t K = x.size(-1), N = out_features, M = rows.M;
   TORCH_CHECK_VALUE(N > 0, "out_features must be > 0 (an argmax needs a column), got ", N);
   plan_linear_gguf(packed, type, N, K, {}, {}, {}, {}, false);  // the weight side's checks
@@ -472,7 +472,7 @@ void check_greedy_x(const at::Tensor& x) {
 }
 
 // The argmax over the outputs of x W^T on the exact (fp32) GGUF linear, int64 [...] (x's leading
-// dims): bitwise cpu_argmax(cpu_linear_gguf(x, packed, type, out_features)), through the 8-bit
+// dims): bitwise argmax(cpu_linear_gguf(x, packed, type, out_features)), through the 8-bit
 // screen (jacobi/greedy_screen.h). abs_sums: cpu_linear_gguf_abs_sums of the same weight.
 at::Tensor cpu_linear_gguf_greedy(const at::Tensor& x, const at::Tensor& packed, int64_t type,
                                   int64_t out_features, const at::Tensor& abs_sums) {

@@ -1,7 +1,9 @@
 // The jacobi_ext._C extension module and the schemas of every torch.ops.jacobi_ext operator.
 //
 // All schemas live here, in one place; each *_ops.cpp file registers the CPU implementation of
-// its ops and each *_ops_cuda.cpp the CUDA one, under the same names. The Python side
+// its ops and each *_ops_cuda.cpp the CUDA one, under the same names. An op is named by what it
+// computes (rms_norm, rope_attention, kv_commit, argmax, ...); a cpu_ prefix marks an op that
+// exists on the CPU only (the packed linears, the CPU step's mask and verify passes). The Python side
 // (jacobi_ext/ops.py) adds the fake (meta) kernels and autograd formulas.
 //
 // One class is registered beside its code instead: torch.classes.jacobi_ext.LeanLayers
@@ -85,7 +87,7 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def("debug_gumbel_noise(Tensor keys, Tensor positions, int vocab, bool uniform) -> Tensor");
   // The greedy pick over the last dim, int64 [...]: the first NaN, else the first maximum
   // (torch.max(-1).indices' choice), rows split into chunks read in parallel (CPU).
-  m.def("cpu_argmax(Tensor logits) -> Tensor");
+  m.def("argmax(Tensor logits) -> Tensor");
   // Decode-shaped linear on the CPU (csrc/cpu/linear_cpu.h): y = x W^T (+ bias) for float32 or
   // bfloat16, from a weight packed once by cpu_linear_pack (weight [N, K] -> panels
   // [ceil(N / NR), K or K rounded up to even, NR], in the layout of this CPU's kernels). Each
@@ -137,17 +139,18 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // Rows ids of a Q8_0 matrix as the file stores it (uint8 [V, blocks * 34]), dequantized to
   // float32 [*ids.shape, blocks * 32] bitwise as the `gguf` package does (a token embedding).
   m.def("cpu_gguf_q8_0_rows(Tensor raw, Tensor ids) -> Tensor");
-  // The small ops of a CPU decoding step, fused (csrc/cpu/decode_cpu.h), float32 or bfloat16,
-  // each row computed alone (no dependence on the other rows of the call):
+  // The small ops of a decoding step, fused (CPU: csrc/cpu/decode_cpu.h; CUDA, where a twin
+  // exists: csrc/cuda/decode_cuda.cu), float32 or bfloat16, each row computed alone (no
+  // dependence on the other rows of the call):
   // attention of q [B, Hq, Q, D] over k, v [B, Hkv, W, D] (Hq % Hkv == 0) where mask [B, 1, Q, W]
   // (bool) allows, out [B, Q, Hq, D]; and transformers' RMSNorm of x [..., n] with weight [n].
   // With float32 q, k and v may be float16 (a half K/V cache: widened exactly where read).
   m.def("cpu_decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
-  m.def("cpu_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // h = residual + x and its RMSNorm, in one pass; silu(gate) * up of gu [..., 2n] (gate then up).
-  m.def("cpu_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
         "(Tensor h, Tensor y)");
-  m.def("cpu_silu_mul(Tensor gu) -> Tensor");
+  m.def("silu_and_mul(Tensor gu) -> Tensor");
   // Qwen3's q/k norms: the RMSNorm of each q head (q_weight [D]) and k head (k_weight [D]) of
   // qkv [..., (heads + 2 kv_heads) D], in place, before the rotary (the v heads untouched).
   m.def("qk_rms_norm_(Tensor(a!) qkv, int heads, int kv_heads, Tensor q_weight, Tensor k_weight, "
@@ -172,32 +175,40 @@ TORCH_LIBRARY(jacobi_ext, m) {
   // of jacobi_ext.decoding.masks.step_mask). On CUDA nothing is read on the host and only
   // slots up to hi[b] are read (device-side lengths: capturable in a CUDA graph); the CPU twin
   // builds the mask and calls cpu_rope_attention. Returns [B, Q, heads, D].
-  m.def("decode_rope_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
+  m.def("rope_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor seg, Tensor off, Tensor lo, Tensor hi, "
         "float scale) -> Tensor");
-  // The decoding step's commit on a CPU: in every cache [B, H, capacity, D] of caches, for each
+  // The decoding step's commit (CPU and CUDA): in every cache [B, H, capacity, D] of caches, for each
   // sequence b, the slots [src[b], src[b] + count[b]) move to [dst[b], dst[b] + count[b]) (as one
   // gather then scatter: the ranges may overlap). One call for all layers, in place. transposed:
   // keys kept as cpu_rope_attention's kt_cache [B, H, L / 16, D, 16], whose slots move alike.
-  m.def("cpu_kv_commit(Tensor(a!)[] caches, Tensor src, Tensor dst, Tensor count, "
+  m.def("kv_commit(Tensor(a!)[] caches, Tensor src, Tensor dst, Tensor count, "
         "Tensor(b!)[] transposed) -> ()");
   // The step's attention mask on a CPU in one pass, bool [B, 1, Q, width]: what
   // jacobi_ext.decoding.masks.step_mask builds from seg, off [B, Q] and lo, hi [B] (int64) in ~15
   // tensor ops (its docstring has the rule; tests compare the two).
   m.def("cpu_step_mask(Tensor seg, Tensor off, Tensor lo, Tensor hi, int width) -> Tensor");
-  // The step's AR rows on a CPU in one pass (jacobi_ext.decoding.step.BatchStep._ar_rows' result
-  // from toks, tgt [B, Q], fed [B], the EOS ids and the row's commit width and tail;
-  // csrc/torch/verify_ops.cpp has the rule): (rows [B, 8 + width + tail], count [B]), int64.
-  // The parallel sequences' side of a step on a CPU, in one call (step.py: BatchStep._verify):
-  // rows cut from toks / tgt, verify_step, the next state into src, block_ends, the pool, ctx and
-  // ctx_len (in place), and (packed rows, winner rows' first queries, tokens committed, taking
-  // part) (csrc/torch/verify_ops.cpp).
-  m.def("cpu_verify_rows(Tensor toks, Tensor tgt, Tensor row_start, Tensor row_len, "
+  // The parallel sequences' side of a step, in one call (step.py: BatchStep._verify; CPU and
+  // CUDA, jacobi/verify_rows.h): rows cut from toks / tgt, verify_step, the next state into
+  // src, block_ends, the pool, ctx and ctx_len (in place), and (packed step rows, winner rows'
+  // first queries, tokens committed, taking part) (the rows' layout: jacobi/step_row.h).
+  m.def("verify_rows(Tensor toks, Tensor tgt, Tensor row_start, Tensor row_len, "
         "Tensor init_idx, Tensor(a!) src, Tensor(b!) block_ends, Tensor(c!) pool, "
         "Tensor(d!) pool_len, Tensor(e!) pool_head, Tensor(f!) ctx, Tensor(g!) ctx_len, "
         "int spawn_threshold, int eos_token_id, int width) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("cpu_ar_accept(Tensor toks, Tensor tgt, Tensor fed, Tensor? eos, int width, int tail) "
-        "-> (Tensor, Tensor)");
+  // The step's AR rows, one pass (jacobi/step_row.h: ar_step_row, the one AR acceptance): per
+  // sequence b of toks, tgt [B, Q] (the fed tokens and their targets) with fed[b] tokens fed,
+  // its step row [kSummarySize + width + tail] (summary, commit slots, zeros) and the tokens to
+  // commit (0 where fed[b] is 0). eos: the EOS ids (None: none). int64, on toks' device.
+  m.def("ar_accept(Tensor toks, Tensor tgt, Tensor fed, Tensor? eos, int width, int tail) "
+        "-> (Tensor rows, Tensor count)");
+  // The step row's layout, declared in jacobi/step_row.h and read by Python from here
+  // (jacobi_ext/decoding/step_row.py): the summary's field names, comma-separated, and the
+  // offsets [commit, block_ends, candidate_len, accept, next_block, candidates, size] of a row
+  // for these sizes.
+  m.def("step_summary_fields() -> str");
+  m.def("step_row_layout(int width, int num_blocks, int pool_size, int rows, int block_size) "
+        "-> int[]");
 }
 
 namespace {

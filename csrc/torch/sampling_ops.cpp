@@ -108,7 +108,7 @@ at::Tensor cpu_argmax(const at::Tensor& logits) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
-  m.impl("cpu_argmax", &cpu_argmax);
+  m.impl("argmax", &cpu_argmax);
   m.impl("gumbel_argmax", &gumbel_argmax_cpu);
   m.impl("debug_gumbel_noise", &debug_gumbel_noise_cpu);
 }

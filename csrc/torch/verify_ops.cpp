@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "cpu/verify_cpu.h"
 #include "checks.h"
@@ -143,6 +145,133 @@ VerifyLaunch prepare_verify(const at::Tensor& tokens, const at::Tensor& greedy,
   return l;
 }
 
+VerifyRowsLaunch prepare_verify_rows(const at::Tensor& toks, const at::Tensor& tgt,
+                                     const at::Tensor& row_start, const at::Tensor& row_len,
+                                     const at::Tensor& init_idx, at::Tensor& src,
+                                     const at::Tensor& block_ends, const at::Tensor& pool,
+                                     at::Tensor& ctx, at::Tensor& ctx_len, int64_t width) {
+  namespace ck = jacobi::checks;
+  for (auto [t, name] : {std::pair{&toks, "toks"}, {&tgt, "tgt"}, {&row_start, "row_start"},
+                         {&row_len, "row_len"}, {&init_idx, "init_idx"}, {&src, "src"},
+                         {&ctx, "ctx"}, {&ctx_len, "ctx_len"}}) {
+    ck::dtype(*t, name, at::kLong);
+    ck::same_device(*t, name, toks, "toks");
+  }
+  for (auto [t, name] : {std::pair{&toks, "toks"}, {&tgt, "tgt"}, {&row_start, "row_start"},
+                         {&row_len, "row_len"}, {&init_idx, "init_idx"}}) {
+    ck::rank(*t, name, 2, "[B, columns]");
+    TORCH_CHECK_VALUE(t->size(1) <= 1 || t->stride(1) == 1, name,
+                      " must have adjacent columns (a row may be strided), got strides ",
+                      t->strides());
+  }
+  ck::rank(pool, "pool", 3, "[B, pool_size, pool_width]");
+  ck::rank(block_ends, "block_ends", 2, "[B, max_blocks]");
+  for (auto [t, name] : {std::pair{&src, "src"}, {&ctx, "ctx"}, {&ctx_len, "ctx_len"}})
+    ck::contiguous(*t, name);
+  const int64_t B = toks.size(0), Q = toks.size(1), R = row_len.size(1), n = init_idx.size(1);
+  const int64_t Wv = pool.size(2), K = block_ends.size(1), p = pool.size(1);
+  const int64_t host0 = Wv + n + p * n;
+  TORCH_CHECK_VALUE(tgt.sizes() == toks.sizes() && row_start.sizes() == row_len.sizes() &&
+                        row_len.size(0) == B && init_idx.size(0) == B && src.dim() == 2 &&
+                        src.size(0) == B && src.size(1) >= host0 && ctx.dim() == 2 &&
+                        ctx.size(0) == B && ctx.size(1) >= 1 && ctx_len.dim() == 1 &&
+                        ctx_len.size(0) == B && width >= Wv && Q >= 1,
+                    "verify_rows: inconsistent shapes (toks ", toks.sizes(), ", row_len ",
+                    row_len.sizes(), ", init_idx ", init_idx.sizes(), ", src ", src.sizes(),
+                    ", ctx ", ctx.sizes(), ", pool ", pool.sizes(), ", width ", width, ")");
+  const auto opt = toks.options();
+  VerifyRowsLaunch l;
+  l.shape = VerifyRowsShape{B, Q, R, Wv, n, K, p, src.size(1), ctx.size(1) - 1,
+                            StepRowLayout{width, K, p, R, n}};
+  l.tok_rows = at::empty({B, R, Wv}, opt);
+  l.tgt_rows = at::empty({B, R, Wv}, opt);
+  l.lens = at::empty({B, R}, opt.dtype(at::kInt));
+  l.init = at::empty({B, n}, opt);
+  at::Tensor rows = at::empty({B, l.shape.row.size()}, opt), first = at::empty({B}, opt);
+  at::Tensor count = at::empty({B}, opt), part = at::empty({B}, opt.dtype(at::kBool));
+  l.outputs = {rows, first, count, part};
+  VerifyRowsArgs& a = l.args;
+  a.toks = toks.data_ptr<int64_t>();
+  a.tgt = tgt.data_ptr<int64_t>();
+  a.row_start = row_start.data_ptr<int64_t>();
+  a.row_len = row_len.data_ptr<int64_t>();
+  a.init_idx = init_idx.data_ptr<int64_t>();
+  a.toks_ld = toks.stride(0);
+  a.tgt_ld = tgt.stride(0);
+  a.row_start_ld = row_start.stride(0);
+  a.row_len_ld = row_len.stride(0);
+  a.init_idx_ld = init_idx.stride(0);
+  a.src = src.data_ptr<int64_t>();
+  a.block_ends = nullptr;  // (bind_verify)
+  a.ctx = ctx.data_ptr<int64_t>();
+  a.ctx_len = ctx_len.data_ptr<int64_t>();
+  a.v = VerifyArgs<int64_t>{};
+  a.tok_rows = l.tok_rows.data_ptr<int64_t>();
+  a.tgt_rows = l.tgt_rows.data_ptr<int64_t>();
+  a.lens = l.lens.data_ptr<int32_t>();
+  a.init = l.init.data_ptr<int64_t>();
+  a.rows = rows.data_ptr<int64_t>();
+  a.first = first.data_ptr<int64_t>();
+  a.count = count.data_ptr<int64_t>();
+  a.part = part.data_ptr<bool>();
+  return l;
+}
+
+void bind_verify(VerifyRowsLaunch& l, at::Tensor& block_ends, at::Tensor& pool,
+                 at::Tensor& pool_len, at::Tensor& pool_head, int64_t spawn_threshold,
+                 int64_t eos_token_id) {
+  l.verify = prepare_verify(l.tok_rows, l.tgt_rows, l.lens, block_ends, l.init, pool, pool_len,
+                            pool_head, spawn_threshold, eos_token_id);
+  l.args.v = l.verify.args;
+  l.args.block_ends = block_ends.data_ptr<int32_t>();
+}
+
+ArAcceptLaunch prepare_ar_accept(const at::Tensor& toks, const at::Tensor& tgt,
+                                 const at::Tensor& fed, const std::optional<at::Tensor>& eos,
+                                 int64_t width, int64_t tail) {
+  namespace ck = jacobi::checks;
+  ck::rank(toks, "toks", 2, "[B, Q]");
+  ck::dtype(toks, "toks", at::kLong);
+  ck::dtype(tgt, "tgt", at::kLong);
+  ck::dtype(fed, "fed", at::kLong);
+  ck::same_device(tgt, "tgt", toks, "toks");
+  ck::same_device(fed, "fed", toks, "toks");
+  const int64_t B = toks.size(0), Q = toks.size(1);
+  TORCH_CHECK_VALUE(tgt.sizes() == toks.sizes(), "tgt must be [B, Q] like toks ", toks.sizes(),
+                    ", got ", tgt.sizes());
+  TORCH_CHECK_VALUE(fed.dim() == 1 && fed.size(0) == B, "fed must be [B = ", B, "], got ",
+                    fed.sizes());
+  TORCH_CHECK_VALUE(Q >= 1, "a step feeds at least one token, got Q = ", Q);
+  TORCH_CHECK_VALUE(width >= Q && tail >= 0, "width (", width, ") must hold the step's ", Q,
+                    " tokens and tail (", tail, ") be >= 0");
+  ArAcceptLaunch l;
+  l.batch = B;
+  l.Q = Q;
+  l.row_size = kSummarySize + width + tail;
+  l.toks_c = toks.contiguous();
+  l.tgt_c = tgt.contiguous();
+  l.fed_c = fed.contiguous();
+  l.num_eos = 0;
+  l.eos = nullptr;
+  if (eos.has_value()) {
+    ck::dtype(*eos, "eos", at::kLong);
+    ck::same_device(*eos, "eos", toks, "toks");
+    TORCH_CHECK_VALUE(eos->dim() == 1, "eos must be [E] token ids, got ", eos->sizes());
+    l.eos_c = eos->contiguous();
+    l.num_eos = l.eos_c.size(0);
+    l.eos = l.num_eos > 0 ? l.eos_c.data_ptr<int64_t>() : nullptr;
+  }
+  l.toks = l.toks_c.data_ptr<int64_t>();
+  l.tgt = l.tgt_c.data_ptr<int64_t>();
+  l.fed = l.fed_c.data_ptr<int64_t>();
+  at::Tensor rows = at::empty({B, l.row_size}, toks.options());
+  at::Tensor count = at::empty({B}, toks.options());
+  l.rows = rows.data_ptr<int64_t>();
+  l.count = count.data_ptr<int64_t>();
+  l.outputs = {rows, count};
+  return l;
+}
+
 namespace {
 
 VerifyResult verify_step_cpu(const at::Tensor& tokens, const at::Tensor& greedy,
@@ -156,194 +285,93 @@ VerifyResult verify_step_cpu(const at::Tensor& tokens, const at::Tensor& greedy,
   return l.outputs;
 }
 
-// The decoding step's AR rows (jacobi_ext/decoding/step.py: BatchStep._ar_rows, whose ~25 torch
-// ops it replaces on a CPU, ~0.25 ms a step), per sequence b with q = fed[b]:
-// accepted = 1 + the longest run of fed drafts toks[b, i] (1 <= i < q) equal to tgt[b, i - 1],
-// capped at 1 + the first fed EOS; the seed is tgt[b, accepted - 1]; finished = whether
-// toks[b, accepted - 1] is an EOS. row[b] = the summary (0, accepted, finished, 1, 1, seed, 0, 0),
-// then `width` commit slots (toks[b, i] for i < min(q, Q), else -1), then `tail` zeros;
-// count[b] = accepted where q > 0, else 0.
-std::tuple<at::Tensor, at::Tensor> cpu_ar_accept(const at::Tensor& toks, const at::Tensor& tgt,
+// The decoding step's AR rows (jacobi/step_row.h: ar_step_row, the rule and the row), per
+// sequence b of toks, tgt [B, Q] with fed[b] tokens fed: rows [B, kSummarySize + width + tail]
+// and count [B] (the tokens to commit). The CUDA twin runs the same function
+// (csrc/cuda/verify_cuda.cu).
+std::tuple<at::Tensor, at::Tensor> ar_accept_cpu(const at::Tensor& toks, const at::Tensor& tgt,
                                                  const at::Tensor& fed,
                                                  const std::optional<at::Tensor>& eos,
                                                  int64_t width, int64_t tail) {
-  namespace ck = jacobi::checks;
-  ck::rank(toks, "toks", 2, "[B, Q]");
-  ck::dtype(toks, "toks", at::kLong);
-  ck::dtype(tgt, "tgt", at::kLong);
-  ck::dtype(fed, "fed", at::kLong);
-  const int64_t B = toks.size(0), Q = toks.size(1);
-  TORCH_CHECK_VALUE(tgt.sizes() == toks.sizes(), "tgt must be [B, Q] like toks ", toks.sizes(),
-                    ", got ", tgt.sizes());
-  TORCH_CHECK_VALUE(fed.dim() == 1 && fed.size(0) == B, "fed must be [B = ", B, "], got ",
-                    fed.sizes());
-  TORCH_CHECK_VALUE(Q >= 1, "a step feeds at least one token, got Q = ", Q);
-  TORCH_CHECK_VALUE(width >= Q && tail >= 0, "width (", width, ") must hold the step's ", Q,
-                    " tokens and tail (", tail, ") be >= 0");
-  at::Tensor e;
-  if (eos.has_value()) {
-    ck::dtype(*eos, "eos", at::kLong);
-    TORCH_CHECK_VALUE(eos->dim() == 1, "eos must be [E] token ids, got ", eos->sizes());
-    e = eos->contiguous();
+  ArAcceptLaunch l = prepare_ar_accept(toks, tgt, fed, eos, width, tail);
+  const EosIds is_eos{l.eos, l.num_eos};
+  for (int64_t b = 0; b < l.batch; ++b) {
+    l.count[b] = ar_step_row(l.toks + b * l.Q, l.tgt + b * l.Q, l.fed[b], l.Q, is_eos, width,
+                             l.row_size, l.rows + b * l.row_size);
   }
-  const at::Tensor tc = toks.contiguous(), gc = tgt.contiguous(), fc = fed.contiguous();
-  const int64_t *t = tc.data_ptr<int64_t>(), *g = gc.data_ptr<int64_t>(),
-                *q = fc.data_ptr<int64_t>();
-  const int64_t* ep = e.defined() ? e.data_ptr<int64_t>() : nullptr;
-  const int64_t E = e.defined() ? e.size(0) : 0;
-  auto is_eos = [&](int64_t tok) {  // false for every token without EOS ids
-    for (int64_t k = 0; k < E; ++k) {
-      if (ep[k] == tok) return true;
-    }
-    return false;
-  };
-  const int64_t L = 8 + width + tail;
-  at::Tensor rows = at::zeros({B, L}, toks.options());
-  at::Tensor count = at::empty({B}, toks.options());
-  int64_t* s = rows.data_ptr<int64_t>();
-  int64_t* c = count.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t* tb = t + b * Q;
-    const int64_t* gb = g + b * Q;
-    int64_t acc = 1;
-    while (acc < Q && acc < q[b] && tb[acc] == gb[acc - 1]) ++acc;
-    for (int64_t i = 0; i < Q && i < q[b]; ++i) {
-      if (is_eos(tb[i])) {
-        acc = std::min(acc, i + 1);
-        break;
-      }
-    }
-    int64_t* row = s + b * L;
-    row[1] = acc;
-    row[2] = is_eos(tb[acc - 1]) ? 1 : 0;
-    row[3] = row[4] = 1;
-    row[5] = gb[acc - 1];
-    for (int64_t i = 0; i < width; ++i) row[8 + i] = i < Q && i < q[b] ? tb[i] : -1;
-    c[b] = q[b] > 0 ? acc : 0;
-  }
-  return {rows, count};
+  return l.outputs;
 }
 
-// The parallel sequences' side of a decoding step on a CPU (jacobi_ext/decoding/step.py:
-// BatchStep._verify, whose ~20 tensor ops it replaces there, ~0.25 ms a step on a 2-core EPYC):
-// each sequence's rows cut from the step's tokens and targets (row_start, row_len; -1 past a
-// row's end), the spawned block's drafts read from its context (init_idx), one verify_step over
-// the batch, then, for each sequence that took part (row_len[b][0] > 0), its next main row and
-// candidates into src, its block ends, the committed tokens appended to ctx (ctx_len advanced);
-// and every sequence's packed row (summary, the commit padded to `width` with -1, next block ends,
-// candidate lengths, acceptances, the next first block, the candidates). Returns (rows, each
-// winner row's first query, tokens committed (0 where it took no part), which took part).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cpu_verify_rows(
+// The parallel sequences' side of a decoding step (jacobi/verify_rows.h: the cut, verify_step,
+// the next state and the step rows), on a CPU: the header's functions in loops, after checking
+// on the host the indices the device only clamps.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_rows_cpu(
     const at::Tensor& toks, const at::Tensor& tgt, const at::Tensor& row_start,
     const at::Tensor& row_len, const at::Tensor& init_idx, at::Tensor& src,
     at::Tensor& block_ends, at::Tensor& pool, at::Tensor& pool_len, at::Tensor& pool_head,
     at::Tensor& ctx, at::Tensor& ctx_len, int64_t spawn_threshold, int64_t eos_token_id,
     int64_t width) {
-  namespace ck = jacobi::checks;
-  for (auto [t, name] : {std::pair{&toks, "toks"}, {&tgt, "tgt"}, {&row_start, "row_start"},
-                         {&row_len, "row_len"}, {&init_idx, "init_idx"}, {&src, "src"},
-                         {&ctx, "ctx"}, {&ctx_len, "ctx_len"}}) {
-    ck::dtype(*t, name, at::kLong);
-    TORCH_CHECK_VALUE(t->device().is_cpu(), name, " must be a CPU tensor, got ", t->device());
-  }
-  ck::rank(toks, "toks", 2, "[B, Q]");
-  ck::rank(pool, "pool", 3, "[B, pool_size, pool_width]");
-  ck::rank(block_ends, "block_ends", 2, "[B, max_blocks]");
-  for (auto [t, name] : {std::pair{&src, "src"}, {&ctx, "ctx"}, {&ctx_len, "ctx_len"}})
-    ck::contiguous(*t, name);
-  const int64_t B = toks.size(0), Q = toks.size(1), R = row_len.size(1), n = init_idx.size(1);
-  const int64_t Wv = pool.size(2), K = block_ends.size(1), p = pool.size(1);
-  const int64_t cand0 = Wv + n, host0 = cand0 + p * n, cap = ctx.size(1) - 1;
-  TORCH_CHECK_VALUE(tgt.sizes() == toks.sizes() && row_start.dim() == 2 &&
-                        row_start.sizes() == row_len.sizes() && row_len.size(0) == B &&
-                        init_idx.size(0) == B && src.dim() == 2 && src.size(0) == B &&
-                        src.size(1) >= host0 && ctx.dim() == 2 && ctx.size(0) == B &&
-                        ctx_len.dim() == 1 && ctx_len.size(0) == B && width >= Wv,
-                    "cpu_verify_rows: inconsistent shapes (toks ", toks.sizes(), ", row_len ",
-                    row_len.sizes(), ", init_idx ", init_idx.sizes(), ", src ", src.sizes(),
-                    ", ctx ", ctx.sizes(), ", pool ", pool.sizes(), ", width ", width, ")");
-  const auto opt = toks.options();
-  at::Tensor tok_rows = at::empty({B, R, Wv}, opt), tgt_rows = at::empty({B, R, Wv}, opt);
-  at::Tensor lens = at::empty({B, R}, opt.dtype(at::kInt)), init = at::empty({B, n}, opt);
-  const at::Tensor tc = toks.contiguous(), gc = tgt.contiguous();
-  const int64_t *tp = tc.data_ptr<int64_t>(), *gp = gc.data_ptr<int64_t>();
-  const auto rs = row_start.accessor<int64_t, 2>(), rl = row_len.accessor<int64_t, 2>();
-  const auto ii = init_idx.accessor<int64_t, 2>();
-  int64_t *ctx_p = ctx.data_ptr<int64_t>(), *ctx_n = ctx_len.data_ptr<int64_t>();
-  int64_t *trp = tok_rows.data_ptr<int64_t>(), *grp = tgt_rows.data_ptr<int64_t>();
-  int64_t* initp = init.data_ptr<int64_t>();
-  int32_t* lensp = lens.data_ptr<int32_t>();
+  VerifyRowsLaunch l = prepare_verify_rows(toks, tgt, row_start, row_len, init_idx, src,
+                                           block_ends, pool, ctx, ctx_len, width);
+  const VerifyRowsShape& s = l.shape;
+  const VerifyRowsArgs& a = l.args;
+  const int64_t B = s.batch, R = s.rows, n = s.block_size, cap = s.ctx_cap;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t r = 0; r < R; ++r) {
-      lensp[b * R + r] = static_cast<int32_t>(rl[b][r]);
-      for (int64_t i = 0; i < Wv; ++i) {
-        const int64_t at = std::min(rs[b][r] + i, Q - 1);  // (as the Python: clamped, masked)
-        const bool in = i < rl[b][r];
-        TORCH_CHECK_VALUE(!in || at >= 0, "row_start[", b, "][", r, "] is negative");
-        trp[(b * R + r) * Wv + i] = in ? tp[b * Q + at] : -1;
-        grp[(b * R + r) * Wv + i] = in ? gp[b * Q + at] : -1;
-      }
+      const int64_t len = a.row_len[b * a.row_len_ld + r];
+      TORCH_CHECK_VALUE(len <= 0 || a.row_start[b * a.row_start_ld + r] >= 0, "row_start[", b,
+                        "][", r, "] is negative");
     }
     for (int64_t j = 0; j < n; ++j) {
-      TORCH_CHECK_VALUE(ii[b][j] >= 0 && ii[b][j] <= cap, "init_idx[", b, "][", j, "] = ",
-                        ii[b][j], " is outside the context's ", cap + 1, " slots");
-      initp[b * n + j] = ctx_p[b * (cap + 1) + ii[b][j]];
+      const int64_t at = a.init_idx[b * a.init_idx_ld + j];
+      TORCH_CHECK_VALUE(at >= 0 && at <= cap, "init_idx[", b, "][", j, "] = ", at,
+                        " is outside the context's ", cap + 1, " slots");
     }
+    for (int64_t e = 0; e < R * s.wv; ++e) verify_rows_cut(s, a, b, e);
+    for (int64_t j = 0; j < n; ++j) verify_rows_init(s, a, b, j);
   }
-  auto [accept, summary, commit, nxt, ends, cands, cand_len] =
-      verify_step_cpu(tok_rows, tgt_rows, lens, block_ends, init, pool, pool_len, pool_head,
-                      spawn_threshold, eos_token_id);
-  const int64_t tail = K + p + R + n + p * n, L = kSummarySize + width + tail;
-  at::Tensor rows = at::empty({B, L}, opt), first = at::empty({B}, opt);
-  at::Tensor count = at::empty({B}, opt), par = at::empty({B}, opt.dtype(at::kBool));
-  const int64_t* sm = summary.data_ptr<int64_t>();
-  const int64_t *cm = commit.data_ptr<int64_t>(), *nx = nxt.data_ptr<int64_t>(),
-                *cd = cands.data_ptr<int64_t>();
-  const int32_t *en = ends.data_ptr<int32_t>(), *cl = cand_len.data_ptr<int32_t>(),
-                *ac = accept.data_ptr<int32_t>();
-  int64_t* sp = src.data_ptr<int64_t>();
-  int32_t* be = block_ends.data_ptr<int32_t>();
+  bind_verify(l, block_ends, pool, pool_len, pool_head, spawn_threshold, eos_token_id);
+  jacobi::cpu::verify_step(l.verify.shape, l.verify.args, l.verify.batch);
   for (int64_t b = 0; b < B; ++b) {
-    const bool part = rl[b][0] > 0;
-    const int64_t acc = sm[b * kSummarySize + 1];
-    if (part) {  // the next step's state (kept where the sequence took no part)
-      std::copy(nx + b * cand0, nx + (b + 1) * cand0, sp + b * src.size(1));
-      std::copy(cd + b * p * n, cd + (b + 1) * p * n, sp + b * src.size(1) + cand0);
-      std::copy(en + b * K, en + (b + 1) * K, be + b * K);
-    }
-    // the committed tokens join the context (the rest of the commit to the dump slot `cap`)
-    for (int64_t i = 0; i < Wv; ++i) {
-      const int64_t at = part && i < acc ? ctx_n[b] + i : cap;
-      TORCH_CHECK(at >= 0 && at <= cap, "cpu_verify_rows: context position ", at,
-                  " past the context's ", cap + 1, " slots");
-      ctx_p[b * (cap + 1) + at] = cm[b * Wv + i];
-    }
-    if (part) ctx_n[b] += acc;
-    int64_t* row = rows.data_ptr<int64_t>() + b * L;
-    std::copy(sm + b * kSummarySize, sm + (b + 1) * kSummarySize, row);
-    int64_t o = kSummarySize;
-    for (int64_t i = 0; i < width; ++i) row[o + i] = i < Wv ? cm[b * Wv + i] : -1;
-    o += width;
-    for (int64_t i = 0; i < K; ++i) row[o++] = en[b * K + i];
-    for (int64_t i = 0; i < p; ++i) row[o++] = cl[b * p + i];
-    for (int64_t i = 0; i < R; ++i) row[o++] = ac[b * R + i];
-    for (int64_t i = 0; i < n; ++i) row[o++] = nx[b * cand0 + i];
-    for (int64_t i = 0; i < p * n; ++i) row[o++] = cd[b * p * n + i];
-    const int64_t w = sm[b * kSummarySize];
-    TORCH_CHECK(w >= 0 && w < R, "cpu_verify_rows: winner row ", w, " of ", R);
-    first.data_ptr<int64_t>()[b] = rs[b][w];
-    count.data_ptr<int64_t>()[b] = part ? acc : 0;
-    par.data_ptr<bool>()[b] = part;
+    const bool part = a.row_len[b * a.row_len_ld] > 0;
+    const int64_t acc = l.args.v.summary[b * kSummarySize + kAccepted];
+    TORCH_CHECK(!part || a.ctx_len[b] + acc <= cap, "verify_rows: the context (", cap,
+                " tokens) cannot hold ", acc, " more after ", a.ctx_len[b]);
+    verify_rows_finish(s, l.args, b);
   }
-  return {rows, first, count, par};
+  return l.outputs;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
   m.impl("verify_step", &verify_step_cpu);
-  m.impl("cpu_verify_rows", &cpu_verify_rows);
-  m.impl("cpu_ar_accept", &cpu_ar_accept);
+  m.impl("verify_rows", &verify_rows_cpu);
+  m.impl("ar_accept", &ar_accept_cpu);
+}
+
+namespace {
+
+// The step row's layout (jacobi/step_row.h), for Python (jacobi_ext/decoding/step_row.py).
+std::string step_summary_fields() { return kStepSummaryFields; }
+
+std::vector<int64_t> step_row_layout(int64_t width, int64_t num_blocks, int64_t pool_size,
+                                     int64_t rows, int64_t block_size) {
+  TORCH_CHECK_VALUE(width >= 0 && num_blocks >= 0 && pool_size >= 0 && rows >= 0 &&
+                        block_size >= 0,
+                    "step_row_layout: sizes must be >= 0, got width ", width, ", num_blocks ",
+                    num_blocks, ", pool_size ", pool_size, ", rows ", rows, ", block_size ",
+                    block_size);
+  const StepRowLayout l{width, num_blocks, pool_size, rows, block_size};
+  return {l.commit(),     l.block_ends(), l.candidate_len(), l.accept(),
+          l.next_block(), l.candidates(), l.size()};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(jacobi_ext, CompositeExplicitAutograd, m) {
+  m.impl("step_summary_fields", &step_summary_fields);
+  m.impl("step_row_layout", &step_row_layout);
 }
 
 }  // namespace jacobi::ops

@@ -1,4 +1,5 @@
-// verify_step: the CUDA implementation (checks and allocation shared with the CPU op).
+// verify_step, verify_rows and ar_accept: the CUDA implementations (checks and allocation shared with the CPU
+// ops, verify_ops.cpp).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -25,8 +26,43 @@ VerifyResult verify_step_cuda(const at::Tensor& tokens, const at::Tensor& greedy
   return l.outputs;
 }
 
+std::tuple<at::Tensor, at::Tensor> ar_accept_cuda(const at::Tensor& toks, const at::Tensor& tgt,
+                                                  const at::Tensor& fed,
+                                                  const std::optional<at::Tensor>& eos,
+                                                  int64_t width, int64_t tail) {
+  c10::cuda::CUDAGuard guard(toks.device());
+  ArAcceptLaunch l = prepare_ar_accept(toks, tgt, fed, eos, width, tail);
+  const cudaError_t err = jacobi::cuda::ar_accept(
+      l.toks, l.tgt, l.fed, l.eos, l.num_eos, l.batch, l.Q, width, l.row_size, l.rows, l.count,
+      c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::ar_accept: CUDA launch failed: ",
+              cudaGetErrorString(err));
+  return l.outputs;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_rows_cuda(
+    const at::Tensor& toks, const at::Tensor& tgt, const at::Tensor& row_start,
+    const at::Tensor& row_len, const at::Tensor& init_idx, at::Tensor& src,
+    at::Tensor& block_ends, at::Tensor& pool, at::Tensor& pool_len, at::Tensor& pool_head,
+    at::Tensor& ctx, at::Tensor& ctx_len, int64_t spawn_threshold, int64_t eos_token_id,
+    int64_t width) {
+  c10::cuda::CUDAGuard guard(toks.device());
+  VerifyRowsLaunch l = prepare_verify_rows(toks, tgt, row_start, row_len, init_idx, src,
+                                           block_ends, pool, ctx, ctx_len, width);
+  bind_verify(l, block_ends, pool, pool_len, pool_head, spawn_threshold, eos_token_id);
+  const cudaError_t err = jacobi::cuda::verify_rows(l.shape, l.args, l.verify.shape,
+                                                    c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::verify_rows: CUDA launch failed: ",
+              cudaGetErrorString(err));
+  return l.outputs;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(jacobi_ext, CUDA, m) { m.impl("verify_step", &verify_step_cuda); }
+TORCH_LIBRARY_IMPL(jacobi_ext, CUDA, m) {
+  m.impl("verify_rows", &verify_rows_cuda);
+  m.impl("verify_step", &verify_step_cuda);
+  m.impl("ar_accept", &ar_accept_cuda);
+}
 
 }  // namespace jacobi::ops

@@ -45,14 +45,13 @@ import sys
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..models.families import family_of, supported_classes
 from ..models.quantized import GGUFEmbedding, GGUFLinear
 from . import prepack
+from .linears import _CatLinear, _greedy_head, _GreedyHead, _Packed  # noqa: F401
 from .options import options
-from .prepack import same_stamp, weight_stamp
 
 _ATTR = "_jacobi_ext_lean_decoder"
 SUPPORTED = supported_classes()  # (jacobi_ext/models/families: Llama, Mistral, Qwen2, Qwen3)
@@ -101,111 +100,6 @@ def _unsupported(model) -> str | None:
         if len(list(layer.children())) != 4 or len(list(attn.children())) != fam.attention_modules:
             return f"layer {i} has modules beyond the {fam.name} family's"
     return None
-
-
-class _Packed:
-    """One linear of the lean forward (possibly several side by side along the outputs): fp32 /
-    bf16 weights packed for our kernel (remade when any of them changes), or GGUF codes
-    (jacobi_ext.models.quantized: packed once at load, side by side where the loader grouped
-    them)."""
-
-    __slots__ = ("mods", "stamp", "packed", "bias", "n", "splits", "calls")
-
-    def __init__(self, *mods) -> None:
-        self.mods = mods
-        self.stamp = None
-        self.splits = [m.out_features for m in mods]
-        self.n = sum(self.splits)
-        self.calls = _gguf_calls(mods) if any(isinstance(m, GGUFLinear) for m in mods) else None
-
-    def refresh(self) -> None:
-        if self.calls is not None:
-            return  # GGUF codes do not change
-        stamp = tuple(weight_stamp(m.weight) for m in self.mods)  # prepack.weight_stamp
-        if self.stamp is not None and all(map(same_stamp, stamp, self.stamp)):
-            return
-        from ..kernels._native import ops
-
-        with torch.no_grad():
-            self.packed = ops.cpu_linear_pack_cat([m.weight.detach() for m in self.mods])
-            self.bias = _cat_bias(self.mods)
-        self.stamp = stamp
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.calls is None:
-            return torch.ops.jacobi_ext.cpu_linear(x, self.packed, self.n, self.bias)
-        if len(self.calls) == 1:
-            return self.calls[0](x)
-        return torch.cat([c(x) for c in self.calls], dim=-1)
-
-    def call(self) -> tuple:
-        """(fn, args): fn(x, *args) is this linear with the fewest Python frames (the op's
-        overload itself where one kernel call does it). Valid until the next refresh."""
-        if self.calls is None:
-            return torch.ops.jacobi_ext.cpu_linear.default, (self.packed, self.n, self.bias)
-        if len(self.calls) == 1 and isinstance(self.calls[0], _GroupCall):
-            return torch.ops.jacobi_ext.cpu_linear_gguf.default, self.calls[0].args()
-        if len(self.calls) == 1 and isinstance(self.calls[0], _LinearCall):
-            c = self.calls[0]
-            return torch.ops.jacobi_ext.cpu_linear.default, (c.packed, c.n, c.bias)
-        if len(self.calls) == 1 and isinstance(
-            getattr(self.calls[0], "__self__", None), GGUFLinear
-        ):
-            return torch.ops.jacobi_ext.cpu_linear_gguf.default, self.calls[0].__self__.args()
-        return self.__call__, ()
-
-
-def _cat_bias(mods) -> torch.Tensor | None:
-    bs = [m.bias for m in mods]
-    if all(b is None for b in bs):
-        return None
-    return torch.cat([
-        b.detach().float() if b is not None else torch.zeros(m.out_features)
-        for b, m in zip(bs, mods, strict=True)
-    ])  # fmt: skip
-
-
-class _GroupCall:
-    """Linears the GGUF loader packed side by side (q/k/v, gate/up): one kernel call, and their
-    LoRAs (if any) as one: A stacked, each panel of B on its own linear's columns of x A^T."""
-
-    __slots__ = ("group", "bias")
-
-    def __init__(self, group, mods) -> None:
-        self.group = group
-        self.bias = _cat_bias(mods)
-
-    def args(self) -> tuple:
-        """cpu_linear_gguf's arguments after x."""
-        g = self.group
-        lora = (None, None, None) if g.lora is None else g.lora.args()
-        return (g.packed, g.ggml_type, g.n, self.bias, *lora, g.int8)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.jacobi_ext.cpu_linear_gguf(x, *self.args())
-
-
-class _LinearCall:
-    """An fp32 nn.Linear beside GGUF linears (a tensor type the kernels do not read)."""
-
-    __slots__ = ("packed", "n", "bias")
-
-    def __init__(self, m: nn.Linear) -> None:
-        from ..kernels._native import ops
-
-        self.packed = ops.cpu_linear_pack(m.weight.detach())
-        self.n, self.bias = m.out_features, _cat_bias([m])
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.jacobi_ext.cpu_linear(x, self.packed, self.n, self.bias)
-
-
-def _gguf_calls(mods) -> list:
-    """The kernel calls that compute mods side by side: one where the loader grouped them."""
-    group = getattr(mods[0], "group", None)
-    if group is not None and group.mods == tuple(mods):
-        return [_GroupCall(group, mods)]
-    return [m.forward if isinstance(m, GGUFLinear) else _LinearCall(m) for m in mods]
 
 
 class _Layer:
@@ -406,12 +300,12 @@ class LeanDecoder:
         return True
 
     @torch.inference_mode()
-    def ar_step(self, toks: list[int], lo: int, hi: int, cache, greedy: bool = True):
+    def ar_step(self, toks: list[int], lo: int, hi: int, rt, greedy: bool = True):
         """One sequence's AR step from a list (runtime.StaticRuntime.ar_forward: tokens at
         slots [hi, hi + q), seeing [lo, hi + i]) through LeanLayers.ar_step: embedding, rotary
         rows, first norm, mask and slots made natively, then the layers and the head as
         __call__'s (the same values: the same bits). Where native_ar."""
-        rt = cache.layers[0]._rt
+        cache = rt.cache
         ref = self.norm_weight(self.layers[0].ln1)
         cos_tab, sin_tab = self._rope_tables(ref.dtype, ref.device, rt)
         kts, keys, values = self._cache_lists(cache, ref.new_empty(1, 1, 1))
@@ -445,17 +339,18 @@ class LeanDecoder:
         return kt
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache,
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, rt,
                  keep: int | None = None, greedy: bool = False) -> torch.Tensor:  # fmt: skip
         """Logits [B, Q, vocab] of tokens ids [B, Q] at positions pos [B, Q], attending through
-        `mask` (the attention function's format) to what the runtime's cache holds after this
-        step's K/V are written (at the runtime's write slots). keep: only the last `keep`
+        `mask` (the attention function's format) to what the runtime rt's cache holds after this
+        step's K/V are written (at rt's write slots). keep: only the last `keep`
         positions' logits, [B, keep, vocab] (a prefill needs the last ones alone; the LM head
         over a whole prompt cost ~20 % of its forward). greedy: the caller wants only the
         argmax; where the head has a greedy form (_greedy_head) the result is that argmax, int64
         [B, keep or Q], bitwise targets() of the logits, else the logits as without it."""
-        if self.fused and all(hasattr(layer, "_rt") for layer in cache.layers):
-            return self._head(self._fused(ids, pos, mask, cache), keep, greedy)
+        cache = rt.cache
+        if self.fused:
+            return self._head(self._fused(ids, pos, mask, rt), keep, greedy)
         inner = self.inner
         h = inner.embed_tokens.forward(ids)
         cos, sin = inner.rotary_emb.forward(h, pos)
@@ -538,7 +433,7 @@ class LeanDecoder:
             )
         return tab
 
-    def _fused(self, ids, pos, mask, cache) -> torch.Tensor:
+    def _fused(self, ids, pos, mask, rt) -> torch.Tensor:
         """The same forward on our fused CPU ops: per layer eight calls (norm with the residual
         add, q/k/v, rotary + cache write + attention, o, norm, gate/up, silu * up, down). Returns
         the normed hidden states the LM head reads."""
@@ -547,20 +442,20 @@ class LeanDecoder:
         if mask.dtype != torch.bool:  # eager attention's additive mask: 0 = visible
             mask = mask == 0
         h = inner.embed_tokens.forward(ids)
-        rt = cache.layers[0]._rt  # the runtime: where this step's K/V go, how far to attend
+        cache = rt.cache  # (rt: where this step's K/V go, how far to attend)
         cos, sin = self._cos_sin(h, pos, rt)
         B, Q = ids.shape
         # context in slots [scratch, attend), the step's tokens in [0, scratch): sums by position
         slots, attend, ctx0 = rt.write_slots, rt.attend, rt.scratch
         first = self.layers[0].ln1
-        x = ops.cpu_rms_norm(h, self.norm_weight(first), first.variance_epsilon)
+        x = ops.rms_norm(h, self.norm_weight(first), first.variance_epsilon)
         if self.native is not None:
             kts, keys, values = self._cache_lists(cache, h)
             return self.native.run(x, h, cos, sin, keys, values, kts, slots, attend, mask, ctx0)
         rope_attention, add_rms_norm, silu_mul = (
             ops.cpu_rope_attention.default,
-            ops.cpu_add_rms_norm.default,
-            ops.cpu_silu_mul.default,
+            ops.fused_add_rms_norm.default,
+            ops.silu_and_mul.default,
         )
         qk_norm = ops.qk_rms_norm_.default
         for layer, plan in zip(cache.layers, self.plans, strict=False):
@@ -603,60 +498,9 @@ class StepPlan(NamedTuple):
     hi: torch.Tensor
 
 
-class _CatLinear:
-    """The CUDA forward's linear: one or several nn.Linear side by side along the outputs (q/k/v,
-    gate/up) as one torch linear (cuBLAS) over their concatenated weights, made once and
-    rewritten in place (the same buffer: captured CUDA graphs keep reading it) when any of them
-    changes. A single linear uses the module's own weight."""
-
-    __slots__ = ("mods", "stamp", "weight", "bias", "n", "splits")
-
-    def __init__(self, *mods) -> None:
-        self.mods = mods
-        self.stamp = None
-        self.weight = self.bias = None
-        self.splits = [m.out_features for m in mods]
-        self.n = sum(self.splits)
-
-    def refresh(self, probed: dict[int, float] | None = None) -> None:
-        """Rewrite the concatenated weights if any module's changed (`probed`: their probes,
-        read for every linear at once by CudaLeanDecoder.refresh)."""
-        stamp = tuple(weight_stamp(m.weight, probed) for m in self.mods)  # prepack.weight_stamp
-        if self.stamp is not None and all(map(same_stamp, stamp, self.stamp)):
-            return
-        with torch.inference_mode():  # (the buffer may be an inference tensor: made in a step)
-            if len(self.mods) == 1:
-                m = self.mods[0]
-                self.weight = m.weight.detach()
-                self.bias = None if m.bias is None else m.bias.detach()
-            else:
-                weight = torch.cat([m.weight.detach() for m in self.mods])
-                bias = None
-                if any(m.bias is not None for m in self.mods):
-                    bias = torch.cat([
-                        m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
-                        for m in self.mods
-                    ])  # fmt: skip
-                same = self.weight is not None and self.weight.shape == weight.shape
-                if same and (bias is None) == (self.bias is None):
-                    self.weight.copy_(weight)
-                    if bias is not None:
-                        self.bias.copy_(bias)
-                else:
-                    self.weight, self.bias = weight, bias
-        self.stamp = stamp
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def call(self) -> tuple:
-        """(fn, args): fn(x, *args) is this linear (as _Packed.call)."""
-        return F.linear, (self.weight, self.bias)
-
-
 class CudaLeanDecoder(LeanDecoder):
     """The lean forward on a CUDA model (bf16 or fp32): per layer the add + RMSNorm, one q/k/v
-    GEMM, rotary + K/V write + attention over the step plan (decode_rope_attention: split-K and
+    GEMM, rotary + K/V write + attention over the step plan (rope_attention: split-K and
     its combine), the o GEMM, add + RMSNorm, one gate/up GEMM, SiLU * up and the down GEMM: nine
     kernels (a q/k/v bias cuBLAS does not fuse: ten), against ~57 ops in transformers' layer.
     The fused ops are ours (csrc/cuda/decode_cuda.cu, under the CPU ops' names where they
@@ -684,26 +528,27 @@ class CudaLeanDecoder(LeanDecoder):
         return None  # (LeanLayers runs the CPU ops)
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, cache,
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, rt,
                  keep: int | None = None, greedy: bool = False) -> torch.Tensor:  # fmt: skip
         if isinstance(mask, StepPlan):
-            return self._head(self._fused_plan(ids, pos, mask, cache), keep, greedy)
+            return self._head(self._fused_plan(ids, pos, mask, rt), keep, greedy)
         self.fused, fused = False, self.fused  # a prefill: the model's own pieces
         try:
-            return super().__call__(ids, pos, mask, cache, keep, greedy)
+            return super().__call__(ids, pos, mask, rt, keep, greedy)
         finally:
             self.fused = fused
 
-    def _fused_plan(self, ids, pos, plan: StepPlan, cache) -> torch.Tensor:
+    def _fused_plan(self, ids, pos, plan: StepPlan, rt) -> torch.Tensor:
         ops = torch.ops.jacobi_ext
         inner = self.inner
         h = inner.embed_tokens.forward(ids)
-        cos, sin = self._cos_sin(h, pos, cache.layers[0]._rt)
+        cache = rt.cache
+        cos, sin = self._cos_sin(h, pos, rt)
         B, Q = ids.shape
         first = self.layers[0].ln1
-        x = ops.cpu_rms_norm(h, self.norm_weight(first), first.variance_epsilon)
-        attention = ops.decode_rope_attention.default
-        add_rms_norm, silu_mul = ops.cpu_add_rms_norm.default, ops.cpu_silu_mul.default
+        x = ops.rms_norm(h, self.norm_weight(first), first.variance_epsilon)
+        attention = ops.rope_attention.default
+        add_rms_norm, silu_mul = ops.fused_add_rms_norm.default, ops.silu_and_mul.default
         qk_norm = ops.qk_rms_norm_.default
         for layer, p in zip(cache.layers, self.plans, strict=False):
             if not layer.is_initialized:  # (a prefill made them; a bare probe may not have)
@@ -726,46 +571,6 @@ def _activation_dtype(model) -> torch.dtype:
     if isinstance(w, torch.Tensor) and w.is_floating_point():
         return w.dtype
     return torch.float32
-
-
-def _greedy_head(head) -> _GreedyHead | None:
-    """The head's greedy form (cpu_linear_gguf_greedy), where it is one exact Q4_1 / Q8_0 GGUF
-    linear without a bias or a LoRA (the 8-bit mode's head is already 8-bit: its own argmax)."""
-    calls = getattr(head, "calls", None)
-    if not calls or len(calls) != 1:
-        return None
-    m = getattr(calls[0], "__self__", None)
-    if not isinstance(m, GGUFLinear) or m.ggml_type not in _GreedyHead.TYPES:
-        return None
-    if m.int8 or m.bias is not None or m.lora is not None:
-        return None
-    return _GreedyHead(m)
-
-
-class _GreedyHead:
-    """An exact GGUF LM head's argmax without its whole product: an 8-bit product of the hidden
-    state and its residual, a rigorous error bound per vocabulary entry, and the exact fp32
-    product on the few entries that can win (csrc/include/jacobi/greedy_screen.h). Bitwise the
-    argmax of the exact logits (every tie, NaN and overflow included: such rows take the whole
-    product). On a 2-core EPYC, SmolLM2's head: 0.92 -> 0.68 ms for one token, 6.1 -> 3.5 ms
-    for 16 (2026-12-05)."""
-
-    TYPES = (3, 8)  # Q4_1, Q8_0: the types of the 8-bit kernel
-
-    __slots__ = ("m",)
-
-    def __init__(self, m: GGUFLinear) -> None:
-        self.m = m
-        if getattr(m, "_abs_sums", None) is None:  # once per weight (~20 ms for 49152 x 576)
-            m._abs_sums = torch.ops.jacobi_ext.cpu_linear_gguf_abs_sums(
-                m.packed, m.ggml_type, m.out_features, m.in_features
-            )
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.m
-        return torch.ops.jacobi_ext.cpu_linear_gguf_greedy(
-            x, m.packed, m.ggml_type, m.out_features, m._abs_sums
-        )
 
 
 def _unsupported_cuda(model) -> str | None:
@@ -795,7 +600,7 @@ def keys_transposed(keys: torch.Tensor) -> torch.Tensor:
     transposing every attended key again at every step and layer (at a few hundred keys about
     half the attention's memory traffic).
     Blocks, not one [D, L] matrix: a block of 16 keys is 4 KB read in order (D = 64), where D rows
-    a page apart left the prefetcher nothing to follow. cpu_kv_commit moves its slots with the
+    a page apart left the prefetcher nothing to follow. kv_commit moves its slots with the
     cache's. Zeros at first: a slot is read only after this call wrote it."""
     B, H, cap, D = keys.shape
     dtype = torch.float16 if keys.dtype == torch.float16 else torch.float32

@@ -34,6 +34,7 @@ from .lookup import NgramIndex
 from .runtime import StaticRuntime, runtime_for
 from .sequence import DecodeConfig, SeqResult, _Seq
 from .step import MAX_AR_DRAFT, BatchStep
+from .step_row import ACCEPTED
 from .stopping import StopCheck
 from .trajectory import TrajectoryRecorder
 
@@ -167,7 +168,7 @@ def decode(
         before = [len(s.out) for s in seqs]
         for s in active:
             row = rows[s.b]
-            hi_host[s.b] += row[1]
+            hi_host[s.b] += row[ACCEPTED]
             if hi_host[s.b] > rt.capacity:  # (free: the host's copy; the runtime is sized so)
                 raise RuntimeError(
                     f"sequence {s.b} committed past the cache's {rt.capacity} slots (a sizing "

@@ -106,14 +106,14 @@ def cuda_decode_available() -> bool:
     """This jacobi_ext has the CUDA decode ops (csrc/cuda/decode_cuda.cu): a CUDA build."""
     from ..kernels._native import ops
 
-    if not hasattr(ops, "decode_rope_attention"):
+    if not hasattr(ops, "rope_attention"):
         return False
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     return all(
         has(f"jacobi_ext::{op}", "CUDA")
         for op in (
-            "decode_rope_attention", "cpu_rms_norm", "cpu_add_rms_norm", "cpu_silu_mul",
-            "cpu_kv_commit", "cpu_argmax", "qk_rms_norm_",
+            "rope_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
+            "kv_commit", "argmax", "qk_rms_norm_",
         )
     )  # fmt: skip
 

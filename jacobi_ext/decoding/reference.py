@@ -95,3 +95,28 @@ def verify_batch(
         )
         for s in steps
     ]
+
+
+def ar_step_row(toks: list[int], tgt: list[int], fed: int, eos: set[int], width: int,
+                tail: int) -> tuple[list[int], int]:  # fmt: skip
+    """One sequence's packed row of an AR step (the ar_accept op's, jacobi/step_row.h), from the
+    rule: it fed toks[:fed] (the seed, then lookup drafts) and the model predicted tgt. Accepted:
+    1 + the longest run of drafts equal to the target before them, cut after the first EOS fed
+    (over the seed alone where nothing was fed: such a row commits nothing). Returns (the row:
+    summary, the fed tokens in `width` commit slots then -1, `tail` zeros; tokens to commit)."""
+    from .step_row import FIELDS
+
+    q = min(fed, len(toks))
+    live = toks[: max(q, 1)]
+    acc = 1
+    while acc < len(live) and live[acc] == tgt[acc - 1]:
+        acc += 1
+    for i, t in enumerate(live[:acc]):
+        if t in eos:
+            acc = i + 1
+            break
+    fields = dict(accepted=acc, finished=int(toks[acc - 1] in eos), next_len=1, next_blocks=1,
+                  next_seed=tgt[acc - 1])  # fmt: skip
+    summary = [fields.get(f, 0) for f in FIELDS]
+    commit = [toks[i] if i < q else -1 for i in range(width)]
+    return summary + commit + [0] * tail, acc if fed > 0 else 0

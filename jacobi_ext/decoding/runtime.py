@@ -57,12 +57,12 @@ def targets(logits: torch.Tensor) -> torch.Tensor:
     """The tokens the model predicts after each position: the greedy argmax. The one place the
     decoding turns logits into tokens (prefill and every step); under sampling the step's rule
     (jacobi_ext.decoding.sampling.Sampler: the filtered perturbed argmax) replaces exactly this.
-    On CPU our `cpu_argmax`: the index torch's max(-1) and argmax give (the first of tied maxima,
+    On CPU our `argmax`: the index torch's max(-1) and argmax give (the first of tied maxima,
     as transformers' greedy takes it; tests), with the vocabulary read in parallel halves, where
     the LM head's threads left them: torch's max took 0.17-0.26 ms of a ~10 ms step there
     (~0.05 ms on logits in one cache)."""
     if logits.device.type == "cpu" or cuda_decode_on(logits.device):  # (CUDA: its twin)
-        return torch.ops.jacobi_ext.cpu_argmax(logits)
+        return torch.ops.jacobi_ext.argmax(logits)
     return logits.argmax(-1)
 
 
@@ -247,7 +247,7 @@ class StaticRuntime:
         ops = torch.ops.jacobi_ext
         native_commit = dev.type == "cpu" or cuda_decode_on(dev)
         self._kv_commit = (  # (on CUDA: one kernel for every layer, csrc/cuda/decode_cuda.cu)
-            ops.cpu_kv_commit if native_commit and hasattr(ops, "cpu_kv_commit") else None
+            ops.kv_commit if native_commit and hasattr(ops, "kv_commit") else None
         )
 
     def fits(self, model, batch: int, committed: int, scratch: int) -> bool:
@@ -276,7 +276,7 @@ class StaticRuntime:
         see _targets."""
         lean = self._pick_forward() if prefill or self._lean is None else self._lean
         if lean:
-            return lean(ids, pos, mask, self.cache, keep, greedy)
+            return lean(ids, pos, mask, self, keep, greedy)
         kw = dict(self._cache_arg)
         if keep is not None and self._keeps_logits:
             kw["logits_to_keep"] = max(keep, 1)  # (transformers reads 0 as "all")
@@ -460,10 +460,10 @@ class StaticRuntime:
             pos = pos[:, Q - keep :]
         return _targets(logits) if rule is None else rule(logits, pos)
 
-    def ar_forward(self, toks: list[int], hi: int) -> list[int]:
+    def ar_forward(self, toks: list[int], hi: int) -> torch.Tensor:
         """One sequence's AR step as a list in, a list out (where writes_in_place(), greedy): its
         fed tokens `toks` (the seed, then lookup drafts) at slots [hi, hi + q), hi its committed
-        end (the host's copy of self.hi[0]); returns their targets. The same forward as
+        end (the host's copy of self.hi[0]); returns their targets [1, q]. The same forward as
         forward(q, ..., in_place=True) on the same inputs (the same mask, positions, slots and
         ops, so the same bits; tests/test_decoding_fast_ar.py), without the batch step's
         fixed-shape bookkeeping (input rows, gathers, the commit op, the packed row), its inputs
@@ -472,12 +472,12 @@ class StaticRuntime:
         accepted."""
         q = len(toks)
         if self._lean.native_ar:  # the step's inputs made natively too (lean.ar_step)
-            return _targets(self._lean.ar_step(toks, self._lo_host, hi, self.cache))[0].tolist()
+            return _targets(self._lean.ar_step(toks, self._lo_host, hi, self))
         # else the in-place step's own forward on these tokens (one row, offsets 0..q-1)
         self.ids[0, :q] = torch.tensor(toks)
         self.seg[0, :q] = 0
         self.off[0, :q] = self._slots[:q]
-        return self._forward(q, hi + q, None, True)[0].tolist()
+        return self._forward(q, hi + q, None, True)[:, :q]
 
     def width(self, q: int) -> int:
         """The width a step feeding at most q tokens per sequence runs at."""

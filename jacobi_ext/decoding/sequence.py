@@ -17,7 +17,8 @@ import torch
 
 from .controller import FallbackController
 from .lookup import LookupPolicy, NgramIndex
-from .step import SUMMARY, Plan
+from .step import Plan
+from .step_row import ACCEPTED, FINISHED, NEXT_LEN, NEXT_SEED, WINNER, row_layout
 from .trajectory import TrajectoryRecorder
 
 
@@ -111,15 +112,16 @@ class _Seq:
     # ---- host work after the one copy ---------------------------------------------------------
     def advance(self, row: list[int], width: int, fed: int) -> None:
         cfg = self.cfg
-        w, a, finished, next_len, _nb, seed, _nc, _ = row[:SUMMARY]
-        committed = row[SUMMARY : SUMMARY + a]
-        K, p = cfg.num_blocks, cfg.pool_size
-        o = SUMMARY + width
-        n = cfg.block_size
-        ends, cand_len = row[o : o + K], row[o + K : o + K + p]
-        o += K + p
-        accs, o = row[o : o + self.R], o + self.R
-        main_head, o = row[o : o + n], o + n
+        K, p, n = cfg.num_blocks, cfg.pool_size, cfg.block_size
+        lay = row_layout(width, K, p, self.R, n)  # (jacobi/step_row.h, cached)
+        w, a, finished = row[WINNER], row[ACCEPTED], row[FINISHED]
+        next_len, seed = row[NEXT_LEN], row[NEXT_SEED]
+        committed = row[lay.commit : lay.commit + a]
+        ends = row[lay.block_ends : lay.block_ends + K]
+        cand_len = row[lay.candidate_len : lay.candidate_len + p]
+        accs = row[lay.accept : lay.accept + self.R]
+        main_head = row[lay.next_block : lay.next_block + n]
+        o = lay.candidates
         cands_host = [row[o + c * n : o + (c + 1) * n] for c in range(p)]
         if self.parallel and self.lk is not None:  # what the lookup row would have committed
             self.policy.observe(self.lk[0], self.m - 1, accs[self.lk[1]] - 1)

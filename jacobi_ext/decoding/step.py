@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from ..kernels import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
 from .lookup import LookupPolicy
 from .sampling import Sampler
+from .step_row import ACCEPTED, WINNER, row_layout
 
-SUMMARY = 8  # the verify op's summary (csrc/include/jacobi/verify.h, VerifySummary)
 MAX_AR_DRAFT = max(LookupPolicy.SIZES)
 
 
@@ -44,9 +44,18 @@ def verify(*args):
 
 
 def verify_rows(*args):
-    """The CPU's whole verify side of a step, one launch of the verify op inside (the same
+    """The whole verify side of a step, one launch of the verify op inside (the same
     indirection)."""
-    return torch.ops.jacobi_ext.cpu_verify_rows(*args)
+    return torch.ops.jacobi_ext.verify_rows(*args)
+
+
+def has_kernel(op: str, device: torch.device) -> bool:
+    """Whether torch.ops.jacobi_ext.<op> runs on `device` in this build (every op on a CPU and on
+    meta tensors, through its fake; on CUDA in a CUDA build)."""
+    if device.type in ("cpu", "meta"):
+        return True
+    key = device.type.upper()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"jacobi_ext::{op}", key)
 
 
 @dataclass
@@ -109,9 +118,11 @@ class BatchStep:
             if rt.use_graphs
             else {name: self.inputs[:, o : o + size] for name, (o, size) in self.at.items()}
         )
-        self.tail = K + p + self.R + n + p * n  # packed row after the commit
-        self._ar_pad = [-1] * self.S + [0] * self.tail  # ar_row's commit slots past q, the tail
-        self._native_verify = hasattr(torch.ops.jacobi_ext, "cpu_verify_rows")  # (tests: off)
+        self.layout = row_layout(self.S, K, p, self.R, n)  # the packed rows (step_row.py)
+        self.tail = self.layout.tail  # a row's parts after the commit slots
+        self._fed1 = torch.zeros(1, dtype=torch.long)  # ar_row's fed count (a CPU step's)
+        # the verify side as one op (jacobi/verify_rows.h), else its torch statement (tests: off)
+        self._native_verify = has_kernel("verify_rows", dev)
 
     @staticmethod
     def key(block_size, num_blocks, pool_size, activation_ratio, eos, sampling=None) -> tuple:
@@ -162,23 +173,17 @@ class BatchStep:
         return not self.parallel and self.rule is None and self.rt.writes_in_place()
 
     def ar_row(self, pl: Plan, hi: int) -> list[int]:
-        """The packed row run() returns for one AR sequence (ar_fast()), computed from lists:
-        runtime.ar_forward, then cpu_ar_accept's rule on the host (1 + the longest prefix of
-        drafts equal to the targets, cut after the first EOS fed; the seed the target after the
-        last accepted token) and the commit (hi += accepted). hi: the sequence's committed end."""
+        """The packed row run() returns for one AR sequence (ar_fast()), without the batch
+        step's fixed-shape bookkeeping: runtime.ar_forward, the same AR acceptance as every step
+        (the ar_accept op), and the commit (hi += accepted). hi: the sequence's committed end."""
         toks = pl.host[: pl.q]
         tgt = self.rt.ar_forward(toks, hi)
-        q, eos = len(toks), self.eos_ids
-        acc = 1
-        while acc < q and toks[acc] == tgt[acc - 1]:
-            acc += 1
-        for i, t in enumerate(toks[:acc]):
-            if t in eos:
-                acc = i + 1
-                break
-        self.rt.hi.add_(acc)
-        fin = int(toks[acc - 1] in eos)
-        return [0, acc, fin, 1, 1, tgt[acc - 1], 0, 0, *toks, *self._ar_pad[q:]]
+        self._fed1.fill_(len(toks))
+        rows, count = torch.ops.jacobi_ext.ar_accept(
+            torch.tensor([toks]), tgt, self._fed1, self.eos, self.S, self.tail
+        )
+        self.rt.hi.add_(count[0])
+        return rows[0].tolist()
 
     def encode(self, plans: dict[int, Plan]) -> torch.Tensor:
         """The step's inputs on the host, [B, fields] (a sequence without a plan takes no part)."""
@@ -250,11 +255,8 @@ class BatchStep:
             rt.commit(src, count, in_place)
             return row
         ar_len = self._field("ar_len")[:, 0]
-        if toks.device.type == "cpu":  # one native pass, the same rows (~0.25 ms a step less)
-            ar_rows = torch.ops.jacobi_ext.cpu_ar_accept
-            row, count = ar_rows(toks, tgt, ar_len, self.eos, self.S, self.tail)
-        else:
-            row, count = self._ar_rows(toks, tgt, ar_len, Q)
+        # the AR rows (jacobi/step_row.h: ar_step_row, one pass on either device)
+        row, count = torch.ops.jacobi_ext.ar_accept(toks, tgt, ar_len, self.eos, self.S, self.tail)
         src = torch.zeros_like(count)
         if has_par:
             par_row, par_src, par_count, par = self._verify(toks, tgt, Q)
@@ -264,53 +266,22 @@ class BatchStep:
         rt.commit(src, count, in_place)
         return row
 
-    def _ar_rows(self, toks, tgt, q, Q: int):
-        """Every sequence's packed row as an AR step (used where ar_len > 0): the summary (_ar),
-        the fed tokens to commit (-1 past ar_len and past the step), zeros for the tail; and the
-        tokens to commit [B]."""
-        B, dev = toks.shape[0], toks.device
-        summary, count = self._ar(toks, tgt, q, Q)
-        fed = torch.where(torch.arange(Q, device=dev) < q[:, None], toks, -1)
-        commit = torch.full((B, self.S), -1, dtype=torch.long, device=dev)
-        commit[:, :Q] = fed
-        return torch.cat([summary, commit, toks.new_zeros(B, self.tail)], dim=1), count
-
-    def _ar(self, toks, tgt, q, Q: int):
-        """AR acceptance of every sequence (used where ar_len > 0): 1 + the longest prefix of the
-        fed drafts that matches the targets, capped at the first EOS; the seed is the target
-        after the last accepted token. Returns (summary [B, 8], tokens to commit [B])."""
-        dev = toks.device
-        i = torch.arange(Q, device=dev)
-        live = i[None, :] < q[:, None]
-        match = (toks[:, 1:] == tgt[:, :-1]) & live[:, 1:]
-        acc = 1 + match.long().cumprod(1).sum(1)
-        # EOS tests as a broadcast compare: torch.isin may sort (and sync) for larger sets.
-        if self.eos is not None:
-            is_eos = (toks[:, :, None] == self.eos).any(-1)
-            first = torch.where(is_eos & live, i, Q).min(1).values + 1
-            acc = torch.minimum(acc, first)
-        last = (acc - 1)[:, None]
-        seed = tgt.gather(1, last)[:, 0]
-        if self.eos is not None:
-            fin = is_eos.gather(1, last)[:, 0].long()
-        else:
-            fin = torch.zeros_like(acc)
-        zero, one = torch.zeros_like(acc), torch.ones_like(acc)
-        summary = torch.stack([zero, acc, fin, one, one, seed, zero, zero], dim=1)
-        return summary, torch.where(q > 0, acc, zero)
-
     def _verify(self, toks, tgt, Q: int):
         """The parallel sequences' rows through one launch of the batched verify op; the next
         drafts, block ends, candidates and context stay on the device for the next step.
         Returns (packed rows, K/V source offsets, tokens committed, which sequences took part).
-        On a CPU all of it is one native call (cpu_verify_rows: the same rows and state, where
-        the ops below cost ~0.25 ms a step; tests/test_decoding_step.py compares them)."""
-        if toks.device.type == "cpu" and self._native_verify:
+        One op on either device (verify_rows, jacobi/verify_rows.h); _verify_reference states
+        the same in torch ops (tests/test_decoding_step.py compares them at every step)."""
+        if self._native_verify:
             return verify_rows(
                 toks, tgt, self._field("row_start"), self._field("row_len"), self._field("init"),
                 self.src, self.block_ends, self.pool, self.pool_len, self.pool_head, self.ctx,
                 self.ctx_len, self.spawn, self.eos_id, self.S,
             )  # fmt: skip
+        return self._verify_reference(toks, tgt, Q)
+
+    def _verify_reference(self, toks, tgt, Q: int):
+        """_verify in torch ops: the rows cut, verify_step, the next state and the packed rows."""
         B, R, Wv, n, p, dev = self.rt.B, self.R, self.Wv, self.n, self.p, toks.device
         row_len = self._field("row_len")
         start = self._field("row_start")
@@ -326,7 +297,7 @@ class BatchStep:
             self.pool_head, self.spawn, self.eos_id,
         )  # fmt: skip
         par = row_len[:, 0] > 0
-        acc = summary[:, 1]
+        acc = summary[:, ACCEPTED]
         # The next step's state, kept where a sequence took no part.
         keep = par[:, None]
         self.src[:, : self.cand0] = torch.where(keep, nxt, self.src[:, : self.cand0])
@@ -340,8 +311,9 @@ class BatchStep:
         ok = keep & (i[None, :] < acc[:, None])
         self.ctx.scatter_(1, torch.where(ok, at, self.ctx_cap), commit)
         self.ctx_len.add_(torch.where(par, acc, 0))
+        # the packed row, in the order of jacobi/step_row.h (tests compare it with the CPU op's)
         commit_s = F.pad(commit, (0, self.S - Wv), value=-1)
         counts = torch.cat([ends, cand_len, accept], dim=1).long()  # (int32: one cast)
         row = torch.cat([summary, commit_s, counts, nxt[:, :n], cands], dim=1)
-        src = start.gather(1, summary[:, :1])[:, 0]  # the winner row's first query
+        src = start.gather(1, summary[:, WINNER : WINNER + 1])[:, 0]  # the winner's first query
         return row, src, torch.where(par, acc, 0), par

@@ -256,8 +256,8 @@ def _debug_gumbel_noise_fake(keys, positions, vocab, uniform):
 # Fakes so that a traced step (torch.compile, as CUDA graphs need it) keeps these ops in its graph.
 
 
-@torch.library.register_fake("jacobi_ext::cpu_argmax")
-def _cpu_argmax_fake(logits):
+@torch.library.register_fake("jacobi_ext::argmax")
+def _argmax_fake(logits):
     return logits.new_empty(tuple(logits.shape[:-1]), dtype=torch.long)
 
 
@@ -271,13 +271,13 @@ def _cpu_step_mask_fake(seg, off, lo, hi, width):
 # Fakes for torch.compile and for meta tensors (the step's kernel count is taken on meta tensors).
 
 
-@torch.library.register_fake("jacobi_ext::cpu_rms_norm")
-def _cpu_rms_norm_fake(x, weight, eps):
+@torch.library.register_fake("jacobi_ext::rms_norm")
+def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x)
 
 
-@torch.library.register_fake("jacobi_ext::cpu_add_rms_norm")
-def _cpu_add_rms_norm_fake(x, residual, weight, eps):
+@torch.library.register_fake("jacobi_ext::fused_add_rms_norm")
+def _fused_add_rms_norm_fake(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
@@ -286,29 +286,29 @@ def _qk_rms_norm_fake(qkv, heads, kv_heads, q_weight, k_weight, eps):
     return None
 
 
-@torch.library.register_fake("jacobi_ext::cpu_silu_mul")
-def _cpu_silu_mul_fake(gu):
+@torch.library.register_fake("jacobi_ext::silu_and_mul")
+def _silu_and_mul_fake(gu):
     return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
 
 
-@torch.library.register_fake("jacobi_ext::cpu_kv_commit")
-def _cpu_kv_commit_fake(caches, src, dst, count, transposed):
+@torch.library.register_fake("jacobi_ext::kv_commit")
+def _kv_commit_fake(caches, src, dst, count, transposed):
     return None
 
 
-@torch.library.register_fake("jacobi_ext::decode_rope_attention")
-def _decode_rope_attention_fake(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, seg, off, lo,
+@torch.library.register_fake("jacobi_ext::rope_attention")
+def _rope_attention_fake(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, seg, off, lo,
                                 hi, scale):  # fmt: skip
     B, Q = qkv.shape[:2]
     return qkv.new_empty((B, Q, heads, k_cache.shape[-1]))
 
 
-@torch.library.register_fake("jacobi_ext::cpu_verify_rows")
-def _cpu_verify_rows_fake(toks, tgt, row_start, row_len, init_idx, src, block_ends, pool,
+@torch.library.register_fake("jacobi_ext::verify_rows")
+def _verify_rows_fake(toks, tgt, row_start, row_len, init_idx, src, block_ends, pool,
                           pool_len, pool_head, ctx, ctx_len, spawn, eos, width):  # fmt: skip
     B, R, n = toks.shape[0], row_len.shape[1], init_idx.shape[1]
     K, p = block_ends.shape[1], pool.shape[1]
-    L = 8 + width + K + p + R + n + p * n
+    L = torch.ops.jacobi_ext.step_row_layout(width, K, p, R, n)[-1]  # (jacobi/step_row.h)
     return (
         toks.new_empty((B, L)),
         toks.new_empty((B,)),
@@ -317,10 +317,11 @@ def _cpu_verify_rows_fake(toks, tgt, row_start, row_len, init_idx, src, block_en
     )
 
 
-@torch.library.register_fake("jacobi_ext::cpu_ar_accept")
-def _cpu_ar_accept_fake(toks, tgt, fed, eos, width, tail):
+@torch.library.register_fake("jacobi_ext::ar_accept")
+def _ar_accept_fake(toks, tgt, fed, eos, width, tail):
     B = toks.shape[0]
-    return toks.new_empty((B, 8 + width + tail)), toks.new_empty((B,))
+    L = torch.ops.jacobi_ext.step_row_layout(width, 0, 0, 0, 0)[-1] + tail  # (jacobi/step_row.h)
+    return toks.new_empty((B, L)), toks.new_empty((B,))
 
 
 # ---- the CPU decode-shaped linear (csrc/cpu/linear_cpu.h) ---------------------------------------

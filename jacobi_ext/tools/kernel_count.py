@@ -84,7 +84,7 @@ NO_KERNEL = frozenset(
 # Custom ops that launch more than one kernel (name -> kernels); the rest count one each.
 KERNELS_PER_OP: dict[str, int] = {  # by op name, without the namespace
     # rotary + K/V write + the attention's key splits, then the splits' combine (decode_cuda.cu)
-    "decode_rope_attention": 2,
+    "rope_attention": 2,
 }
 
 

@@ -21,7 +21,7 @@
 //     maxima) is a candidate, and so is every column tied with it.
 //  4. The candidates' exact values come from the exact kernel on their panels alone (a column's
 //     fp32 chain does not depend on the other columns of the call), and the first of their
-//     maxima is the answer: bitwise the argmax of the full exact product (cpu_argmax's pick).
+//     maxima is the answer: bitwise the argmax of the full exact product (argmax's pick).
 // A row with a non-finite value anywhere (x, a, a bound), or more than the cap of candidates,
 // is computed in full instead: the same answer, at the exact head's price.
 //

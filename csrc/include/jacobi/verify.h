@@ -45,33 +45,15 @@
 #include <cstdint>
 
 #include "jacobi/hd.h"
+#include "jacobi/step_row.h"
 
 namespace jacobi {
 
-// Indices into the int64 "summary" output of verify_step.
-enum VerifySummary : int {
-  kWinner = 0,        // winning row
-  kAccepted = 1,      // tokens committed this step (a >= 1)
-  kFinished = 2,      // 1 if the committed tokens end with EOS
-  kNextLen = 3,       // length of the next main row
-  kNextBlocks = 4,    // blocks in flight in the next main row
-  kNextSeed = 5,      // first token of the next main row (the next committed token)
-  kNumCandidates = 6, // candidate rows with a non-zero length for the next step
-  kSummarySize = 8,
-};
-
 // 1 + longest prefix with tokens[i+1] == greedy[i] over tokens[0:len], capped at the first EOS
-// (inclusive). eos < 0 means none. len >= 1.
+// (inclusive). eos < 0 means none. len >= 1. (step_row.h: the rule, for one EOS id.)
 template <typename Tok>
 JACOBI_HD int accepted_length(const Tok* tokens, const Tok* greedy, int len, int64_t eos) {
-  if (len <= 0) return 0;
-  if (static_cast<int64_t>(tokens[0]) == eos) return 1;
-  int a = 1;
-  while (a < len && tokens[a] == greedy[a - 1]) {
-    ++a;
-    if (static_cast<int64_t>(tokens[a - 1]) == eos) break;
-  }
-  return a;
+  return accepted_length_if(tokens, greedy, len, OneEos{eos});
 }
 
 // Problem sizes and knobs of one step. All tensors are dense, row-major.
@@ -221,7 +203,7 @@ JACOBI_HD void verify_finish(const VerifyShape& s, const VerifyArgs<Tok>& a) {
   a.summary[kNextBlocks] = nb;
   a.summary[kNextSeed] = next_len > 0 ? static_cast<int64_t>(a.next_tokens[0]) : static_cast<int64_t>(seed);
   a.summary[kNumCandidates] = ncand;
-  a.summary[7] = 0;
+  a.summary[kReserved] = 0;
 }
 
 // Sequence b's view of a batch: every tensor of VerifyArgs with a leading batch dimension
