@@ -1,5 +1,5 @@
-// cpu_decode_attention, cpu_rope_attention, cpu_rms_norm, cpu_add_rms_norm, cpu_silu_mul,
-// cpu_kv_commit:
+// The CPU implementations of cpu_decode_attention, cpu_rope_attention, rms_norm,
+// fused_add_rms_norm, silu_and_mul, qk_rms_norm_, kv_commit, cpu_step_mask and rope_attention:
 // argument checks, output allocation and the hand-off to
 // the fused small ops of a decoding step (csrc/cpu/decode_cpu.h).
 #include <ATen/Parallel.h>

@@ -1,7 +1,7 @@
 // The CUDA implementations of the fused decode-step ops (kernels: csrc/cuda/decode_cuda.cu),
-// under the CPU ops' names and schemas where they compute the same thing, so that the lean
-// forward calls one op on either device: cpu_rms_norm, cpu_add_rms_norm, cpu_silu_mul,
-// cpu_kv_commit, cpu_argmax; and decode_rope_attention (its CPU twin is in decode_ops.cpp).
+// under the same op names and schemas as their CPU twins (decode_ops.cpp, sampling_ops.cpp),
+// so that the lean forward calls one op on either device: rms_norm, fused_add_rms_norm,
+// silu_and_mul, qk_rms_norm_, kv_commit, argmax and rope_attention.
 // Argument checks read shapes, dtypes and devices only: no device value is read on the host, so
 // a step made of these ops is capturable in a CUDA graph.
 #include <ATen/core/Tensor.h>

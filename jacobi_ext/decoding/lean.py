@@ -51,6 +51,7 @@ from ..models.families import family_of, supported_classes
 from ..models.quantized import GGUFEmbedding, GGUFLinear
 from . import prepack
 from .linears import _CatLinear, _greedy_head, _GreedyHead, _Packed  # noqa: F401
+from .masks import StepPlan
 from .options import options
 
 _ATTR = "_jacobi_ext_lean_decoder"
@@ -486,24 +487,12 @@ class LeanDecoder:
         return L.act(g) * u
 
 
-class StepPlan(NamedTuple):
-    """What a decoding step's attention sees, as the runtime keeps it on the device (masks.py):
-    each fed token's row seg [B, Q] (-1: padding) and offset off [B, Q], and each sequence's
-    committed slots [lo[b], hi[b]). The CUDA lean forward takes it in place of the bool mask
-    that step_mask would build from it (jacobi/decode_step.h has the rule, for both devices)."""
-
-    seg: torch.Tensor
-    off: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
-
-
 class CudaLeanDecoder(LeanDecoder):
     """The lean forward on a CUDA model (bf16 or fp32): per layer the add + RMSNorm, one q/k/v
     GEMM, rotary + K/V write + attention over the step plan (rope_attention: split-K and
     its combine), the o GEMM, add + RMSNorm, one gate/up GEMM, SiLU * up and the down GEMM: nine
     kernels (a q/k/v bias cuBLAS does not fuse: ten), against ~57 ops in transformers' layer.
-    The fused ops are ours (csrc/cuda/decode_cuda.cu, under the CPU ops' names where they
+    The fused ops are ours (csrc/cuda/decode_cuda.cu, one op name for both devices where they
     compute the same thing); the GEMMs are torch's. Nothing reads a host value and every buffer
     has the step's fixed shape, so the runtime captures a step in one CUDA graph. A prefill (a
     causal prompt, not a step plan) runs the model's own norms, rotary and attention over these

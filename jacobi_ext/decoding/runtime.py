@@ -45,8 +45,8 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from ..models.quantized import kv_cache_dtype
-from .lean import StepPlan, lean_decoder
-from .masks import for_backend, prefill_mask, step_mask, step_positions
+from .lean import lean_decoder
+from .masks import StepPlan, for_backend, from_plan, prefill_mask, step_positions
 from .options import GRAPH_MODES, options
 from .prepack import cuda_decode_on, packed
 
@@ -434,22 +434,17 @@ class StaticRuntime:
     def _forward(self, Q: int, attend: int, rule=None, in_place: bool = False,
                  keep: int | None = None) -> torch.Tensor | None:  # fmt: skip
         seg, off = self.seg[:, :Q], self.off[:, :Q]
+        plan = StepPlan(seg, off, self.lo, self.hi)
         if in_place:  # writes_in_place(): slots [hi, hi + Q), the mask's local columns there
             hi = int(self.hi[0])
             self.write_slots = self._slots[:Q] + hi
             self.attend = hi + Q
-            mask = torch.ops.jacobi_ext.cpu_step_mask(seg, off, self.lo, self.hi, hi + Q)
-            mask[..., hi:] = mask[..., :Q]  # (the committed start lo >= scratch >= Q)
-            mask[..., :Q] = False
+            mask = from_plan(plan, hi + Q, write_at=hi)
         else:
             self.write_slots = self._slots[:Q]
             self.attend = attend
-            if self._lean and self._lean.takes_plan:  # CUDA lean forward: no mask built
-                mask = StepPlan(seg, off, self.lo, self.hi)
-            elif self.device.type == "cpu":  # one native pass, the same mask (~0.15 ms less)
-                mask = torch.ops.jacobi_ext.cpu_step_mask(seg, off, self.lo, self.hi, attend)
-            else:
-                mask = step_mask(seg, off, self.lo, self.hi, attend)
+            takes_plan = self._lean and self._lean.takes_plan  # the CUDA executor: no mask
+            mask = plan if takes_plan else from_plan(plan, attend)
         if not isinstance(mask, StepPlan) and not (self._lean and self._lean.fused):
             mask = for_backend(self.model, mask, self.dtype)  # (the fused ops take it as it is)
         pos = step_positions(off, self.lo, self.hi)
