@@ -189,7 +189,7 @@ def test_the_whole_step_is_one_graph_replay() -> None:
 
 
 def test_graph_mode_is_selectable(models, monkeypatch) -> None:
-    from jacobi_ext.decoding.runtime import _graphs_wanted
+    from jacobi_ext.decoding.graphs import graphs_wanted as _graphs_wanted
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert _graphs_wanted(cuda, None) == "capture"  # the default stays direct capture

@@ -1,6 +1,7 @@
 """No garbage collection during a CUDA graph capture, and a failed capture's traceback logged
-(runtime.py: no_gc, _capture). On a CPU machine: torch.cuda's stream and graph calls are mocked,
-so the capture's own code runs as it would on a GPU, around a step that records what it sees."""
+(graphs.py: no_gc, GraphReplay._capture). On a CPU machine: torch.cuda's stream and graph calls
+are mocked, so the capture's own code runs as it would on a GPU, around a step that records what
+it sees."""
 
 from __future__ import annotations
 

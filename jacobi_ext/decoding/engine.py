@@ -312,11 +312,11 @@ def _plan(tuner, method, block_size, num_blocks, pool_size, lookup) -> _Plan:
 
 def _sampling_rule(model, do_sample, seed, temperature, top_k, top_p, min_p, cuda_graphs, kwargs):
     """(SamplingConfig or None for greedy, the call's seed), the arguments checked."""
-    from .runtime import _graphs_wanted
+    from .graphs import graphs_wanted
     from .sampling import check_unsupported, sampling_config
 
     check_unsupported(kwargs)
-    _graphs_wanted(torch.device("cpu"), cuda_graphs)  # a bad value fails here, on any device
+    graphs_wanted(torch.device("cpu"), cuda_graphs)  # a bad value fails here, on any device
     sampling = None
     if do_sample:
         sampling = sampling_config(model, temperature, top_k, top_p, min_p)

@@ -18,13 +18,14 @@ sequence's AR steps (`ar`, with or without lookup drafts) write at [hi, hi + q) 
 the tokens they accept stay: their commit only moves hi (`writes_in_place`).
 
 **Graphs.** On CUDA each step width is padded to a bucket (1, 2, 4, ... scratch) and replayed
-from a torch.cuda.CUDAGraph captured once per bucket (`replay`): for decoding, the whole step of
-the batch (step.py: ids, mask, positions, the forward, the targets, the verify op, the K/V commit
-and the next drafts); for the tuner's probe, the forward alone (`step`). The runtime (and so its
-graphs) is kept on the model and reused across `generate` calls while the batch size fits and
-the capacity suffices. If capture fails on an exotic model, the runtime warns once and runs
-eagerly: never a crash, never a different token. The prefill is replayed too, as chunks of
-PREFILL_CHUNK prompt tokens, each a one-row step committed before the next (`prefill_chunk`).
+from a torch.cuda.CUDAGraph captured once per bucket (`replay`, graphs.py): for decoding, the
+whole step of the batch (step.py: ids, mask, positions, the forward, the targets, the verify op,
+the K/V commit and the next drafts); for the tuner's probe, the forward alone (`step`). The
+runtime (and so its graphs) is kept on the model and reused across `generate` calls while the
+batch size fits and the capacity suffices. If capture fails on an exotic model, the runtime
+warns once and runs eagerly: never a crash, never a different token. The prefill is replayed
+too, as chunks of PREFILL_CHUNK prompt tokens, each a one-row step committed before the next
+(`prefill_chunk`).
 
 On CPU the same runtime runs eagerly, with unpadded widths, and attends only up to the longest
 committed sequence (no cost for unused capacity). An fp32 or bf16 model's linears run from weights
@@ -34,23 +35,17 @@ Llama-family model runs the lean forward (lean.py: the same logits, less Python)
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import inspect
-import logging
-import time
-import warnings
 
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from ..models.quantized import kv_cache_dtype
+from .graphs import GraphReplay, graphs_wanted
 from .lean import lean_decoder
 from .masks import StepPlan, for_backend, from_plan, prefill_mask, step_positions
-from .options import GRAPH_MODES, options
+from .options import options
 from .prepack import cuda_decode_on, packed
-
-log = logging.getLogger(__name__)
 
 
 def targets(logits: torch.Tensor) -> torch.Tensor:
@@ -137,52 +132,6 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in stock else "past_key_values"
 
 
-@contextlib.contextmanager
-def no_gc():
-    """Python's garbage collector off for a CUDA graph capture (and its warm-up), on again after.
-    Old runtimes sit in reference cycles (model -> runtime -> model); a collection that runs
-    during a capture frees their graphs and memory pool on the capturing stream's device, which
-    invalidates the capture (cudaErrorStreamCaptureInvalidated, seen on an H200 run). One
-    collection first, while nothing is being captured, frees them at a harmless moment."""
-    was_on = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
-
-
-def _graph_failure(what: str, exc: BaseException) -> None:
-    """A failed capture or compile, said twice: a warning a user sees once, and the whole
-    traceback in the log (logger jacobi_ext.decoding.runtime), so that the cause is not lost."""
-    log.warning("jacobi_ext: %s failed; traceback:", what, exc_info=exc)
-    warnings.warn(
-        f"jacobi_ext: {what} failed ({type(exc).__name__}: {exc}); decoding eagerly instead "
-        "(the traceback is logged by jacobi_ext.decoding.runtime)",
-        RuntimeWarning,
-        stacklevel=5,
-    )
-
-
-def _graphs_wanted(device: torch.device, cuda_graphs: bool | str | None) -> str | None:
-    """How CUDA steps run: "capture" (torch.cuda.CUDAGraph per width bucket, the default),
-    "compile" (torch.compile(mode="reduce-overhead") of the same step) or None (eager). CPU
-    steps always run eagerly. None = env JACOBI_EXT_CUDA_GRAPHS (0 / capture / compile)."""
-    if cuda_graphs is None:
-        cuda_graphs = options().cuda_graphs or False
-    if cuda_graphs is True:
-        cuda_graphs = "capture"
-    if cuda_graphs is not False and cuda_graphs not in GRAPH_MODES:
-        raise ValueError(
-            f"cuda_graphs must be True / 'capture', 'compile', False or None, got {cuda_graphs!r}"
-        )
-    if device.type != "cuda" or cuda_graphs is False:
-        return None
-    return cuda_graphs
-
-
 PREFILL_CHUNK = 64  # prompt tokens per captured prefill chunk on CUDA (see prefill_chunk)
 
 
@@ -200,7 +149,7 @@ def prefill_chunk(graph_mode: str | None) -> int:
     return PREFILL_CHUNK if graph_mode is not None else 0
 
 
-class StaticRuntime:
+class StaticRuntime(GraphReplay):
     """Preallocated cache + fixed-shape step buffers for a batch of B sequences."""
 
     def __init__(
@@ -226,7 +175,7 @@ class StaticRuntime:
         self._rows = torch.arange(batch, device=dev)[:, None]
         self.write_slots = self._slots
         self.attend = self.capacity
-        self.graph_mode = _graphs_wanted(dev, cuda_graphs)
+        self.graph_mode = graphs_wanted(dev, cuda_graphs)
         self.use_graphs = self.graph_mode is not None  # fixed widths, all slots attended
         self._graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.batch_steps: dict[object, object] = {}  # step.BatchStep per decoding setting
@@ -313,13 +262,6 @@ class StaticRuntime:
             ptrs += [t.data_ptr() for t in _tensors(lean.head.call()[1])]
         ptrs += [t.data_ptr() for t in _tensors(list(self.rope_tables.values()))]
         return (*mode, tuple(ptrs))
-
-    def drop_graphs(self) -> None:
-        """Forget every captured graph (and compiled step): the next replay of each key
-        captures it again over what the forward reads now."""
-        self._graphs.clear()
-        self._pool = None
-        self._captured_reads = None
 
     # ---- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -492,90 +434,6 @@ class StaticRuntime:
         and the benchmarks' probe."""
         return self.replay(("forward", Q), lambda: self.forward(Q, attend))
 
-    def replay(self, key, fn, neutral: tuple[torch.Tensor, ...] = ()):
-        """fn() (no arguments; it reads and writes static buffers only, never a host value) from
-        a CUDA graph captured once per key, or eagerly where graphs are off or capture failed.
-        `neutral`: input buffers that, zeroed, make fn change no state (the warm-up runs before
-        capture execute fn for real); they are zeroed for the warm-up and restored after.
-        In "compile" mode fn runs through torch.compile(mode="reduce-overhead") instead (its
-        first call per key compiles, and runs the real step)."""
-        if self.graph_mode == "compile":
-            return self._compiled_call(key, fn)
-        if self.use_graphs:
-            g = self._graphs.get(key) or self._capture(key, fn, neutral)
-            if g is not None:
-                g[0].replay()
-                self.graph_replays += 1
-                return g[1]
-        return fn()
-
-    def _compiled_call(self, key, fn):
-        f = self._graphs.get(key)
-        if f is not None:
-            self.graph_replays += 1  # torch.compile's own CUDA graphs replay inside
-            return f()
-        t0 = time.perf_counter()
-        cfg = torch._dynamo.config  # one compiled step per width bucket: room for all of them
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 64))
-        for t in self._static_tensors():
-            torch._dynamo.mark_static_address(t)  # mutated in place: graph inputs, fixed address
-        f = torch.compile(fn, mode="reduce-overhead", dynamic=False)
-        try:
-            with no_gc():  # its first call records torch.compile's own CUDA graphs
-                out = f()  # compiles (tracing and code generation happen before the step runs)
-        except Exception as exc:  # like a failed capture: eager is slower, never wrong
-            _graph_failure("torch.compile of the step", exc)
-            self.graph_mode, self.use_graphs = None, False
-            self._graphs.clear()
-            out = fn()
-        else:
-            self._graphs[key] = f
-            self._captured_reads = self.step_reads()
-        torch.cuda.synchronize(self.device)
-        self.warmup_seconds += time.perf_counter() - t0
-        return out
-
-    def _static_tensors(self):
-        yield from (self.ids, self.seg, self.off, self.lo, self.hi)
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                yield from (layer.keys, layer.values)
-        for bs in self.batch_steps.values():
-            yield from bs.state_tensors()
-
-    def _capture(self, key, fn, neutral):
-        t0 = time.perf_counter()
-        saved = [t.clone() for t in neutral]
-        try:
-            with no_gc():
-                for t in neutral:
-                    t.zero_()
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):  # warm-up: lazy inits, kernel selection
-                    for _ in range(2):
-                        fn()
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    out = fn()
-            self._pool = graph.pool()
-            self._graphs[key] = (graph, out)
-            self._captured_reads = self.step_reads()
-            return self._graphs[key]
-        except Exception as exc:  # an exotic model: eager is slower, never wrong
-            _graph_failure("CUDA graph capture", exc)
-            self.use_graphs = False
-            self._graphs.clear()
-            return None
-        finally:
-            for t, v in zip(neutral, saved, strict=True):
-                t.copy_(v)
-            torch.cuda.synchronize(self.device)
-            self.warmup_seconds += time.perf_counter() - t0
-
     # ---- commit ---------------------------------------------------------------------------------
     def _kv_bufs(self) -> list[torch.Tensor]:
         return [buf for layer in self.cache.layers for buf in (layer.keys, layer.values)]
@@ -627,7 +485,7 @@ def runtime_for(
     """The model's runtime, reused (with its captured graphs) when it fits; else a new one sized
     with some headroom so that the next calls fit too."""
     rt: StaticRuntime | None = getattr(model, "_jacobi_runtime", None)
-    want = _graphs_wanted(next(model.parameters()).device, cuda_graphs)
+    want = graphs_wanted(next(model.parameters()).device, cuda_graphs)
     if rt is not None and rt.fits(model, batch, committed, scratch) and rt.graphs_requested == want:
         return rt
     if rt is not None:
