@@ -168,6 +168,17 @@ def test_native_ar_acceptance_is_the_steps(seed: int) -> None:
         rows, count = torch.ops.jacobi_ext.ar_accept(toks, tgt, fed, eos, S, tail)
         assert rows.tolist() == [r for r, _ in want], eos
         assert count.tolist() == [c for _, c in want], eos
+    # the torch statement the step runs where the op has no kernel for the device
+    from types import SimpleNamespace
+
+    from jacobi_ext.decoding.step import BatchStep
+    from jacobi_ext.decoding.step_row import row_layout
+
+    for eos in (None, torch.tensor([2]), torch.tensor([0, 5])):
+        bs = SimpleNamespace(eos=eos, S=S, layout=row_layout(S, tail, 0, 0, 0))
+        want = torch.ops.jacobi_ext.ar_accept(toks, tgt, fed, eos, S, tail)
+        got = BatchStep._ar_rows_reference(bs, toks, tgt, fed, Q)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), eos
     with pytest.raises(ValueError, match="fed must be"):
         torch.ops.jacobi_ext.ar_accept(toks, tgt, fed[:0], None, S, tail)
     with pytest.raises(ValueError, match="must hold"):
@@ -273,3 +284,25 @@ def test_left_pad_right_aligns_prompts_and_says_what_it_takes() -> None:
         left_pad([[1], []])
     with pytest.raises(ValueError, match="at least one"):
         left_pad([])
+
+
+def test_ar_steps_without_the_op_kernel_decode_the_same(monkeypatch) -> None:
+    """Where the build has no ar_accept kernel for the device (a GPU without our CUDA build),
+    the step takes the AR rows' torch statement: the same tokens, a batch of AR sequences with
+    lookup drafts."""
+    from jacobi_ext.decoding import step
+
+    model = tiny_llama(vocab_size=VOCAB, seed=3, dtype=torch.float64)
+    ids = torch.tensor([[5, 9, 2, 7, 5, 9, 2, 7], [0, 0, 4, 8, 6, 4, 8, 6]])
+    mask = (ids != 0).long()
+    want = generate(model, ids, 24, attention_mask=mask, method="ar", lookup=True).tokens
+    real = step.has_kernel
+    monkeypatch.setattr(step, "has_kernel", lambda op, dev: op != "ar_accept" and real(op, dev))
+    calls, ref = [], step.BatchStep._ar_rows_reference
+    monkeypatch.setattr(
+        step.BatchStep, "_ar_rows_reference", lambda s, *a: calls.append(1) or ref(s, *a)
+    )
+    if hasattr(model, "_jacobi_runtime"):
+        del model._jacobi_runtime  # (a new runtime, new BatchSteps)
+    got = generate(model, ids, 24, attention_mask=mask, method="ar", lookup=True).tokens
+    assert torch.equal(got, want) and len(calls) > 5

@@ -33,7 +33,16 @@ import torch.nn.functional as F
 from ..kernels import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
 from .lookup import LookupPolicy
 from .sampling import Sampler
-from .step_row import ACCEPTED, WINNER, row_layout
+from .step_row import (
+    ACCEPTED,
+    FINISHED,
+    NEXT_BLOCKS,
+    NEXT_LEN,
+    NEXT_SEED,
+    SUMMARY,
+    WINNER,
+    row_layout,
+)
 
 MAX_AR_DRAFT = max(LookupPolicy.SIZES)
 
@@ -123,6 +132,7 @@ class BatchStep:
         self._fed1 = torch.zeros(1, dtype=torch.long)  # ar_row's fed count (a CPU step's)
         # the verify side as one op (jacobi/verify_rows.h), else its torch statement (tests: off)
         self._native_verify = has_kernel("verify_rows", dev)
+        self._native_ar = has_kernel("ar_accept", dev)  # (a GPU without our CUDA build: off)
 
     @staticmethod
     def key(block_size, num_blocks, pool_size, activation_ratio, eos, sampling=None) -> tuple:
@@ -256,7 +266,12 @@ class BatchStep:
             return row
         ar_len = self._field("ar_len")[:, 0]
         # the AR rows (jacobi/step_row.h: ar_step_row, one pass on either device)
-        row, count = torch.ops.jacobi_ext.ar_accept(toks, tgt, ar_len, self.eos, self.S, self.tail)
+        if self._native_ar:
+            row, count = torch.ops.jacobi_ext.ar_accept(
+                toks, tgt, ar_len, self.eos, self.S, self.tail
+            )
+        else:
+            row, count = self._ar_rows_reference(toks, tgt, ar_len, Q)
         src = torch.zeros_like(count)
         if has_par:
             par_row, par_src, par_count, par = self._verify(toks, tgt, Q)
@@ -265,6 +280,30 @@ class BatchStep:
             count = torch.where(par, par_count, count)
         rt.commit(src, count, in_place)
         return row
+
+    def _ar_rows_reference(self, toks, tgt, fed, Q: int):
+        """ar_accept in torch ops (where this build has no kernel for the device, and for the
+        tests): every sequence's AR row, 1 + the longest prefix of the fed drafts equal to the
+        targets, cut after the first fed EOS; the seed the target after the last accepted token;
+        the fed tokens in the commit slots (-1 past them), zeros after; the tokens to commit."""
+        B, dev = toks.shape[0], toks.device
+        i = torch.arange(Q, device=dev)
+        live = i[None, :] < fed[:, None]
+        match = (toks[:, 1:] == tgt[:, :-1]) & live[:, 1:]
+        acc = 1 + match.long().cumprod(1).sum(1)
+        if self.eos is not None:  # (a broadcast compare: torch.isin may sort and sync)
+            is_eos = (toks[:, :, None] == self.eos).any(-1)
+            acc = torch.minimum(acc, torch.where(is_eos & live, i, Q).min(1).values + 1)
+        last = (acc - 1)[:, None]
+        fin = is_eos.gather(1, last)[:, 0].long() if self.eos is not None else acc * 0
+        lay = self.layout
+        fields = {ACCEPTED: acc, FINISHED: fin, NEXT_LEN: acc * 0 + 1, NEXT_BLOCKS: acc * 0 + 1,
+                  NEXT_SEED: tgt.gather(1, last)[:, 0]}  # fmt: skip
+        summary = torch.stack([fields.get(f, acc * 0) for f in range(SUMMARY)], dim=1)
+        commit = torch.full((B, self.S), -1, dtype=torch.long, device=dev)
+        commit[:, :Q] = torch.where(live, toks, -1)
+        row = torch.cat([summary, commit, toks.new_zeros(B, lay.tail)], dim=1)
+        return row, torch.where(fed > 0, acc, 0)
 
     def _verify(self, toks, tgt, Q: int):
         """The parallel sequences' rows through one launch of the batched verify op; the next

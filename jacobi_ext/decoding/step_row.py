@@ -29,6 +29,7 @@ WINNER = FIELDS.index("winner")
 ACCEPTED = FIELDS.index("accepted")
 FINISHED = FIELDS.index("finished")
 NEXT_LEN = FIELDS.index("next_len")
+NEXT_BLOCKS = FIELDS.index("next_blocks")
 NEXT_SEED = FIELDS.index("next_seed")
 
 
