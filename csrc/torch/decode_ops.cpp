@@ -151,7 +151,7 @@ void cpu_add_rms_norm_out(const at::Tensor& x, const at::Tensor& residual, const
 
 namespace {
 
-// cpu_silu_mul into *out_ws where given (checked), else a new tensor.
+// silu_and_mul into *out_ws where given (checked), else a new tensor.
 at::Tensor silu_mul_impl(const at::Tensor& gu, at::Tensor* out_ws) {
   const LinearDType d = small_op_dtype(gu, "gu");
   TORCH_CHECK_VALUE(gu.device().is_cpu(), "gu must be on the CPU, got ", gu.device());
@@ -420,7 +420,7 @@ at::Tensor cpu_step_mask(const at::Tensor& seg, const at::Tensor& off, const at:
   return mask;
 }
 
-// decode_rope_attention on a CPU: the step plan's mask made here (fill_step_mask, over the
+// rope_attention on a CPU: the step plan's mask made here (fill_step_mask, over the
 // slots up to the longest sequence's end), query i's K/V written to scratch slot i, then
 // cpu_rope_attention: the CUDA kernel's twin (which reads the plan itself, no mask built).
 at::Tensor decode_rope_attention_cpu(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,

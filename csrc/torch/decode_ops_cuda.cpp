@@ -132,7 +132,7 @@ at::Tensor decode_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t k
                     ") must be a positive multiple of kv_heads (", kv_heads, ")");
   const int64_t B = qkv.size(0), Q = qkv.size(1), D = k_cache.size(3), cap = k_cache.size(2);
   TORCH_CHECK_VALUE(jacobi::cuda::decode_attention_head_dim_ok(D),
-                    "decode_rope_attention on CUDA takes head dims 64 and 128, got ", D);
+                    "rope_attention on CUDA takes head dims 64 and 128, got ", D);
   TORCH_CHECK_VALUE(qkv.size(2) == (heads + 2 * kv_heads) * D, "qkv's last dim is ",
                     qkv.size(2), ", expected (heads + 2 kv_heads) * D = ",
                     (heads + 2 * kv_heads) * D);
@@ -194,7 +194,7 @@ at::Tensor decode_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t k
   return out;
 }
 
-// cpu_argmax's CUDA twin: the same pick (jacobi/decode_step.h: greedy_better), one block a row.
+// argmax's CUDA twin: the same pick (jacobi/decode_step.h: greedy_better), one block a row.
 at::Tensor argmax(const at::Tensor& logits) {
   c10::cuda::CUDAGuard guard(cuda_tensor(logits, "logits").device());
   TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) >= 1,
@@ -223,7 +223,7 @@ at::Tensor argmax(const at::Tensor& logits) {
 void kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& dst,
                const at::Tensor& count, at::TensorList transposed) {
   TORCH_CHECK_VALUE(transposed.empty(),
-                    "cpu_kv_commit on CUDA moves [B, H, capacity, D] caches only; transposed "
+                    "kv_commit on CUDA moves [B, H, capacity, D] caches only; transposed "
                     "keys are a CPU layout (got ", transposed.size(), ")");
   if (caches.empty()) return;
   const at::Tensor& ref = cuda_tensor(caches[0], "caches[0]");
