@@ -26,6 +26,12 @@ Settings, all optional, in `additional_config={"jacobi": {...}}`:
   "tail": one replaces the tail whenever the match has `lookup_min_match` tokens;
   "spawn": new blocks only; "off": new blocks from context tokens only.
 - lookup_min_match: for "tail"; default 1.
+- min_tail_accept: where each verified draft costs (a CPU), propose nothing rather than a block
+  not expected to pay: while Jacobi tails have been accepted less than this many drafts a step
+  on average (learnt as for "auto"), neither a tail nor a new block of context tokens (a lookup
+  continuation still is). A step without drafts is a one-token forward, as vLLM's `ngram` makes
+  without a match. Default 0: always a full block (a GPU, where a wide verify forward costs about
+  a one-token one).
 - seed: for the context tokens a new block starts from (they change the speed, never the
   output); default 0.
 - record: keep every step's record and proposal in jacobi_vllm.hook.STATE.history and
@@ -86,7 +92,7 @@ class JacobiProposer:
         cfg = dict((extra or {}).get("jacobi", {}) if isinstance(extra, dict) else {})
         unknown = set(cfg) - {
             "block_size", "num_blocks", "activation_ratio", "lookup", "lookup_min_match",
-            "seed", "record", "allow_untested_vllm",
+            "min_tail_accept", "seed", "record", "allow_untested_vllm",
         }  # fmt: skip
         if unknown:
             raise ValueError(f"unknown jacobi settings in additional_config: {sorted(unknown)}")
@@ -108,6 +114,7 @@ class JacobiProposer:
         if self.lookup not in LOOKUP_MODES:
             raise ValueError(f"jacobi lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
         self.lookup_min_match = int(cfg.get("lookup_min_match", 1))
+        self.min_tail_accept = float(cfg.get("min_tail_accept", 0.0))
         # drafts accepted a step, [sum, steps], per source ("jacobi", or a lookup's match length)
         self.accepted = {s: [v * PRIOR_WEIGHT, PRIOR_WEIGHT] for s, v in PRIOR.items()}
         self.seed = int(cfg.get("seed", 0))
@@ -210,8 +217,19 @@ class JacobiProposer:
             cont = st.index.continuation(j, n - 1)
             if cont != nxt[1:n]:
                 nxt, ends, source, st.source = [seed, *cont], [n], "tail-lookup", g
+        if self._not_worth_it(source, g):  # a one-token step; the next starts a new block
+            st.block_ends, st.source = [], None
+            return [], "none", a - 1
         st.block_ends = ends
         return nxt[1:], source, a - 1
+
+    def _not_worth_it(self, source: str, g: int) -> bool:
+        """min_tail_accept (see the module docstring): whether to propose nothing this step."""
+        if self.min_tail_accept <= 0 or not (source == "jacobi" or (source == "spawn" and g == 0)):
+            return False  # (a lookup continuation is always proposed)
+        # a tail, or a new block of context tokens (what pays there is the tails' convergence)
+        total, steps = self.accepted["jacobi"]
+        return total / steps < self.min_tail_accept
 
     def _lookup_beats_tail(self, g: int) -> bool:
         if self.lookup == "tail":

@@ -184,3 +184,41 @@ def test_auto_lookup_replaces_the_tail_when_it_has_been_accepted_longer(lookup_w
         assert draft == [9, 9, 4, 3, 8, 2, 5]  # what followed 2 5 7 last time
     else:
         assert draft == tail
+
+
+@pytest.mark.parametrize("tails_pay", [True, False])
+def test_min_tail_accept_proposes_nothing_where_drafts_would_not_pay(tails_pay):
+    """min_tail_accept (a CPU's setting): a Jacobi tail is proposed only while tails have been
+    accepted at least that many drafts a step; otherwise the step proposes nothing (a one-token
+    forward), and a new block without a lookup match (context tokens) is not proposed either. A
+    lookup continuation still is."""
+    np = pytest.importorskip("numpy")
+    from jacobi_vllm import hook
+
+    p = _proposer(8, 1, 0.85)
+    p.min_tail_accept = 0.5
+    p.accepted = {"jacobi": [6.0 if tails_pay else 1.0, 10.0]}
+
+    def propose(ctx, verified, greedy, sampled, rid="r"):
+        hook.STATE.last = hook.StepRecord(5, [rid], [verified], [greedy])
+        hook.STATE.broken = None
+        tok = np.zeros((1, 64), dtype=np.int64)
+        tok[0, : len(ctx)] = ctx
+        return p.propose([sampled], np.array([len(ctx)]), tok)[0]
+
+    # a tail left after the step: 5 accepted, then the model said 7
+    ctx = [1, 2, 3, 4, 2, 5, 7]
+    verified, greedy = [5, 0, 0, 0, 0, 0, 0], [5, 7, 11, 12, 13, 14, 15, 16]
+    draft = propose(ctx, verified, greedy, [5, 7])
+    assert draft == (greedy[2:-1] if tails_pay else [])
+    # every draft accepted: a new block, from context tokens (lookup "off")
+    p.reqs.clear()
+    row = [8, 9, 10, 11, 12, 13, 14]
+    draft = propose([1, 2, 3, 4, 2, *row, 15], row, [*row, 15, 16], [*row, 15], rid="s")
+    assert len(draft) == (7 if tails_pay else 0)
+    # with a lookup match a new block is proposed whatever the tails did: the continuation
+    p.lookup = "spawn"
+    p.reqs.clear()
+    ctx = [2, 5, 7, 9, 9, 4, 3, 8, 1, 6, 2, 5, 7]
+    draft = propose(ctx, [5], [5, 7], [5, 7], rid="t")
+    assert draft[:5] == [9, 9, 4, 3, 8]
