@@ -301,8 +301,8 @@ class LeanDecoder:
         return True
 
     @torch.inference_mode()
-    def ar_step(self, toks: list[int], lo: int, hi: int, rt, greedy: bool = True):
-        """One sequence's AR step from a list (runtime.StaticRuntime.ar_forward: tokens at
+    def ar_step(self, toks: torch.Tensor, lo: int, hi: int, rt, greedy: bool = True):
+        """One sequence's AR step, its tokens toks [q] (runtime.StaticRuntime.ar_forward: at
         slots [hi, hi + q), seeing [lo, hi + i]) through LeanLayers.ar_step: embedding, rotary
         rows, first norm, mask and slots made natively, then the layers and the head as
         __call__'s (the same values: the same bits). Where native_ar."""
@@ -310,9 +310,7 @@ class LeanDecoder:
         ref = self.norm_weight(self.layers[0].ln1)
         cos_tab, sin_tab = self._rope_tables(ref.dtype, ref.device, rt)
         kts, keys, values = self._cache_lists(cache, ref.new_empty(1, 1, 1))
-        x = self.native.ar_step(
-            torch.tensor(toks), lo, hi, cos_tab, sin_tab, keys, values, kts, rt.scratch
-        )
+        x = self.native.ar_step(toks, lo, hi, cos_tab, sin_tab, keys, values, kts, rt.scratch)
         return self._head(x, None, greedy)
 
     def _cache_lists(self, cache, h: torch.Tensor) -> tuple[list, list, list]:

@@ -101,6 +101,15 @@ def backend(model) -> str | None:
     return _measured_bf16_choice(model)
 
 
+def has_kernel(op: str, device: torch.device) -> bool:
+    """Whether torch.ops.jacobi_ext.<op> runs on `device` in this build (every op on a CPU and on
+    meta tensors, through its fake; on CUDA in a CUDA build)."""
+    if device.type in ("cpu", "meta"):
+        return True
+    key = device.type.upper()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"jacobi_ext::{op}", key)
+
+
 @functools.cache
 def cuda_decode_available() -> bool:
     """This jacobi_ext has the CUDA decode ops (csrc/cuda/decode_cuda.cu): a CUDA build."""
@@ -108,9 +117,9 @@ def cuda_decode_available() -> bool:
 
     if not hasattr(ops, "rope_attention"):
         return False
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    cuda = torch.device("cuda")
     return all(
-        has(f"jacobi_ext::{op}", "CUDA")
+        has_kernel(op, cuda)
         for op in (
             "rope_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
             "kv_commit", "argmax", "qk_rms_norm_",

@@ -397,9 +397,9 @@ class StaticRuntime(GraphReplay):
             pos = pos[:, Q - keep :]
         return _targets(logits) if rule is None else rule(logits, pos)
 
-    def ar_forward(self, toks: list[int], hi: int) -> torch.Tensor:
-        """One sequence's AR step as a list in, a list out (where writes_in_place(), greedy): its
-        fed tokens `toks` (the seed, then lookup drafts) at slots [hi, hi + q), hi its committed
+    def ar_forward(self, toks: torch.Tensor, hi: int) -> torch.Tensor:
+        """One sequence's AR step outside the batch step (where writes_in_place(), greedy): its
+        fed tokens `toks` [q] (the seed, then lookup drafts) at slots [hi, hi + q), hi its committed
         end (the host's copy of self.hi[0]); returns their targets [1, q]. The same forward as
         forward(q, ..., in_place=True) on the same inputs (the same mask, positions, slots and
         ops, so the same bits; tests/test_decoding_fast_ar.py), without the batch step's
@@ -411,7 +411,7 @@ class StaticRuntime(GraphReplay):
         if self._lean.native_ar:  # the step's inputs made natively too (lean.ar_step)
             return _targets(self._lean.ar_step(toks, self._lo_host, hi, self))
         # else the in-place step's own forward on these tokens (one row, offsets 0..q-1)
-        self.ids[0, :q] = torch.tensor(toks)
+        self.ids[0, :q] = toks
         self.seg[0, :q] = 0
         self.off[0, :q] = self._slots[:q]
         return self._forward(q, hi + q, None, True)[:, :q]

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..kernels import _native  # noqa: F401  (registers torch.ops.jacobi_ext)
 from .lookup import LookupPolicy
+from .prepack import has_kernel
 from .sampling import Sampler
 from .step_row import (
     ACCEPTED,
@@ -56,15 +57,6 @@ def verify_rows(*args):
     """The whole verify side of a step, one launch of the verify op inside (the same
     indirection)."""
     return torch.ops.jacobi_ext.verify_rows(*args)
-
-
-def has_kernel(op: str, device: torch.device) -> bool:
-    """Whether torch.ops.jacobi_ext.<op> runs on `device` in this build (every op on a CPU and on
-    meta tensors, through its fake; on CUDA in a CUDA build)."""
-    if device.type in ("cpu", "meta"):
-        return True
-    key = device.type.upper()
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"jacobi_ext::{op}", key)
 
 
 @dataclass
@@ -97,7 +89,6 @@ class BatchStep:
         self.spawn = max(1, min(n, math.ceil(activation_ratio * n)))
         self.eos_id = min(eos) if eos else -1  # the op checks one EOS; the host cuts at others
         self.eos = torch.tensor(sorted(eos), dtype=torch.long, device=dev) if eos else None
-        self.eos_ids = frozenset(eos)
         self.cand0 = self.Wv + n
         self.host0 = self.cand0 + p * n
         self.H = max(1 + MAX_AR_DRAFT, n)
@@ -186,11 +177,11 @@ class BatchStep:
         """The packed row run() returns for one AR sequence (ar_fast()), without the batch
         step's fixed-shape bookkeeping: runtime.ar_forward, the same AR acceptance as every step
         (the ar_accept op), and the commit (hi += accepted). hi: the sequence's committed end."""
-        toks = pl.host[: pl.q]
-        tgt = self.rt.ar_forward(toks, hi)
-        self._fed1.fill_(len(toks))
+        toks = torch.tensor([pl.host[: pl.q]])  # [1, q]: made once, read by both calls
+        tgt = self.rt.ar_forward(toks[0], hi)
+        self._fed1.fill_(pl.q)
         rows, count = torch.ops.jacobi_ext.ar_accept(
-            torch.tensor([toks]), tgt, self._fed1, self.eos, self.S, self.tail
+            toks, tgt, self._fed1, self.eos, self.S, self.tail
         )
         self.rt.hi.add_(count[0])
         return rows[0].tolist()
@@ -295,14 +286,14 @@ class BatchStep:
             is_eos = (toks[:, :, None] == self.eos).any(-1)
             acc = torch.minimum(acc, torch.where(is_eos & live, i, Q).min(1).values + 1)
         last = (acc - 1)[:, None]
-        fin = is_eos.gather(1, last)[:, 0].long() if self.eos is not None else acc * 0
-        lay = self.layout
-        fields = {ACCEPTED: acc, FINISHED: fin, NEXT_LEN: acc * 0 + 1, NEXT_BLOCKS: acc * 0 + 1,
+        zero, one = torch.zeros_like(acc), torch.ones_like(acc)
+        fin = is_eos.gather(1, last)[:, 0].long() if self.eos is not None else zero
+        fields = {ACCEPTED: acc, FINISHED: fin, NEXT_LEN: one, NEXT_BLOCKS: one,
                   NEXT_SEED: tgt.gather(1, last)[:, 0]}  # fmt: skip
-        summary = torch.stack([fields.get(f, acc * 0) for f in range(SUMMARY)], dim=1)
+        summary = torch.stack([fields.get(f, zero) for f in range(SUMMARY)], dim=1)
         commit = torch.full((B, self.S), -1, dtype=torch.long, device=dev)
         commit[:, :Q] = torch.where(live, toks, -1)
-        row = torch.cat([summary, commit, toks.new_zeros(B, lay.tail)], dim=1)
+        row = torch.cat([summary, commit, toks.new_zeros(B, self.layout.tail)], dim=1)
         return row, torch.where(fed > 0, acc, 0)
 
     def _verify(self, toks, tgt, Q: int):
