@@ -5,7 +5,6 @@
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -17,6 +16,7 @@
 
 #include "attention_kernel.h"
 #include "checks.h"
+#include "cuda_launch.h"
 #include "cuda/attention/attention_cuda.h"
 #ifdef JACOBI_WITH_SM90
 #include "cuda/attention/sm90/attention_sm90.h"
@@ -102,11 +102,6 @@ BlockTable check_table(const char* op, const at::Tensor& q, const at::Tensor& bl
   return {block_start.data_ptr<int32_t>(), kv_ptr.data_ptr<int32_t>(),
           kv_idx.numel() ? kv_idx.data_ptr<int32_t>() : kv_ptr.data_ptr<int32_t>(),
           int32_t(block_start.numel() - 1)};
-}
-
-void check_launch(const char* op, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::", op, ": CUDA launch failed: ",
-              cudaGetErrorString(err));
 }
 
 // Compute capability major of q's device (cudaDeviceGetAttribute: cheap, no context switch; not
@@ -291,7 +286,7 @@ std::tuple<at::Tensor, at::Tensor> block_attention_fwd_cuda(
   at::Tensor out = at::empty(q.sizes(), q.options());  // every row is written
   at::Tensor lse = at::empty({s.batch, s.heads_q, s.seq_len}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, lse};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaStream_t stream = current_stream();
   at::Tensor workspace;
   ca::FwdParams p{};
   p.q = q.data_ptr();
@@ -355,7 +350,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attention_bwd_cuda(
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   if (q.numel() == 0) return {dq, dk, dv};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaStream_t stream = current_stream();
   at::Tensor workspace;
   // rowsum(dout * out) for the sm_80 backward; the sm_90a one keeps its own (lse_delta).
   at::Tensor dsum;
@@ -446,7 +441,7 @@ at::Tensor debug_expand_tile_lists_cuda(const at::Tensor& fwd_ptr, const at::Ten
   at::Tensor vis = at::empty({seq_len, seq_len}, fwd_ptr.options().dtype(at::kByte));
   check_launch("debug_expand_tile_lists",
                ca::sm90::expand_tile_lists(l, int32_t(seq_len), vis.data_ptr<uint8_t>(),
-                                           c10::cuda::getCurrentCUDAStream().stream()));
+                                           current_stream()));
   return vis;
 }
 #endif

@@ -7,7 +7,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -17,6 +16,7 @@
 
 #include "checks.h"
 #include "cuda/decode_cuda.h"
+#include "cuda_launch.h"
 
 namespace jacobi::ops {
 namespace {
@@ -41,13 +41,6 @@ void on_device(const at::Tensor& t, const char* name, const at::Tensor& ref) {
   TORCH_CHECK_VALUE(t.device() == ref.device(), name, " must be on ", ref.device(), ", got ",
                     t.device());
 }
-
-void launched(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::", op, ": CUDA launch failed: ",
-              cudaGetErrorString(err));
-}
-
-cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                          double eps, at::Tensor* h_out) {
@@ -75,7 +68,7 @@ at::Tensor rms_norm_cuda(const at::Tensor& x, const at::Tensor* residual, const 
                                 residual ? rc.data_ptr() : nullptr, wc.data_ptr(),
                                 static_cast<float>(eps), h_out ? h_out->data_ptr() : nullptr,
                                 y.data_ptr()};
-  launched(jacobi::cuda::rms_norm(a, stream()), "rms_norm");
+  check_launch("rms_norm", jacobi::cuda::rms_norm(a, current_stream()));
   return y;
 }
 
@@ -100,9 +93,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   const int64_t n = shape.back() / 2;
   shape.back() = n;
   at::Tensor out = at::empty(shape, gu.options());
-  launched(jacobi::cuda::silu_mul(d, n ? out.numel() / n : 0, n, c.data_ptr(), out.data_ptr(),
-                                  stream()),
-           "silu_and_mul");
+  check_launch("silu_and_mul", jacobi::cuda::silu_mul(d, n ? out.numel() / n : 0, n, c.data_ptr(),
+                                                      out.data_ptr(), current_stream()));
   return out;
 }
 
@@ -116,7 +108,7 @@ void qk_rms_norm_(at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Te
   jacobi::cuda::QkRmsNormLaunch a{d, row ? qkv.numel() / row : 0, row, heads, kv_heads, D,
                                   qkv.data_ptr(), wq.data_ptr(), wk.data_ptr(),
                                   static_cast<float>(eps)};
-  launched(jacobi::cuda::qk_rms_norm(a, stream()), "qk_rms_norm_");
+  check_launch("qk_rms_norm_", jacobi::cuda::qk_rms_norm(a, current_stream()));
 }
 
 at::Tensor decode_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
@@ -190,7 +182,7 @@ at::Tensor decode_rope_attention(const at::Tensor& qkv, int64_t heads, int64_t k
   a.partial_out = partial_out.data_ptr<float>();
   a.partial_stats = partial_stats.data_ptr<float>();
   a.out = out.data_ptr();
-  launched(jacobi::cuda::rope_attention(a, stream()), "rope_attention");
+  check_launch("rope_attention", jacobi::cuda::rope_attention(a, current_stream()));
   return out;
 }
 
@@ -215,8 +207,8 @@ at::Tensor argmax(const at::Tensor& logits) {
   at::Tensor out = at::empty(shape, logits.options().dtype(at::kLong));
   if (rows == 0) return out;
   const at::Tensor x = logits.contiguous();
-  launched(jacobi::cuda::argmax(type, x.data_ptr(), rows, V, out.data_ptr<int64_t>(), stream()),
-           "argmax");
+  check_launch("argmax", jacobi::cuda::argmax(type, x.data_ptr(), rows, V, out.data_ptr<int64_t>(),
+                                              current_stream()));
   return out;
 }
 
@@ -261,7 +253,7 @@ void kv_commit(at::TensorList caches, const at::Tensor& src, const at::Tensor& d
            caches[i0].element_size() == first.element_size()) {
       a.caches[a.count++] = caches[i0++].data_ptr();
     }
-    launched(jacobi::cuda::kv_commit(a, stream()), "kv_commit");
+    check_launch("kv_commit", jacobi::cuda::kv_commit(a, current_stream()));
   }
 }
 

@@ -1,10 +1,10 @@
 // gumbel_argmax: the CUDA implementation (checks shared with the CPU op).
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "cuda/sampling_cuda.h"
+#include "cuda_launch.h"
 #include "sampling_ops.h"
 
 namespace jacobi::ops {
@@ -31,11 +31,10 @@ at::Tensor gumbel_argmax_cuda(const at::Tensor& logits, const at::Tensor& keys,
                         logits.scalar_type());
   }
   const at::Tensor x = logits.contiguous(), k = keys.contiguous(), pos = positions.contiguous();
-  const cudaError_t err = jacobi::cuda::gumbel_argmax(
-      x.data_ptr(), type, B * Q, V, Q, k.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), p,
-      out.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::gumbel_argmax: CUDA launch failed: ",
-              cudaGetErrorString(err));
+  check_launch("gumbel_argmax",
+               jacobi::cuda::gumbel_argmax(x.data_ptr(), type, B * Q, V, Q, k.data_ptr<int64_t>(),
+                                           pos.data_ptr<int64_t>(), p, out.data_ptr<int64_t>(),
+                                           current_stream()));
   return out;
 }
 
@@ -46,12 +45,10 @@ at::Tensor debug_gumbel_noise_cuda(const at::Tensor& keys, const at::Tensor& pos
                              positions.options().dtype(at::kDouble));
   check_gumbel_argmax(out, keys, positions, 1.0, 0, 1.0, 0.0);
   const at::Tensor k = keys.contiguous(), pos = positions.contiguous();
-  const cudaError_t err = jacobi::cuda::debug_noise(
-      out.size(0) * out.size(1), vocab, out.size(1), k.data_ptr<int64_t>(),
-      pos.data_ptr<int64_t>(), uniform, out.data_ptr<double>(),
-      c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::debug_gumbel_noise: CUDA launch failed: ",
-              cudaGetErrorString(err));
+  check_launch("debug_gumbel_noise",
+               jacobi::cuda::debug_noise(out.size(0) * out.size(1), vocab, out.size(1),
+                                         k.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), uniform,
+                                         out.data_ptr<double>(), current_stream()));
   return out;
 }
 

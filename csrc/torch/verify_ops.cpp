@@ -314,7 +314,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_rows_cpu(
   VerifyRowsLaunch l = prepare_verify_rows(toks, tgt, row_start, row_len, init_idx, src,
                                            block_ends, pool, ctx, ctx_len, width);
   const VerifyRowsShape& s = l.shape;
-  const VerifyRowsArgs& a = l.args;
+  const VerifyRowsArgs& a = l.args;  // (a reference: bind_verify below fills a.v)
   const int64_t B = s.batch, R = s.rows, n = s.block_size, cap = s.ctx_cap;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t r = 0; r < R; ++r) {
@@ -334,10 +334,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_rows_cpu(
   jacobi::cpu::verify_step(l.verify.shape, l.verify.args, l.verify.batch);
   for (int64_t b = 0; b < B; ++b) {
     const bool part = a.row_len[b * a.row_len_ld] > 0;
-    const int64_t acc = l.args.v.summary[b * kSummarySize + kAccepted];
+    const int64_t acc = a.v.summary[b * kSummarySize + kAccepted];
     TORCH_CHECK(!part || a.ctx_len[b] + acc <= cap, "verify_rows: the context (", cap,
                 " tokens) cannot hold ", acc, " more after ", a.ctx_len[b]);
-    verify_rows_finish(s, l.args, b);
+    verify_rows_finish(s, a, b);
   }
   return l.outputs;
 }

@@ -1,10 +1,10 @@
-// verify_step, verify_rows and ar_accept: the CUDA implementations (checks and allocation shared with the CPU
-// ops, verify_ops.cpp).
+// verify_step, verify_rows and ar_accept: the CUDA implementations (checks and allocation shared
+// with the CPU ops, verify_ops.cpp).
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "cuda/verify_cuda.h"
+#include "cuda_launch.h"
 #include "verify_ops.h"
 
 namespace jacobi::ops {
@@ -18,11 +18,8 @@ VerifyResult verify_step_cuda(const at::Tensor& tokens, const at::Tensor& greedy
   c10::cuda::CUDAGuard guard(tokens.device());
   VerifyLaunch l = prepare_verify(tokens, greedy, row_len, block_ends, init_tokens, pool, pool_len,
                                   pool_head, spawn_threshold, eos_token_id);
-  const cudaError_t err =
-      jacobi::cuda::verify_step(l.shape, l.args, l.batch,
-                                c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::verify_step: CUDA launch failed: ",
-              cudaGetErrorString(err));
+  check_launch("verify_step",
+               jacobi::cuda::verify_step(l.shape, l.args, l.batch, current_stream()));
   return l.outputs;
 }
 
@@ -32,11 +29,9 @@ std::tuple<at::Tensor, at::Tensor> ar_accept_cuda(const at::Tensor& toks, const 
                                                   int64_t width, int64_t tail) {
   c10::cuda::CUDAGuard guard(toks.device());
   ArAcceptLaunch l = prepare_ar_accept(toks, tgt, fed, eos, width, tail);
-  const cudaError_t err = jacobi::cuda::ar_accept(
-      l.toks, l.tgt, l.fed, l.eos, l.num_eos, l.batch, l.Q, width, l.row_size, l.rows, l.count,
-      c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::ar_accept: CUDA launch failed: ",
-              cudaGetErrorString(err));
+  check_launch("ar_accept",
+               jacobi::cuda::ar_accept(l.toks, l.tgt, l.fed, l.eos, l.num_eos, l.batch, l.Q, width,
+                                       l.row_size, l.rows, l.count, current_stream()));
   return l.outputs;
 }
 
@@ -50,10 +45,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_rows_cuda(
   VerifyRowsLaunch l = prepare_verify_rows(toks, tgt, row_start, row_len, init_idx, src,
                                            block_ends, pool, ctx, ctx_len, width);
   bind_verify(l, block_ends, pool, pool_len, pool_head, spawn_threshold, eos_token_id);
-  const cudaError_t err = jacobi::cuda::verify_rows(l.shape, l.args, l.verify.shape,
-                                                    c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == cudaSuccess, "jacobi_ext::verify_rows: CUDA launch failed: ",
-              cudaGetErrorString(err));
+  check_launch("verify_rows",
+               jacobi::cuda::verify_rows(l.shape, l.args, l.verify.shape, current_stream()));
   return l.outputs;
 }
 

@@ -7,13 +7,13 @@
 //   [summary (kSummarySize) | commit (width) | block ends (K) | candidate lengths (p) |
 //    acceptances (R) | next first block (n) | candidates (p * n)]
 //
-// summary: the fields of StepSummary; commit: the tokens committed, then -1; the rest is the
-// verify op's next state (jacobi/verify.h), zeros for an AR row. Who writes it: the CPU's
-// verify_rows and ar_accept ops, the CUDA ar_accept kernel, the step's torch packing on CUDA
-// (jacobi_ext/decoding/step.py, ordered by step_row_layout). Who reads it: the host
-// (jacobi_ext/decoding/sequence.py). Python reads the layout from here through the
-// step_summary_fields and step_row_layout ops (jacobi_ext/decoding/step_row.py), so neither side
-// restates it.
+// summary: the fields of StepSummary; commit: the tokens committed, then -1; the rest is the verify
+// op's next state (jacobi/verify.h), zeros for an AR row. Who writes it: the verify_rows and
+// ar_accept ops (jacobi/verify_rows.h and ar_step_row below, on the CPU and in CUDA kernels); their
+// torch restatements in jacobi_ext/decoding/step.py (*_reference, compared with the ops by the
+// tests). Who reads it: the host (jacobi_ext/decoding/sequence.py). Python reads the layout from
+// here through the step_summary_fields and step_row_layout ops (jacobi_ext/decoding/step_row.py),
+// so neither side restates it.
 //
 // Torch-free and header-only, like verify.h: the CPU ops and the CUDA kernels include it.
 #pragma once
