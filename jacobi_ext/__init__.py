@@ -73,10 +73,12 @@ def build_info() -> dict[str, object]:
         # the same bits)
         "gguf int8 activations": f"Q4_1, Q8_0 ({_int8_tile()})" if _gguf_types() else "none",
         "cpu threads": torch.get_num_threads(),
-        # The families whose layers run on our fused decode step (jacobi_ext/models/families);
-        # any other causal LM decodes through transformers' forward.
-        "model families (fused cpu step)": _families(),
-        "model families (fused cuda step)": _families() if WITH_CUDA else "none (no CUDA kernels)",
+        # The families each executor of the step program runs (jacobi_ext/models/families,
+        # jacobi_ext/decoding/executors.py); any other causal LM decodes through transformers'
+        # forward.
+        "model families (reference executor)": _families(),
+        "model families (cpu executor)": _families(),
+        "model families (cuda executor)": _families() if WITH_CUDA else "none (no CUDA kernels)",
     }
 
 

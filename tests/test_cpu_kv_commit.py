@@ -90,7 +90,7 @@ def test_transposed_copies_move_with_their_slots(src, dst, count):
 def test_rope_attention_from_kept_transposed_keys_is_bitwise(dtype, Q):
     """cpu_rope_attention with kt_cache (the lean forward's default) writes the step's keys there
     too and gives bitwise the output of transposing the cache itself, step after step."""
-    from jacobi_ext.decoding.lean import keys_transposed
+    from jacobi_ext.decoding.executors import keys_transposed
 
     g = torch.Generator().manual_seed(Q)
     B, heads, kv_heads, D, cap = 2, 6, 2, 16, 40
@@ -143,7 +143,7 @@ def test_rope_attention_on_a_half_cache(Q):
     to fp16 (bitwise the fp32 op's cache, rounded) and returns bitwise the attention of the rotated
     queries over the half cache (cpu_decode_attention: the fp32 attention over the rounded keys and
     values), step after step; the commit moves the half kept keys with their slots."""
-    from jacobi_ext.decoding.lean import keys_transposed
+    from jacobi_ext.decoding.executors import keys_transposed
 
     g = torch.Generator().manual_seed(Q)
     B, heads, kv_heads, D, cap, scale = 2, 6, 2, 16, 64, 0.3

@@ -831,7 +831,7 @@ def test_layers_in_one_parallel_region_are_each_op_in_its_own_bitwise(
     error raised inside the region reaches the caller, the next call running as before."""
     from gguf_fixtures import Q4_1_LAYERS
 
-    from jacobi_ext.decoding import lean
+    from jacobi_ext.decoding import executors, lean
     from jacobi_ext.models.quantized import attach_lora, build_on_codes, set_int8_activations
 
     monkeypatch.setenv("JACOBI_EXT_FUSED", "1")
@@ -858,7 +858,7 @@ def test_layers_in_one_parallel_region_are_each_op_in_its_own_bitwise(
             kv, hd = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
             keys = [torch.zeros(1, kv, 32, hd) for _ in range(native.size())]
             values = [torch.zeros_like(k) for k in keys]
-            kts = [lean.keys_transposed(k) for k in keys]
+            kts = [executors.keys_transposed(k) for k in keys]
             h = torch.randn(1, 1, cfg.hidden_size)
             cos, sin = torch.ones(1, 1, hd), torch.zeros(1, 1, hd)
             mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)

@@ -8,7 +8,7 @@ test_cuda_decode_ops.py."""
 import pytest
 import torch
 
-from jacobi_ext.decoding import lean, prepack
+from jacobi_ext.decoding import executors, lean, prepack
 from jacobi_ext.decoding.engine import generate
 from jacobi_ext.decoding.runtime import StaticRuntime
 from jacobi_ext.models import tiny_llama
@@ -54,7 +54,7 @@ def _step_logits(model, monkeypatch, lean_env):
 def test_plan_forward_logits_match_transformers_forward(family, plan_path, monkeypatch):
     model = _model(family)
     rt, pre, step = _step_logits(model, monkeypatch, "1")
-    assert isinstance(rt._lean, lean.CudaLeanDecoder) and rt._lean.takes_plan
+    assert isinstance(rt._lean, lean.CudaLeanDecoder) and rt._lean.executor is executors.CUDA
     assert not rt.writes_in_place()
     _, pre_hf, step_hf = _step_logits(model, monkeypatch, "0")
     torch.testing.assert_close(pre, pre_hf)  # the prefill: the model's own pieces

@@ -1,5 +1,7 @@
-"""A lean CPU forward for Llama-family models: the same computation as transformers' forward,
-with less Python around it and fewer, wider linears.
+"""The step program: a model family's layers (models/families) declared once as LayerPlans,
+with the embedding, the rotary rows and the LM head around them; its layers run by one of the
+executors of executors.py (reference, cpu, cuda) over one masks.StepView. The same computation
+as transformers' forward, with less Python around it and fewer, wider linears.
 
 Why: with the linears at the memory roofline (prepack.py, our kernel), a one-token forward of
 SmolLM2-135M on a 2-core CPU spent about as long in transformers' Python (module calls, hooks,
@@ -7,7 +9,7 @@ decorators, mask preparation; ~7 ms of a 19 ms step) as in reading the weights (
 forward walks the layers in one loop and calls the model's own pieces directly:
   - the model's own RMSNorm, rotary embedding, `apply_rotary_pos_emb`, activation and attention
     function (transformers' sdpa or eager one, chosen as the model's config says), through their
-    `forward` functions, not the nn.Module call machinery;
+    `forward` functions, not the nn.Module call machinery (executors.REFERENCE);
   - the q, k, v projections as one linear and the gate and up projections as one, through our
     kernel from weights packed once (the same values: each output of the kernel is one fp32
     chain over the input features, whichever other rows or columns are computed beside it).
@@ -17,7 +19,7 @@ forward walks the layers in one loop and calls the model's own pieces directly:
     ~120 us at 16 for a few hundred thousand FLOPs, an RMSNorm seven ATen ops, and each ATen op
     a few microseconds of dispatch: ~25 calls per layer become 8. Like the linear kernel, these
     ops compute each row alone, so a token's hidden state does not depend on how many tokens
-    the step feeds.
+    the step feeds (executors.CPU).
   - those ops for all layers in one call from Python (torch.classes.jacobi_ext.LeanLayers,
     csrc/torch/lean_ops.cpp: the same functions in the same order, so the same bits): the
     ~240 op calls of a step cost ~1 ms of a ~10 ms one-token step in Python and dispatch.
@@ -33,10 +35,11 @@ Mistral without sliding windows; checked module by module), with sdpa or eager a
 Anything else runs transformers' forward. JACOBI_EXT_LEAN=0 switches it off.
 
 On CUDA (prepack.lean_backend == "cuda": a float32 / bfloat16 model of those classes, head dims
-64 or 128, on a build with the CUDA decode ops) `CudaLeanDecoder` runs the same layer loop: torch
-linears (cuBLAS) over weights concatenated once (q/k/v, gate/up), our CUDA twins of the fused ops
-(csrc/cuda/decode_cuda.cu), and an attention that reads the step plan (StepPlan) on the device
-instead of a bool mask; nine kernels a layer, one CUDA graph a step (docs/kernels.md).
+64 or 128, on a build with the CUDA decode ops) `CudaLeanDecoder` is the same program with torch
+linears (cuBLAS) over weights concatenated once (q/k/v, gate/up), run by executors.CUDA: our CUDA
+twins of the fused ops (csrc/cuda/decode_cuda.cu) and an attention that reads the step plan on
+the device instead of a bool mask; nine kernels a layer, one CUDA graph a step
+(docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ from torch import nn
 from ..models.families import family_of, supported_classes
 from ..models.quantized import GGUFEmbedding, GGUFLinear
 from . import prepack
+from .executors import CPU, CUDA, REFERENCE, cache_lists
 from .linears import _CatLinear, _greedy_head, _GreedyHead, _Packed  # noqa: F401
-from .masks import StepPlan
+from .masks import StepView
 from .options import options
 
 _ATTR = "_jacobi_ext_lean_decoder"
@@ -157,7 +161,7 @@ class LeanDecoder:
     """The lean forward of one model (see the module docstring)."""
 
     LINEAR = None  # the linears' class (None: _Packed, our CPU kernel); CudaLeanDecoder's
-    takes_plan = False  # whether a step passes its StepPlan rather than a mask (CUDA)
+    FUSED = CPU  # the executor of the fused ops on this device (JACOBI_EXT_FUSED=0: REFERENCE)
 
     def __init__(self, model) -> None:
         self.model = model
@@ -177,7 +181,7 @@ class LeanDecoder:
 
             self.attention = ALL_ATTENTION_FUNCTIONS[impl]
         self.impl = impl
-        self.fused = True
+        self.executor = self.FUSED  # refresh: executors.py, as options say
         self.native = None  # refresh: the layers as one LeanLayers where they can be
         self.native_ar = False  # refresh: whether ar_step runs (its inputs natively too)
         self.greedy_head = None  # refresh: the LM head's greedy form, where it has one
@@ -201,7 +205,7 @@ class LeanDecoder:
         """Repack what changed; read the switches (options.py: at each prefill, so that a call's
         steps agree)."""
         opts = options()
-        self.fused = opts.fused
+        self.executor = self.FUSED if opts.fused else REFERENCE
         self._refresh_linears()
         self.plans = [self._plan(i) for i in range(len(self.layers))]
         self.native = self._native_layers() if opts.native else None
@@ -309,70 +313,25 @@ class LeanDecoder:
         cache = rt.cache
         ref = self.norm_weight(self.layers[0].ln1)
         cos_tab, sin_tab = self._rope_tables(ref.dtype, ref.device, rt)
-        kts, keys, values = self._cache_lists(cache, ref.new_empty(1, 1, 1))
+        kts, keys, values = cache_lists(cache, self.plans, ref.new_empty(1, 1, 1))
         x = self.native.ar_step(toks, lo, hi, cos_tab, sin_tab, keys, values, kts, rt.scratch)
         return self._head(x, None, greedy)
 
-    def _cache_lists(self, cache, h: torch.Tensor) -> tuple[list, list, list]:
-        """The native run's per-layer tensors of `cache`: transposed keys, keys, values. A
-        runtime's cache keeps its buffers for its life (made at the first step), so the lists are
-        made once and kept on it (made every step, ~30-40 us of a ~4 ms one-token step)."""
-        layers = cache.layers[: len(self.plans)]
-        kept = cache.__dict__.get("_jacobi_ext_lists")
-        if kept is not None and kept[1][0] is layers[0].keys and kept[1][-1] is layers[-1].keys:
-            return kept
-        kts = [self._layer_cache(c, p, h) for c, p in zip(layers, self.plans, strict=True)]
-        kept = (kts, [c.keys for c in layers], [c.values for c in layers])
-        cache.__dict__["_jacobi_ext_lists"] = kept
-        return kept
-
-    @staticmethod
-    def _layer_cache(layer, plan, h: torch.Tensor) -> torch.Tensor:
-        """A runtime cache layer's blocked transposed keys, its buffers made on first use."""
-        if not layer.is_initialized:  # (in the runtime's K/V element type: SlotLayer)
-            kv = h.new_empty(h.shape[0], plan.kv_heads, 1, plan.head_dim)
-            layer.lazy_initialization(kv, kv)
-        kt = getattr(layer, "keys_t", None)
-        if kt is None:
-            kt = layer.keys_t = keys_transposed(layer.keys)
-        return kt
-
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, rt,
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, view: StepView, rt,
                  keep: int | None = None, greedy: bool = False) -> torch.Tensor:  # fmt: skip
-        """Logits [B, Q, vocab] of tokens ids [B, Q] at positions pos [B, Q], attending through
-        `mask` (the attention function's format) to what the runtime rt's cache holds after this
-        step's K/V are written (at rt's write slots). keep: only the last `keep`
-        positions' logits, [B, keep, vocab] (a prefill needs the last ones alone; the LM head
-        over a whole prompt cost ~20 % of its forward). greedy: the caller wants only the
-        argmax; where the head has a greedy form (_greedy_head) the result is that argmax, int64
-        [B, keep or Q], bitwise targets() of the logits, else the logits as without it."""
-        cache = rt.cache
-        if self.fused:
-            return self._head(self._fused(ids, pos, mask, rt), keep, greedy)
-        inner = self.inner
-        h = inner.embed_tokens.forward(ids)
-        cos, sin = inner.rotary_emb.forward(h, pos)
-        B, Q = ids.shape
-        for i, L in enumerate(self.layers):
-            a = L.attn
-            residual = h
-            x = self._norm(L.ln1, h)
-            q, k, v = L.qkv(x).split(L.splits, dim=-1)
-            q, k = q.view(B, Q, -1, a.head_dim), k.view(B, Q, -1, a.head_dim)
-            if L.q_norm is not None:  # (Qwen3: per head, before the rotary)
-                q, k = self._norm(L.q_norm, q), self._norm(L.k_norm, k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = v.view(B, Q, -1, a.head_dim).transpose(1, 2)
-            q, k = self.rotary(q, k, cos, sin)
-            k, v = cache.layers[i].update(k, v)
-            out, _ = self.attention(a, q, k, v, mask, dropout=0.0, scaling=a.scaling)
-            h = residual + L.o(out.reshape(B, Q, -1).contiguous())
-            residual = h
-            x = self._norm(L.ln2, h)
-            g, u = L.gate_up(x).split((L.mlp_split, L.mlp_split), dim=-1)
-            h = residual + L.down(L.act(g) * u)
-        return self._head(self._norm(inner.norm, h), keep, greedy)
+        """Logits [B, Q, vocab] of tokens ids [B, Q] at positions pos [B, Q], their K/V written
+        into the runtime rt's cache and attending as `view` says (masks.StepView), through this
+        program's executor (executors.py; an executor that reads a plan runs a forward without
+        one, a one-pass prefill, on the reference). keep: only the last `keep` positions' logits
+        (0: none; a prefill needs the last ones alone; the LM head over a whole prompt cost ~20 %
+        of its forward). greedy: the caller wants only the argmax; where the head has a greedy
+        form (_greedy_head) the result is that argmax, int64 [B, keep or Q], bitwise targets() of
+        the logits, else the logits as without it."""
+        run = self.executor
+        if run.reads_plan and view.plan is None:
+            run = REFERENCE
+        return self._head(run.layers(self, ids, pos, view, rt), keep, greedy)
 
     def _head(self, x: torch.Tensor, keep: int | None, greedy: bool = False) -> torch.Tensor:
         """The LM head on the normed hidden states x [B, Q, hidden], or on their last `keep`
@@ -432,76 +391,15 @@ class LeanDecoder:
             )
         return tab
 
-    def _fused(self, ids, pos, mask, rt) -> torch.Tensor:
-        """The same forward on our fused CPU ops: per layer eight calls (norm with the residual
-        add, q/k/v, rotary + cache write + attention, o, norm, gate/up, silu * up, down). Returns
-        the normed hidden states the LM head reads."""
-        ops = torch.ops.jacobi_ext
-        inner = self.inner
-        if mask.dtype != torch.bool:  # eager attention's additive mask: 0 = visible
-            mask = mask == 0
-        h = inner.embed_tokens.forward(ids)
-        cache = rt.cache  # (rt: where this step's K/V go, how far to attend)
-        cos, sin = self._cos_sin(h, pos, rt)
-        B, Q = ids.shape
-        # context in slots [scratch, attend), the step's tokens in [0, scratch): sums by position
-        slots, attend, ctx0 = rt.write_slots, rt.attend, rt.scratch
-        first = self.layers[0].ln1
-        x = ops.rms_norm(h, self.norm_weight(first), first.variance_epsilon)
-        if self.native is not None:
-            kts, keys, values = self._cache_lists(cache, h)
-            return self.native.run(x, h, cos, sin, keys, values, kts, slots, attend, mask, ctx0)
-        rope_attention, add_rms_norm, silu_mul = (
-            ops.cpu_rope_attention.default,
-            ops.fused_add_rms_norm.default,
-            ops.silu_and_mul.default,
-        )
-        qk_norm = ops.qk_rms_norm_.default
-        for layer, plan in zip(cache.layers, self.plans, strict=False):
-            qkv = plan.qkv_fn(x, *plan.qkv_args)
-            if plan.qk_norm is not None:
-                qk_norm(qkv, plan.heads, plan.kv_heads, *plan.qk_norm)
-            kt = self._layer_cache(layer, plan, h)
-            out = rope_attention(
-                qkv, plan.heads, plan.kv_heads, cos, sin, layer.keys, layer.values, slots,
-                attend, mask, plan.scaling, kt, ctx0,
-            )  # fmt: skip
-            h, x = self._after_attention(plan, out.view(B, Q, -1), h, add_rms_norm, silu_mul)
-        return x
-
-    def _after_attention(self, p: LayerPlan, attn: torch.Tensor, h: torch.Tensor,
-                         add_rms_norm, silu_mul) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """A layer after its attention, as both fused forwards (CPU and CUDA) run it: the o
-        projection added to the residual and normed, gate/up, SiLU * up, the down projection
-        added and normed by the next layer's norm. Returns (residual stream, normed input)."""
-        h, x = add_rms_norm(p.o_fn(attn, *p.o_args), h, p.ln2_w, p.ln2_eps)
-        gu = p.gu_fn(x, *p.gu_args)
-        m = silu_mul(gu) if p.act_layer is None else self._act_mul(p.act_layer, gu)
-        return add_rms_norm(p.down_fn(m, *p.down_args), h, p.norm_w, p.norm_eps)
-
-    @staticmethod
-    def _act_mul(L, gu: torch.Tensor) -> torch.Tensor:
-        g, u = gu.split((L.mlp_split, L.mlp_split), dim=-1)
-        return L.act(g) * u
-
 
 class CudaLeanDecoder(LeanDecoder):
-    """The lean forward on a CUDA model (bf16 or fp32): per layer the add + RMSNorm, one q/k/v
-    GEMM, rotary + K/V write + attention over the step plan (rope_attention: split-K and
-    its combine), the o GEMM, add + RMSNorm, one gate/up GEMM, SiLU * up and the down GEMM: nine
-    kernels (a q/k/v bias cuBLAS does not fuse: ten), against ~57 ops in transformers' layer.
-    The fused ops are ours (csrc/cuda/decode_cuda.cu, one op name for both devices where they
-    compute the same thing); the GEMMs are torch's. Nothing reads a host value and every buffer
-    has the step's fixed shape, so the runtime captures a step in one CUDA graph. A prefill (a
-    causal prompt, not a step plan) runs the model's own norms, rotary and attention over these
-    linears, as the CPU forward does with JACOBI_EXT_FUSED=0."""
+    """The program on a CUDA model (bf16 or fp32), run by executors.CUDA: nine kernels a layer
+    (a q/k/v bias cuBLAS does not fuse: ten), against ~57 ops in transformers' layer. Its
+    linears are torch's GEMMs over weights concatenated once. A one-pass prefill (a causal
+    prompt, not a step plan) runs executors.REFERENCE over these linears."""
 
     LINEAR = _CatLinear
-    takes_plan = True
-
-    def refresh(self) -> None:
-        super().refresh()
-        self.takes_plan = self.fused
+    FUSED = CUDA
 
     def _refresh_linears(self) -> None:
         """Every linear's weight probe read in one device -> host copy (a read per linear would
@@ -513,43 +411,6 @@ class CudaLeanDecoder(LeanDecoder):
 
     def _native_layers(self):
         return None  # (LeanLayers runs the CPU ops)
-
-    @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask, rt,
-                 keep: int | None = None, greedy: bool = False) -> torch.Tensor:  # fmt: skip
-        if isinstance(mask, StepPlan):
-            return self._head(self._fused_plan(ids, pos, mask, rt), keep, greedy)
-        self.fused, fused = False, self.fused  # a prefill: the model's own pieces
-        try:
-            return super().__call__(ids, pos, mask, rt, keep, greedy)
-        finally:
-            self.fused = fused
-
-    def _fused_plan(self, ids, pos, plan: StepPlan, rt) -> torch.Tensor:
-        ops = torch.ops.jacobi_ext
-        inner = self.inner
-        h = inner.embed_tokens.forward(ids)
-        cache = rt.cache
-        cos, sin = self._cos_sin(h, pos, rt)
-        B, Q = ids.shape
-        first = self.layers[0].ln1
-        x = ops.rms_norm(h, self.norm_weight(first), first.variance_epsilon)
-        attention = ops.rope_attention.default
-        add_rms_norm, silu_mul = ops.fused_add_rms_norm.default, ops.silu_and_mul.default
-        qk_norm = ops.qk_rms_norm_.default
-        for layer, p in zip(cache.layers, self.plans, strict=False):
-            if not layer.is_initialized:  # (a prefill made them; a bare probe may not have)
-                kv = h.new_empty(B, p.kv_heads, 1, p.head_dim)
-                layer.lazy_initialization(kv, kv)
-            qkv = p.qkv_fn(x, *p.qkv_args)
-            if p.qk_norm is not None:
-                qk_norm(qkv, p.heads, p.kv_heads, *p.qk_norm)
-            out = attention(
-                qkv, p.heads, p.kv_heads, cos, sin, layer.keys, layer.values, plan.seg, plan.off,
-                plan.lo, plan.hi, p.scaling,
-            )  # fmt: skip
-            h, x = self._after_attention(p, out.view(B, Q, -1), h, add_rms_norm, silu_mul)
-        return x
 
 
 def _activation_dtype(model) -> torch.dtype:
@@ -578,20 +439,6 @@ def _unsupported_cuda(model) -> str | None:
         if layer.self_attn.head_dim not in (64, 128):
             return f"head dim {layer.self_attn.head_dim} (the CUDA attention takes 64 and 128)"
     return None
-
-
-def keys_transposed(keys: torch.Tensor) -> torch.Tensor:
-    """A cache layer's keys [B, H, capacity, D] kept transposed in blocks of 16 slots, float32
-    (float16 for a half cache) [B, H, L / 16, D, 16] (L the capacity rounded up to 16):
-    cpu_rope_attention writes each step's keys into it and attends from it, instead of
-    transposing every attended key again at every step and layer (at a few hundred keys about
-    half the attention's memory traffic).
-    Blocks, not one [D, L] matrix: a block of 16 keys is 4 KB read in order (D = 64), where D rows
-    a page apart left the prefetcher nothing to follow. kv_commit moves its slots with the
-    cache's. Zeros at first: a slot is read only after this call wrote it."""
-    B, H, cap, D = keys.shape
-    dtype = torch.float16 if keys.dtype == torch.float16 else torch.float32
-    return torch.zeros(B, H, -(-cap // 16), D, 16, dtype=dtype)
 
 
 def lean_decoder(model) -> LeanDecoder | None:

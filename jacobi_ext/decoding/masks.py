@@ -37,6 +37,25 @@ class StepPlan(NamedTuple):
     hi: torch.Tensor
 
 
+class StepView(NamedTuple):
+    """What one forward's attention reads and where it writes, as every executor takes it
+    (executors.py): a step's plan, or for a one-pass prefill (plan None) its bool mask; the
+    slots the fed tokens' K/V go to; the slots a mask covers (width); and, for a step written in
+    place (runtime.writes_in_place), the first slot it writes."""
+
+    plan: StepPlan | None
+    slots: torch.Tensor
+    width: int
+    write_at: int | None = None
+    prefill: torch.Tensor | None = None  # the one-pass prefill's mask (prefill_mask)
+
+    def mask(self) -> torch.Tensor:
+        """The bool mask [B, 1, Q, width]: from the plan (from_plan), or the prefill's."""
+        if self.plan is None:
+            return self.prefill
+        return from_plan(self.plan, self.width, self.write_at)
+
+
 def from_plan(plan: StepPlan, width: int, write_at: int | None = None) -> torch.Tensor:
     """The bool mask [B, 1, Q, width] of a step plan: the one place a mask is derived from it.
     On a CPU one native pass (cpu_step_mask, ~0.15 ms a step less than step_mask's ~15 ops),

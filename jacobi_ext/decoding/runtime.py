@@ -43,7 +43,7 @@ from transformers.cache_utils import StaticCache, StaticLayer
 from ..models.quantized import kv_cache_dtype
 from .graphs import GraphReplay, graphs_wanted
 from .lean import lean_decoder
-from .masks import StepPlan, for_backend, from_plan, prefill_mask, step_positions
+from .masks import StepPlan, StepView, for_backend, prefill_mask, step_positions
 from .options import options
 from .prepack import cuda_decode_on, packed
 
@@ -212,8 +212,8 @@ class StaticRuntime(GraphReplay):
             and kv_cache_dtype(model) == self.kv_dtype
         )
 
-    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, mask, prefill: bool = False,
-                keep: int | None = None, greedy: bool = False):  # fmt: skip
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, view: StepView,
+                prefill: bool = False, keep: int | None = None, greedy: bool = False):  # fmt: skip
         """The model's forward as every runtime call makes it: our cache under the installed
         transformers' keyword, and on CPU the linears from packed weights (prepack.py: our
         kernel, whose rows do not depend on each other, or oneDNN's on AMX); for Llama-family
@@ -222,10 +222,13 @@ class StaticRuntime(GraphReplay):
         generate call; checking all of them at every step cost 0.8 ms of a 15 ms step).
         keep: the logits of the last `keep` positions only (None: all). greedy: only their
         argmax is wanted; the result may then be it (int64: the lean forward's greedy head),
-        see _targets."""
+        see _targets. view: what the step's attention reads and where its K/V go (masks.py); the
+        cache's layers (SlotLayer) read the slots and width from here."""
+        self.write_slots, self.attend = view.slots, view.width
         lean = self._pick_forward() if prefill or self._lean is None else self._lean
         if lean:
-            return lean(ids, pos, mask, self, keep, greedy)
+            return lean(ids, pos, view, self, keep, greedy)
+        mask = for_backend(self.model, view.mask(), self.dtype)
         kw = dict(self._cache_arg)
         if keep is not None and self._keeps_logits:
             kw["logits_to_keep"] = max(keep, 1)  # (transformers reads 0 as "all")
@@ -254,7 +257,7 @@ class StaticRuntime(GraphReplay):
         over other weights), a weight replaced rather than written in place, or another forward
         picked changes it."""
         lean = self._lean
-        mode = (id(lean), lean.fused, lean.takes_plan) if lean else (None,)
+        mode = (id(lean), lean.executor.name) if lean else (None,)
         ptrs = [t.data_ptr() for t in self.model.parameters()]
         ptrs += [t.data_ptr() for t in self.model.buffers()]
         if lean:
@@ -289,11 +292,10 @@ class StaticRuntime(GraphReplay):
             pos = torch.cat([pos, (P - pad)[:, None] + k[None, :]], dim=1)
             x = torch.cat([ids, drafts], dim=1)
             slots = torch.cat([slots, k])
-        self.write_slots = slots
-        self.attend = self.scratch + P
-        mask = for_backend(self.model, prefill_mask(pad, P, n, self.scratch), self.dtype)
+        mask = prefill_mask(pad, P, n, self.scratch)
+        view = StepView(None, slots, self.scratch + P, prefill=mask)
         keep = None if all_targets else n + 1
-        logits = self._logits(x, pos, mask, prefill=True, keep=keep, greedy=rule is None)
+        logits = self._logits(x, pos, view, prefill=True, keep=keep, greedy=rule is None)
         if keep is not None:
             pos = pos[:, pos.shape[1] - keep :]
         self.lo.copy_(self.scratch + pad)
@@ -370,8 +372,8 @@ class StaticRuntime(GraphReplay):
         CPU, ~60 scattered copies). Only on our fused CPU attention, which sums a row's keys in
         position order wherever they sit (DecodeAttnArgs::first): the same bits as from scratch."""
         lean = self._lean
-        cpu_fused = bool(lean) and lean.fused and not lean.takes_plan
-        return self.device.type == "cpu" and self.B == 1 and cpu_fused
+        in_place = bool(lean) and lean.executor.writes_in_place
+        return self.device.type == "cpu" and self.B == 1 and in_place
 
     def _forward(self, Q: int, attend: int, rule=None, in_place: bool = False,
                  keep: int | None = None) -> torch.Tensor | None:  # fmt: skip
@@ -379,18 +381,11 @@ class StaticRuntime(GraphReplay):
         plan = StepPlan(seg, off, self.lo, self.hi)
         if in_place:  # writes_in_place(): slots [hi, hi + Q), the mask's local columns there
             hi = int(self.hi[0])
-            self.write_slots = self._slots[:Q] + hi
-            self.attend = hi + Q
-            mask = from_plan(plan, hi + Q, write_at=hi)
+            view = StepView(plan, self._slots[:Q] + hi, hi + Q, write_at=hi)
         else:
-            self.write_slots = self._slots[:Q]
-            self.attend = attend
-            takes_plan = self._lean and self._lean.takes_plan  # the CUDA executor: no mask
-            mask = plan if takes_plan else from_plan(plan, attend)
-        if not isinstance(mask, StepPlan) and not (self._lean and self._lean.fused):
-            mask = for_backend(self.model, mask, self.dtype)  # (the fused ops take it as it is)
+            view = StepView(plan, self._slots[:Q], attend)
         pos = step_positions(off, self.lo, self.hi)
-        logits = self._logits(self.ids[:, :Q], pos, mask, keep=keep, greedy=rule is None)
+        logits = self._logits(self.ids[:, :Q], pos, view, keep=keep, greedy=rule is None)
         if keep is not None:  # (keep 0: the K/V writes alone, a chunked prefill's middle)
             if keep == 0:
                 return None
