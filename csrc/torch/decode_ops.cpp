@@ -461,9 +461,38 @@ at::Tensor decode_rope_attention_cpu(const at::Tensor& qkv, int64_t heads, int64
                             mask, scale, std::nullopt, 0);
 }
 
+// The registered out= forms (module.cpp: "*.out"), over the *_out functions above.
+
+std::tuple<at::Tensor&, at::Tensor&> add_rms_norm_out_op(const at::Tensor& x,
+                                                          const at::Tensor& residual,
+                                                          const at::Tensor& weight, double eps,
+                                                          at::Tensor& h, at::Tensor& y) {
+  cpu_add_rms_norm_out(x, residual, weight, eps, h, y);
+  return {h, y};
+}
+
+at::Tensor& silu_mul_out_op(const at::Tensor& gu, at::Tensor& out) {
+  cpu_silu_mul_out(gu, out);
+  return out;
+}
+
+at::Tensor& rope_attention_out_op(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
+                                  const at::Tensor& cos, const at::Tensor& sin,
+                                  at::Tensor& k_cache, at::Tensor& v_cache,
+                                  const at::Tensor& slots, int64_t attend, const at::Tensor& mask,
+                                  double scale, const std::optional<at::Tensor>& kt_cache,
+                                  int64_t context_start, at::Tensor& out) {
+  cpu_rope_attention_out(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, attend, mask,
+                         scale, kt_cache, context_start, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
+  m.impl("fused_add_rms_norm.out", &add_rms_norm_out_op);
+  m.impl("silu_and_mul.out", &silu_mul_out_op);
+  m.impl("cpu_rope_attention.out", &rope_attention_out_op);
   m.impl("kv_commit", &cpu_kv_commit);
   m.impl("cpu_step_mask", &cpu_step_mask);
   m.impl("cpu_decode_attention", &cpu_decode_attention);

@@ -555,9 +555,24 @@ std::vector<int64_t> cpu_linear_gguf_types() {
   return std::vector<int64_t>(std::begin(kTypes), std::end(kTypes));
 }
 
+// cpu_linear_gguf.out (module.cpp), over cpu_linear_gguf_out (a LoRA's x A^T in a workspace
+// of this call's).
+at::Tensor& linear_gguf_out_op(const at::Tensor& x, const at::Tensor& packed, int64_t type,
+                               int64_t out_features, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& lora_a,
+                               const std::optional<at::Tensor>& lora_b,
+                               const std::optional<at::Tensor>& lora_panel_r0,
+                               bool int8_activations, at::Tensor& out) {
+  at::Tensor lora_t;
+  cpu_linear_gguf_out(x, packed, type, out_features, bias, lora_a, lora_b, lora_panel_r0,
+                      int8_activations, out, lora_t);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
+  m.impl("cpu_linear_gguf.out", &linear_gguf_out_op);
   m.impl("cpu_linear_gguf_pack", &cpu_linear_gguf_pack);
   m.impl("cpu_linear_gguf", &cpu_linear_gguf);
   m.impl("cpu_gguf_q8_0_rows", &cpu_gguf_q8_0_rows);

@@ -139,9 +139,17 @@ std::string cpu_linear_info(at::ScalarType dtype) {
          " NR=" + std::to_string(panel_width());
 }
 
+// cpu_linear.out (module.cpp), over cpu_linear_out.
+at::Tensor& linear_out_op(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                          const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  cpu_linear_out(x, packed, out_features, bias, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(jacobi_ext, CPU, m) {
+  m.impl("cpu_linear.out", &linear_out_op);
   m.impl("cpu_linear_pack", &cpu_linear_pack);
   m.impl("cpu_linear_pack_cat", &cpu_linear_pack_cat);
   m.impl("cpu_linear", &cpu_linear);

@@ -119,6 +119,16 @@ TORCH_LIBRARY(jacobi_ext, m) {
         "Tensor? bias=None, Tensor? lora_a=None, Tensor? lora_b=None, "
         "Tensor? lora_panel_r0=None, bool int8_activations=False) -> Tensor");
   m.def("cpu_linear_gguf_types() -> int[]");
+  // The out= forms of the CPU step's ops: the C++ *_out functions LeanLayers calls
+  // (cpu_step_ops.h), the same kernels on the same values (the same bits) into outputs the caller
+  // keeps. Each output must be a contiguous CPU tensor with as many elements of the result's
+  // dtype as the result (any shape: it is not resized); it is returned.
+  m.def("cpu_linear.out(Tensor x, Tensor packed, int out_features, Tensor? bias=None, *, "
+        "Tensor(a!) out) -> Tensor(a!)");
+  m.def("cpu_linear_gguf.out(Tensor x, Tensor packed, int type, int out_features, "
+        "Tensor? bias=None, Tensor? lora_a=None, Tensor? lora_b=None, "
+        "Tensor? lora_panel_r0=None, bool int8_activations=False, *, Tensor(a!) out) "
+        "-> Tensor(a!)");
   // The greedy form of an exact Q4_1 / Q8_0 linear (an LM head): argmax over the outputs of
   // cpu_linear_gguf(x, packed, type, out_features), int64 [...], bitwise that argmax, found
   // through an 8-bit product and a rigorous error bound per column (csrc/include/jacobi/
@@ -151,6 +161,10 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
         "(Tensor h, Tensor y)");
   m.def("silu_and_mul(Tensor gu) -> Tensor");
+  // (their out= forms on a CPU, as cpu_linear.out's)
+  m.def("fused_add_rms_norm.out(Tensor x, Tensor residual, Tensor weight, float eps, *, "
+        "Tensor(a!) h, Tensor(b!) y) -> (Tensor(a!), Tensor(b!))");
+  m.def("silu_and_mul.out(Tensor gu, *, Tensor(a!) out) -> Tensor(a!)");
   // Qwen3's q/k norms: the RMSNorm of each q head (q_weight [D]) and k head (k_weight [D]) of
   // qkv [..., (heads + 2 kv_heads) D], in place, before the rotary (the v heads untouched).
   m.def("qk_rms_norm_(Tensor(a!) qkv, int heads, int kv_heads, Tensor q_weight, Tensor k_weight, "
@@ -168,6 +182,10 @@ TORCH_LIBRARY(jacobi_ext, m) {
   m.def("cpu_rope_attention(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int attend, Tensor mask, "
         "float scale, Tensor(c!)? kt_cache=None, int context_start=0) -> Tensor");
+  m.def("cpu_rope_attention.out(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int attend, Tensor mask, "
+        "float scale, Tensor(c!)? kt_cache=None, int context_start=0, *, Tensor(d!) out) "
+        "-> Tensor(d!)");
   // The attention block of a decoding step from the step plan itself (no mask): as
   // cpu_rope_attention, with query i's k and v written to scratch slot i, and query i seeing the
   // committed slots [lo[b], hi[b]) and the scratch slots of its own row (seg [B, Q], -1:
