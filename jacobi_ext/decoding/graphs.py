@@ -28,7 +28,7 @@ def no_gc():
     """Python's garbage collector off for a CUDA graph capture (and its warm-up), on again after.
     Old runtimes sit in reference cycles (model -> runtime -> model); a collection that runs
     during a capture frees their graphs and memory pool on the capturing stream's device, which
-    invalidates the capture (cudaErrorStreamCaptureInvalidated, seen on an H200 run). One
+    invalidates the capture (cudaErrorStreamCaptureInvalidated). One
     collection first, while nothing is being captured, frees them at a harmless moment."""
     was_on = gc.isenabled()
     gc.collect()

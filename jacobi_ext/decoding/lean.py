@@ -4,8 +4,8 @@ executors of executors.py (reference, cpu, cuda) over one masks.StepView. The sa
 as transformers' forward, with less Python around it and fewer, wider linears.
 
 Why: with the linears at the memory roofline (prepack.py, our kernel), a one-token forward of
-SmolLM2-135M on a 2-core CPU spent about as long in transformers' Python (module calls, hooks,
-decorators, mask preparation; ~7 ms of a 19 ms step) as in reading the weights (~9 ms). This
+a small model spent about as long in transformers' Python (module calls, hooks, decorators, mask
+preparation) as in reading the weights (docs/results/cpu-roofline-2026-11-27). This
 forward walks the layers in one loop and calls the model's own pieces directly:
   - the model's own RMSNorm, rotary embedding, `apply_rotary_pos_emb`, activation and attention
     function (transformers' sdpa or eager one, chosen as the model's config says), through their

@@ -195,8 +195,7 @@ class _GreedyHead:
     state and its residual, a rigorous error bound per vocabulary entry, and the exact fp32
     product on the few entries that can win (csrc/include/jacobi/greedy_screen.h). Bitwise the
     argmax of the exact logits (every tie, NaN and overflow included: such rows take the whole
-    product). On a 2-core EPYC, SmolLM2's head: 0.92 -> 0.68 ms for one token, 6.1 -> 3.5 ms
-    for 16 (2026-12-05)."""
+    product). What it saves: docs/results/cpu-floor-2026-12-05."""
 
     TYPES = (3, 8)  # Q4_1, Q8_0: the types of the 8-bit kernel
 

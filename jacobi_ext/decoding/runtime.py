@@ -139,8 +139,8 @@ def prefill_chunk(graph_mode: str | None) -> int:
     """Prompt tokens a prefill feeds per forward (0: the whole prompt in one forward). On CUDA
     with graphs, a prompt runs as chunks of PREFILL_CHUNK tokens, each a step of one row (the
     step plan's causal rule) replayed from a graph captured once, then committed: a prompt's
-    forward in one eager pass launched every op of every layer from Python (~50 ms for a
-    170-token prompt on an H200, the time of ~200 decoded tokens). On a CPU one pass is faster
+    forward in one eager pass launched every op of every layer from Python (the time of a few
+    hundred decoded tokens on a GPU; docs/results/h200-2026-12-04). On a CPU one pass is faster
     (one large product per linear, no launches to save). JACOBI_EXT_PREFILL_CHUNK=N sets it
     (0: one pass), on any device."""
     chunk = options().prefill_chunk
@@ -399,9 +399,8 @@ class StaticRuntime(GraphReplay):
         forward(q, ..., in_place=True) on the same inputs (the same mask, positions, slots and
         ops, so the same bits; tests/test_decoding_fast_ar.py), without the batch step's
         fixed-shape bookkeeping (input rows, gathers, the commit op, the packed row), its inputs
-        made natively where the lean forward can (lean.LeanDecoder.ar_step): whole ar calls
-        0.92 of the batch step's time on a 2-core EPYC. The caller commits: self.hi +=
-        accepted."""
+        made natively where the lean forward can (lean.LeanDecoder.ar_step; what it saves:
+        docs/results/cpu-floor-2026-12-05). The caller commits: self.hi += accepted."""
         q = len(toks)
         if self._lean.native_ar:  # the step's inputs made natively too (lean.ar_step)
             return _targets(self._lean.ar_step(toks, self._lo_host, hi, self))

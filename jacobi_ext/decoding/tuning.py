@@ -143,8 +143,8 @@ class StepCurve:
 
 #: What a tuned call measures when it finds no curve for this model: one token, the usual block,
 #: a wide one, over a cache of QUICK_CONTEXT tokens, one forward each after the probe's prefill
-#: (~0.1 s for SmolLM2-135M on a 2-core CPU, against ~4-7 s for the full curve, SIZES x 5
-#: rounds, that `jacobi-forcing tune` and the demo's plot measure). A first tuned call should
+#: (a few forwards, against SIZES x 5 rounds for the full curve that `jacobi-forcing tune` and
+#: the demo's plot measure: docs/decoding.md, "Tuning", has the times). A first tuned call should
 #: not wait seconds for its answer: on a fresh cache it stays within 1.3x of the same call warm.
 #: The steps tuned calls then run are timed and refine the curve (Tuner.add_step_times).
 #: Every size runs on the same CPU kernel (the 8-bit linear's AMX tile starts past 64 rows:
@@ -446,7 +446,7 @@ class Tuner:
 
         Each call's times are first brought to the probe's pace: divided by the call's median
         ratio observed / probe over its widths. Calls run in different minutes of a host whose
-        pace moves (2x within one benchmark run on a shared 2-core machine), and each sees only
+        pace moves (by 2x within one benchmark run on a shared machine), and each sees only
         some widths (AR with lookup: 1 and its drafts'; a parallel call: its block's): blended
         as they were, a width seen only in a fast minute looked cheaper than a smaller one seen
         in all minutes, and the tuner picked a block twice the best one. Paced, a call informs
@@ -530,18 +530,17 @@ class Tuner:
         for both) cannot weigh. So the two race on measured speed: the engine records each tuned
         call's tokens per one-token-forward cost (`add_mode_speed`); once the parallel pick has
         a figure, the next call runs AR with lookup to get one, then the faster runs, and one call
-        in RETRY_LOSER_EVERY runs the slower again. (Measured on a 2-core CPU, fp32, 2026-11-26:
-        the prediction picked `multiblock` n = 4, K = 2, pool 4 for the distilled model, which AR
-        with lookup beat side by side; trying one block without candidates did not help either.)"""
+        in RETRY_LOSER_EVERY runs the slower again. (Measured: the prediction picked a
+        `multiblock` setting for the distilled model that AR with lookup beat side by side on a
+        CPU; docs/results/cpu-fast-paths-2026-11-26.)"""
         curve = curve or self.curve()
         prof = self.profile
         if rho is None:
             rho = prof.get("rho", PRIOR_RHO)
         # `multiblock` also weighs one block without candidates (a Jacobi step inside the multiblock
-        # engine): where a wide forward costs little more than a narrow one (bf16 on a CPU with AMX:
-        # t(16) = 1.22 t(1)), n = 16 alone commits more per cost than K blocks of n = 4 with a pool
-        # (measured 2026-11-26, chunk G, HumanEval[:25] bf16: jacobi n = 16 2.46x greedy, the
-        # pick n = 4, K = 2, pool 4 2.00x); where it costs more (fp32 here), the prediction says so.
+        # engine): where a wide forward costs little more than a narrow one (bf16 on a CPU with
+        # AMX, a GPU), n = 16 alone commits more per cost than K blocks of n = 4 with a pool
+        # (docs/results/cpu-fast-paths-2026-11-26); where it costs more, the prediction says so.
         shapes = [(1, 0)] if method == "jacobi" else [(num_blocks, pool_size)]
         if method == "multiblock" and (num_blocks, pool_size) != (1, 0):
             shapes.append((1, 0))
