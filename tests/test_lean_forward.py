@@ -150,7 +150,7 @@ def test_native_layer_loop_is_the_python_loop_bitwise(family, dtype, monkeypatch
 def test_every_method_is_our_ar_on_the_kernel(family, dtype, monkeypatch):
     """Lossless where the linears run on our kernel (and attention and norms on our fused ops):
     jacobi, multiblock (with and without lookup drafts) and a batch give exactly our AR's
-    tokens."""
+    tokens, greedy and sampled."""
     assert prepack.kernel_available()
     monkeypatch.setattr(prepack, "cpu_has_amx", lambda: False)  # the kernel, not a measurement
     model = _model(family, "sdpa", dtype, seed=4)
@@ -168,6 +168,12 @@ def test_every_method_is_our_ar_on_the_kernel(family, dtype, monkeypatch):
         assert torch.equal(got, ar), name
         one = generate(model, ids[1:2], max_new_tokens=48, **kw).tokens  # batch of one
         assert torch.equal(one[0, : one.shape[1]], ar[1, : one.shape[1]]), name
+    # Sampling on the same fused path: every method draws exactly AR's sample for a seed.
+    sample = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=3)
+    want = generate(model, ids, max_new_tokens=48, method="ar", **sample).tokens
+    assert not torch.equal(want, ar)  # (a sample, not the greedy answer)
+    for name, kw in runs.items():
+        assert torch.equal(generate(model, ids, max_new_tokens=48, **kw, **sample).tokens, want)
     # Without the fused ops the lean forward is transformers' (bitwise): the same tokens.
     monkeypatch.setenv("JACOBI_EXT_FUSED", "0")
     unfused = generate(model, ids, max_new_tokens=48, method="ar").tokens
