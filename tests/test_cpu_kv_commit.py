@@ -185,3 +185,31 @@ def test_a_half_cache_goes_with_fp32_qkv_and_half_kept_keys():
     with pytest.raises(ValueError, match="with float32 qkv"):
         op(qkv.bfloat16(), 1, 1, cs.bfloat16(), cs.bfloat16(), k, v, *args)
     op(qkv, 1, 1, cs, cs, k, v, *args, torch.zeros(1, 1, 1, 4, 16, dtype=torch.half))
+
+
+def test_the_runtimes_torch_commit_moves_what_the_op_moves():
+    """StaticRuntime.commit has one move: the kv_commit op, or its torch statement
+    (_commit_reference) where a device has no kernel; both move the same slots, and hi advances
+    alike (in place too: the K/V already there, only hi moves)."""
+    from jacobi_ext.decoding.runtime import StaticRuntime
+    from jacobi_ext.models import tiny_llama
+
+    model = tiny_llama(vocab_size=50, hidden_size=64, num_heads=4, num_kv_heads=2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (3, 6), generator=g)
+    rts = [StaticRuntime(model, 3, 24, 8) for _ in range(2)]
+    rts[1]._kv_commit = None  # the torch statement
+    for rt in rts:
+        rt.prefill(ids, torch.tensor([0, 2, 5]), None)
+    with torch.inference_mode():  # (the runtime's buffers are inference tensors)
+        for a, b in zip(rts[0].cache.layers, rts[1].cache.layers, strict=True):
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                x.copy_(torch.randn(x.shape, generator=g))
+                y.copy_(x)
+        src, count = torch.tensor([0, 3, 1]), torch.tensor([2, 5, 0])
+        for rt in rts:
+            rt.commit(src, count)
+            rt.commit(None, torch.tensor([1, 0, 2]), in_place=True)
+    assert torch.equal(rts[0].hi, rts[1].hi) and rts[0].hi.tolist() == [17, 19, 16]
+    for a, b in zip(rts[0].cache.layers, rts[1].cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

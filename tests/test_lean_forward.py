@@ -173,7 +173,8 @@ def test_every_method_is_our_ar_on_the_kernel(family, dtype, monkeypatch):
     want = generate(model, ids, max_new_tokens=48, method="ar", **sample).tokens
     assert not torch.equal(want, ar)  # (a sample, not the greedy answer)
     for name, kw in runs.items():
-        assert torch.equal(generate(model, ids, max_new_tokens=48, **kw, **sample).tokens, want)
+        got = generate(model, ids, max_new_tokens=48, **kw, **sample).tokens
+        assert torch.equal(got, want), name
     # Without the fused ops the lean forward is transformers' (bitwise): the same tokens.
     monkeypatch.setenv("JACOBI_EXT_FUSED", "0")
     unfused = generate(model, ids, max_new_tokens=48, method="ar").tokens

@@ -432,16 +432,15 @@ class StaticRuntime(GraphReplay):
     def _kv_bufs(self) -> list[torch.Tensor]:
         return [buf for layer in self.cache.layers for buf in (layer.keys, layer.values)]
 
-    def commit(self, src: torch.Tensor, count: torch.Tensor, in_place: bool = False) -> None:
-        """For each sequence b, move the K/V of scratch slots [src[b], src[b] + count[b]) to
-        [hi[b], hi[b] + count[b]) and advance hi[b] (count[b] <= scratch). Fixed shapes and no
-        host values: it runs inside the step's graph. On a CPU, one native call for all layers
-        (the indexed copy below costs ~25 us a layer there, ~1.5 ms a step). in_place: the step
-        ran forward(in_place=True), so the K/V to keep are already at [hi, hi + count)."""
-        if in_place:
-            self.hi.add_(count)
-            return
-        if self._kv_commit is not None:
+    def commit(self, src: torch.Tensor | None, count: torch.Tensor, in_place: bool = False) -> None:
+        """The step's one commit: for each sequence b, move the K/V of scratch slots
+        [src[b], src[b] + count[b]) to [hi[b], hi[b] + count[b]) and advance hi[b]
+        (count[b] <= scratch). Fixed shapes and no host values: it runs inside the step's graph.
+        The move is the kv_commit op (one native call for all layers on a CPU, one kernel on
+        CUDA), or where this build has none for the device its torch statement
+        (_commit_reference). in_place: the step ran forward(in_place=True), so the K/V to keep
+        already sit at [hi, hi + count): only hi moves (src unused)."""
+        if not in_place and self._kv_commit is not None:
             # (no walrus here: the step traces under torch.compile, which cannot read its cell)
             kts = [
                 layer.keys_t
@@ -449,8 +448,13 @@ class StaticRuntime(GraphReplay):
                 if getattr(layer, "keys_t", None) is not None
             ]
             self._kv_commit(self._kv_bufs(), src, self.hi, count, kts)
-            self.hi.add_(count)
-            return
+        elif not in_place:
+            self._commit_reference(src, count)
+        self.hi.add_(count)
+
+    def _commit_reference(self, src: torch.Tensor, count: torch.Tensor) -> None:
+        """kv_commit's move in torch ops (an indexed copy per buffer, ~25 us a layer on a CPU):
+        for a device without our kernel."""
         width = self.scratch
         ar = self._slots[:width][None, :]
         valid = ar < count[:, None]
@@ -461,7 +465,6 @@ class StaticRuntime(GraphReplay):
             for buf in (layer.keys, layer.values):
                 t = buf.transpose(1, 2)  # [B, slots, H, D] view
                 t[rows, d] = t[rows, s]
-        self.hi.add_(count)
 
 
 def _tensors(obj):

@@ -176,14 +176,15 @@ class BatchStep:
     def ar_row(self, pl: Plan, hi: int) -> list[int]:
         """The packed row run() returns for one AR sequence (ar_fast()), without the batch
         step's fixed-shape bookkeeping: runtime.ar_forward, the same AR acceptance as every step
-        (the ar_accept op), and the commit (hi += accepted). hi: the sequence's committed end."""
+        (the ar_accept op), and the same commit (runtime.commit in place: hi += accepted). hi:
+        the sequence's committed end."""
         toks = torch.tensor([pl.host[: pl.q]])  # [1, q]: made once, read by both calls
         tgt = self.rt.ar_forward(toks[0], hi)
         self._fed1.fill_(pl.q)
         rows, count = torch.ops.jacobi_ext.ar_accept(
             toks, tgt, self._fed1, self.eos, self.S, self.tail
         )
-        self.rt.hi.add_(count[0])
+        self.rt.commit(None, count, in_place=True)  # (the K/V already in place: hi moves)
         return rows[0].tolist()
 
     def encode(self, plans: dict[int, Plan]) -> torch.Tensor:
