@@ -50,3 +50,4 @@ lookup = _load("lookup")
 accepted_length = next_draft.accepted_length
 next_main_row = next_draft.next_main_row
 NgramIndex = lookup.NgramIndex
+LookupPolicy = lookup.LookupPolicy

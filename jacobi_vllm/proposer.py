@@ -32,6 +32,15 @@ Settings, all optional, in `additional_config={"jacobi": {...}}`:
   continuation still is). A step without drafts is a one-token forward, as vLLM's `ngram` makes
   without a match. Default 0: always a full block (a GPU, where a wide verify forward costs about
   a one-token one).
+- cost_aware: size every step's drafts by what they cost, as our engine sizes its lookup drafts
+  (the engine's own LookupPolicy, jacobi_ext/decoding/lookup.py): vLLM's step time per tokens
+  verified is learnt from the time between the proposer's calls (StepClock), and each source's
+  per-draft acceptance (the Jacobi tail; a lookup after a match of 1-3 tokens) from the steps
+  verified; each step proposes the tail or the lookup continuation, cut to the length that
+  commits the most tokens per unit of step time, or nothing where no length pays (a one-token
+  step). For a CPU, where each verified draft costs; default False (a full block every step).
+- draft_cost_prior: with cost_aware, the step time each extra verified token is assumed to add
+  (a fraction of a one-token step) until two widths have been timed; default 0.1.
 - seed: for the context tokens a new block starts from (they change the speed, never the
   output); default 0.
 - record: keep every step's record and proposal in jacobi_vllm.hook.STATE.history and
@@ -47,11 +56,13 @@ from __future__ import annotations
 import logging
 import math
 import random
+import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from . import hook
-from ._rules import NgramIndex, accepted_length, next_main_row
+from ._rules import LookupPolicy, NgramIndex, accepted_length, next_main_row
 
 logger = logging.getLogger("jacobi_vllm")
 
@@ -92,7 +103,8 @@ class JacobiProposer:
         cfg = dict((extra or {}).get("jacobi", {}) if isinstance(extra, dict) else {})
         unknown = set(cfg) - {
             "block_size", "num_blocks", "activation_ratio", "lookup", "lookup_min_match",
-            "min_tail_accept", "seed", "record", "allow_untested_vllm",
+            "min_tail_accept", "cost_aware", "draft_cost_prior", "seed", "record",
+            "allow_untested_vllm",
         }  # fmt: skip
         if unknown:
             raise ValueError(f"unknown jacobi settings in additional_config: {sorted(unknown)}")
@@ -117,6 +129,16 @@ class JacobiProposer:
         self.min_tail_accept = float(cfg.get("min_tail_accept", 0.0))
         # drafts accepted a step, [sum, steps], per source ("jacobi", or a lookup's match length)
         self.accepted = {s: [v * PRIOR_WEIGHT, PRIOR_WEIGHT] for s, v in PRIOR.items()}
+        self.cost_aware = bool(cfg.get("cost_aware", False))
+        self.clock = StepClock(float(cfg.get("draft_cost_prior", 0.1)))
+        self._batch = 1  # requests in the step being proposed for (the cost of a draft there)
+        # per-draft acceptance, as the engine's lookup drafts learn theirs: lookups per match
+        # length, and the Jacobi tail (class 1 of its own policy; prior: PRIOR["jacobi"] drafts
+        # a step, as a per-draft rate)
+        self.lookup_policy = LookupPolicy(self._cost_ratio)
+        self.tail_policy = LookupPolicy(self._cost_ratio, max_n=1)
+        rho = PRIOR["jacobi"] / (1 + PRIOR["jacobi"])
+        self.tail_policy.accepted[1], self.tail_policy.rejected[1] = 2 * rho, 2 * (1 - rho)
         self.seed = int(cfg.get("seed", 0))
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         record = bool(cfg.get("record", False))
@@ -144,6 +166,8 @@ class JacobiProposer:
         hook.STATE.last = None  # each record serves the step it was taken in, once
         if rec is not None and len(rec.req_ids) != len(sampled_token_ids):
             rec = None
+        self.clock.step_ended(time.perf_counter())
+        self._batch = max(1, sum(1 for s in sampled_token_ids if s))
         out: list[list[int]] = []
         live: set[str] = set()
         for i, sampled in enumerate(sampled_token_ids):
@@ -170,6 +194,7 @@ class JacobiProposer:
         if rec is not None:
             for gone in set(self.reqs) - live:  # finished, aborted or preempted
                 del self.reqs[gone]
+        self.clock.step_starts(time.perf_counter(), sum(1 + len(d) for d in out))
         return out
 
     # ---- drafts ---------------------------------------------------------------------------------
@@ -202,6 +227,8 @@ class JacobiProposer:
             acc = self.accepted.setdefault(st.source, [0.0, 0.0])
             acc[0] += a - 1
             acc[1] += 1
+            policy, cls = self._policy(st.source)
+            policy.observe(cls, len(row) - 1, a - 1)
         ends = st.block_ends if st.main_len == len(row) and st.block_ends else [len(row)]
         left = [e - a for e in ends if e - a > 0]
         g, j = st.index.match() if self.lookup != "off" else (0, -1)
@@ -212,6 +239,8 @@ class JacobiProposer:
         nxt, ends = next_main_row(
             row, greedy, a, ends, init, n, self.num_blocks, self.spawn_threshold, False
         )
+        if self.cost_aware:
+            return self._by_cost(st, nxt, ends, bool(left), g, j, seed, n, a)
         source, st.source = ("jacobi", "jacobi") if left else ("spawn", g or None)
         if left and g > 0 and self._lookup_beats_tail(g):
             cont = st.index.continuation(j, n - 1)
@@ -222,6 +251,44 @@ class JacobiProposer:
             return [], "none", a - 1
         st.block_ends = ends
         return nxt[1:], source, a - 1
+
+    # ---- cost_aware: each step's drafts cut to the length that pays -------------------------
+    def _policy(self, source) -> tuple[LookupPolicy, int]:
+        """The acceptance model of a step's source: the tail's, or the lookups' after g tokens."""
+        return (self.tail_policy, 1) if source == "jacobi" else (self.lookup_policy, source)
+
+    def _cost_ratio(self, q: int) -> float:
+        """A step's time with one request verifying q tokens (the others one each), over a step
+        without drafts: the engine's cost curve, vLLM's measured."""
+        return self.clock.ratio(self._batch - 1 + q, self._batch)
+
+    def _gain(self, policy: LookupPolicy, cls: int, k: int) -> float:
+        """Expected tokens committed per unit of step time with k drafts (LookupPolicy's model)."""
+        rho = min(policy.rho(cls), 0.999)
+        return (1.0 - rho ** (k + 1)) / (1.0 - rho) / self._cost_ratio(1 + k)
+
+    def _by_cost(self, st, nxt, ends, left, g, j, seed, n, a) -> tuple[list[int], str, int]:
+        """The step's drafts under cost_aware: the Jacobi row (a tail, or a new block of context
+        tokens) and, after a lookup match, the lookup continuation, each cut to the length its
+        policy finds best; the one committing more per unit of time, or nothing."""
+        options = []  # (gain, row, ends, source, what to learn from)
+        if left or g == 0:
+            k = self.tail_policy.size(1)
+            cut = [e for e in ends if e < 1 + k] + [1 + k]
+            learn = "jacobi" if left else None  # (a block of context tokens: nothing to learn)
+            options.append((self._gain(self.tail_policy, 1, k), nxt[: 1 + k], cut,
+                            "jacobi" if left else "spawn", learn))  # fmt: skip
+        if g > 0:
+            k = min(self.lookup_policy.size(g), n - 1)
+            row = [seed, *st.index.continuation(j, k)]
+            options.append((self._gain(self.lookup_policy, g, k), row, [1 + k],
+                            "tail-lookup" if left else "spawn", g))  # fmt: skip
+        _, row, ends, source, learn = max(options, key=lambda o: o[0])
+        if len(row) == 1:  # no length pays: a one-token step; the next starts afresh
+            st.block_ends, st.source = [], None
+            return [], "none", a - 1
+        st.block_ends, st.source = ends, learn
+        return row[1:], source, a - 1
 
     def _not_worth_it(self, source: str, g: int) -> bool:
         """min_tail_accept (see the module docstring): whether to propose nothing this step."""
@@ -245,3 +312,58 @@ class JacobiProposer:
         index = index or NgramIndex(ctx[-4096:])
         g, j = index.match()
         return index.continuation(j, k) if g >= 2 else []
+
+
+class StepClock:
+    """vLLM's step time against the tokens the step verified, learnt from the proposer's own
+    calls: vLLM calls propose() once a step, after the step's forward and sampling, so the time
+    from one call's return to the next call is a step's, and the tokens it verified are the rows
+    the first call proposed (1 + drafts for each request). The median of the last `keep` times
+    per width; between widths timed, linear; beyond them, the nearest two's slope, or with one
+    width timed `prior_slope` of its time per token. Non-decreasing in the width (a noisy wider
+    step that timed faster does not make drafts look free)."""
+
+    def __init__(self, prior_slope: float = 0.1, keep: int = 15) -> None:
+        self.prior_slope = prior_slope
+        self.keep = keep
+        self.times: dict[int, deque] = {}
+        self._started: tuple[float, int] | None = None  # (when, width) of the step under way
+
+    def step_starts(self, now: float, width: int) -> None:
+        self._started = (now, width) if width > 0 else None
+
+    def step_ended(self, now: float) -> None:
+        if self._started is not None:
+            t0, w = self._started
+            self.times.setdefault(w, deque(maxlen=self.keep)).append(now - t0)
+        self._started = None
+
+    def _curve(self) -> list[tuple[int, float]]:
+        seen, top = [], 0.0
+        for w in sorted(self.times):
+            top = max(top, statistics.median(self.times[w]))
+            seen.append((w, top))
+        return seen
+
+    def time(self, w: int) -> float | None:
+        """The expected time of a step verifying w tokens (None: nothing timed yet)."""
+        seen = self._curve()
+        if not seen:
+            return None
+        if len(seen) == 1:
+            w0, t0 = seen[0]
+            return t0 * max(1.0 + self.prior_slope * (w - w0), 1e-3)
+        pairs = list(zip(seen, seen[1:], strict=False))
+        (w0, t0), (w1, t1) = pairs[0] if w < seen[0][0] else pairs[-1]
+        for (a0, b0), (a1, b1) in pairs:
+            if a0 <= w <= a1:
+                (w0, t0), (w1, t1) = (a0, b0), (a1, b1)
+                break
+        return max(t0 + (t1 - t0) * (w - w0) / (w1 - w0), 1e-9)
+
+    def ratio(self, w: int, base: int) -> float:
+        """time(w) / time(base); before any step is timed, the prior's."""
+        tw, tb = self.time(w), self.time(base)
+        if tw is None or tb is None:
+            return max(1.0 + self.prior_slope * (w - base), 1e-3)
+        return tw / tb

@@ -222,3 +222,93 @@ def test_min_tail_accept_proposes_nothing_where_drafts_would_not_pay(tails_pay):
     ctx = [2, 5, 7, 9, 9, 4, 3, 8, 1, 6, 2, 5, 7]
     draft = propose(ctx, [5], [5, 7], [5, 7], rid="t")
     assert draft[:5] == [9, 9, 4, 3, 8]
+
+
+# ---- cost_aware: drafts cut to the length that pays ---------------------------------------------
+
+
+def test_step_clock_learns_the_step_time_per_width():
+    from jacobi_vllm.proposer import StepClock
+
+    c = StepClock(prior_slope=0.1)
+    assert c.time(4) is None and c.ratio(4, 1) == pytest.approx(1.3)  # the prior alone
+    c.step_starts(10.0, 1)
+    c.step_ended(10.05)  # one step verifying 1 token: 50 ms
+    assert c.ratio(5, 1) == pytest.approx(1.4)  # one width timed: the prior's slope
+    for t in (0.09, 0.5, 0.09):  # width 5: the median, not the outlier (a prefill in the step)
+        c.step_starts(0.0, 5)
+        c.step_ended(t)
+    assert c.time(5) == pytest.approx(0.09)
+    assert c.time(3) == pytest.approx(0.07)  # between widths: linear
+    assert c.time(9) == pytest.approx(0.13)  # beyond: the last two's slope
+    c.step_starts(0.0, 7)
+    c.step_ended(0.06)  # a wider step timed faster: the curve stays non-decreasing
+    assert c.time(7) == pytest.approx(0.09) and c.time(6) == pytest.approx(0.09)
+    c.step_ended(99.0)  # no step under way (nothing proposed): nothing recorded
+    assert sum(len(v) for v in c.times.values()) == 5
+
+
+@pytest.mark.parametrize("per_token,want", [(0.01, 6), (0.3, 1), (1.0, 0)])
+def test_cost_aware_cuts_the_tail_to_the_length_that_pays(per_token, want):
+    """With per-draft acceptance ~0.6 the tail is proposed whole where a verified token costs 1 %
+    of a step, cut to one draft where it costs 30 % (the engine's LookupPolicy: 1 + E[accepted]
+    per unit of time is highest there), and not at all where it costs a whole step."""
+    np = pytest.importorskip("numpy")
+    from jacobi_vllm import hook
+
+    p = _proposer(8, 1, 0.85)
+    p.cost_aware = True
+    for w in (1, 2, 4, 8):  # vLLM's step: 1 + per_token per extra verified token
+        for _ in range(3):
+            p.clock.step_starts(0.0, w)
+            p.clock.step_ended(1.0 + per_token * (w - 1))
+    p.tail_policy.accepted[1], p.tail_policy.rejected[1] = 6.0, 4.0  # 0.6 a draft (then 7/12)
+    ctx = [1, 2, 3, 4, 2, 5, 7]  # no earlier 7: no lookup match
+    verified, greedy = [5, 0, 0, 0, 0, 0, 0], [5, 7, 11, 12, 13, 14, 15, 16]
+    hook.STATE.last, hook.STATE.broken = hook.StepRecord(5, ["r"], [verified], [greedy]), None
+    st = p._state("r", ctx)  # the step just verified was a Jacobi row of 8 (seed + 7 drafts)
+    st.source, st.main_len, st.block_ends = "jacobi", 8, [8]
+    tok = np.zeros((1, 64), dtype=np.int64)
+    tok[0, : len(ctx)] = ctx
+    (draft,) = p.propose([[5, 7]], np.array([len(ctx)]), tok)
+    # it accepted one draft of 7 (5), then missed: the tail policy learnt that first
+    assert p.tail_policy.accepted[1] == 7.0 and p.tail_policy.rejected[1] == 5.0
+    assert draft == greedy[2:-1][:want]  # the model's tail, cut
+
+
+def test_cost_aware_takes_the_lookup_where_lookups_pay_more():
+    np = pytest.importorskip("numpy")
+    from jacobi_vllm import hook
+
+    p = _proposer(8, 1, 0.85)
+    p.cost_aware, p.lookup = True, "auto"
+    p.tail_policy.accepted[1], p.tail_policy.rejected[1] = 0.2, 9.8  # tails rarely accepted
+    p.lookup_policy.accepted[3], p.lookup_policy.rejected[3] = 9.0, 1.0  # lookups after 3: 0.9
+    ctx = [1, 2, 5, 7, 9, 9, 4, 3, 8, 2, 5, 7]  # 2 5 7 occurred before, then 9 9 4 3 8 2 5
+    verified, greedy = [5, 0, 0, 0, 0, 0, 0], [5, 7, 11, 12, 13, 14, 15, 16]
+    hook.STATE.last, hook.STATE.broken = hook.StepRecord(5, ["r"], [verified], [greedy]), None
+    tok = np.zeros((1, 64), dtype=np.int64)
+    tok[0, : len(ctx)] = ctx
+    (draft,) = p.propose([[5, 7]], np.array([len(ctx)]), tok)  # (the prior cost: 0.1 a token)
+    assert draft == [9, 9, 4, 3, 8, 2, 5]
+    assert p.reqs["r"].source == 3  # what the next step learns from: a lookup after 3
+
+
+def test_the_clock_times_each_vllm_step_between_the_proposers_calls(monkeypatch):
+    """vLLM calls propose() once a step: from one call's return to the next call is the step that
+    verified what the first call proposed (1 + its drafts a request)."""
+    np = pytest.importorskip("numpy")
+    from jacobi_vllm import hook, proposer
+
+    p = _proposer(4, 1, 0.85)
+    p.cost_aware = True
+    now = iter([10.0, 10.01, 10.3, 10.31])
+    monkeypatch.setattr(proposer.time, "perf_counter", lambda: next(now))
+    ctx = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4]  # ends in 3 1 4, seen before: lookup drafts
+    tok = np.zeros((2, 64), dtype=np.int64)
+    tok[:, : len(ctx)] = ctx
+    hook.STATE.last = None  # (no record: the lookup-only fallback drafts)
+    drafts = p.propose([[4], [4]], np.array([len(ctx)] * 2), tok)
+    assert [len(d) for d in drafts] == [3, 3]
+    p.propose([[1], [5]], np.array([len(ctx)] * 2), tok)
+    assert {w: list(t) for w, t in p.clock.times.items()} == {8: [pytest.approx(0.29)]}

@@ -20,7 +20,7 @@ from vllm_helpers import SKIP_NO_VLLM
 pytest.importorskip("vllm", reason=SKIP_NO_VLLM)
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 
-from vllm_helpers import ROOT, close, engine_env, make_llm, write_tiny_llama  # noqa: E402
+from vllm_helpers import ROOT, engine_env, running_llm, write_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,15 +40,12 @@ def tiny(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         engine_env(mp)
         path = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-        llm = make_llm(path)  # the offline answers: vLLM's greedy, no speculation
-        try:
+        with running_llm(path) as llm:  # the offline answers: vLLM's greedy, no speculation
             from vllm import SamplingParams
 
             sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
             offline = [o.outputs[0].text for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
             chat = llm.chat(CHAT, sp, use_tqdm=False)[0].outputs[0].text
-        finally:
-            close(llm)
     return path, offline, chat
 
 

@@ -13,13 +13,7 @@ from vllm_helpers import SKIP_NO_VLLM
 
 pytest.importorskip("vllm", reason=SKIP_NO_VLLM)
 
-from vllm_helpers import (  # noqa: E402
-    close,
-    engine_env,
-    generate_batch_and_one_by_one,
-    make_llm,
-    needs_shipped_model,
-)
+from vllm_helpers import batch_and_alone, engine_env, needs_shipped_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -62,11 +56,7 @@ def setup():
             SamplingParams(temperature=0, max_tokens=80, stop=["return"]),
             SamplingParams(temperature=0, max_tokens=56),
         ]
-        llm = make_llm(model)
-        try:
-            greedy, alone = generate_batch_and_one_by_one(llm, prompts, params)
-        finally:
-            close(llm)
+        greedy, alone = batch_and_alone(model, prompts, params)
         assert greedy == alone
         yield model, prompts, params, greedy
 
@@ -79,11 +69,8 @@ def test_shipped_model_lossless_and_jacobi_runs(setup):
     hook.uninstall()
     JacobiProposer.PROPOSALS = None
     try:
-        llm = make_llm(model, proposer={"block_size": 16, "record": True}, k=15)
-        try:
-            together, alone = generate_batch_and_one_by_one(llm, prompts, params)
-        finally:
-            close(llm)
+        proposer = {"block_size": 16, "record": True}
+        together, alone = batch_and_alone(model, prompts, params, proposer, k=15)
         assert together == greedy
         assert alone == greedy
         records = list(hook.STATE.history)

@@ -16,10 +16,8 @@ pytest.importorskip("vllm", reason=SKIP_NO_VLLM)
 
 from vllm_helpers import (  # noqa: E402
     TINY_PROMPTS,
-    close,
+    batch_and_alone,
     engine_env,
-    generate_batch_and_one_by_one,
-    make_llm,
     tiny_params,
     write_tiny_llama,
 )
@@ -40,11 +38,7 @@ def tiny(env, tmp_path_factory):
 @pytest.fixture(scope="module")
 def greedy(tiny):
     """vLLM's greedy without speculation: four at once, and each alone."""
-    llm = make_llm(tiny)
-    try:
-        together, alone = generate_batch_and_one_by_one(llm, TINY_PROMPTS, tiny_params())
-    finally:
-        close(llm)
+    together, alone = batch_and_alone(tiny, TINY_PROMPTS, tiny_params())
     assert together == alone
     assert len({len(ids) for _, ids, _ in together}) == 4, "the requests should be ragged"
     return together
@@ -70,11 +64,8 @@ def fresh_hook():
 def test_lossless_and_drafts_are_the_jacobi_tails(tiny, greedy, fresh_hook, settings, k):
     from jacobi_vllm.proposer import JacobiProposer
 
-    llm = make_llm(tiny, proposer={**settings, "record": True}, k=k)
-    try:
-        together, alone = generate_batch_and_one_by_one(llm, TINY_PROMPTS, tiny_params())
-    finally:
-        close(llm)
+    proposer = {**settings, "record": True}
+    together, alone = batch_and_alone(tiny, TINY_PROMPTS, tiny_params(), proposer, k)
     assert together == greedy
     assert alone == greedy
 
@@ -111,11 +102,8 @@ def test_wrong_vllm_signature_falls_back_to_lookup(tiny, greedy, fresh_hook, mon
 
     monkeypatch.setattr(GPUModelRunner, "_sample", _sample)
     with caplog.at_level(logging.WARNING, logger="jacobi_vllm"):
-        llm = make_llm(tiny, proposer={"record": True})
-        try:
-            together, alone = generate_batch_and_one_by_one(llm, TINY_PROMPTS, tiny_params())
-        finally:
-            close(llm)
+        proposer = {"record": True}
+        together, alone = batch_and_alone(tiny, TINY_PROMPTS, tiny_params(), proposer)
     assert together == greedy
     assert alone == greedy
     warnings = [r for r in caplog.records if r.name == "jacobi_vllm" and r.levelno >= 30]

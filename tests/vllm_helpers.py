@@ -9,6 +9,7 @@ folders only: a tiny random Llama written here, and the shipped model exported b
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -104,6 +105,16 @@ def close(llm) -> None:
     gc.collect()
 
 
+@contextlib.contextmanager
+def running_llm(model: Path, proposer: dict | None = None, k: int = 7, **kw):
+    """make_llm's engine for the `with` block, shut down after it (an error included)."""
+    llm = make_llm(model, proposer, k, **kw)
+    try:
+        yield llm
+    finally:
+        close(llm)
+
+
 def texts_and_ids(outputs) -> list[tuple[str, list[int], str | None]]:
     return [
         (o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
@@ -118,6 +129,13 @@ def generate_batch_and_one_by_one(llm, prompts, params):
     for p, s in zip(prompts, params, strict=True):
         alone += texts_and_ids(llm.generate([p], s, use_tqdm=False))
     return together, alone
+
+
+def batch_and_alone(model: Path, prompts, params, proposer: dict | None = None, k: int = 7):
+    """(together, alone) of generate_batch_and_one_by_one on a vLLM made for the call: greedy
+    without speculation, or with `proposer`'s settings and up to `k` drafts a step."""
+    with running_llm(model, proposer, k) as llm:
+        return generate_batch_and_one_by_one(llm, prompts, params)
 
 
 def needs_shipped_model():
