@@ -226,8 +226,8 @@ def test_ar_steps_written_in_place_are_the_scratch_steps_bitwise(dtype, lookup, 
         got[mode], moved[:], listed[:] = [], [], []
         out = generate(model, prompt, max_new_tokens=40, method="ar", lookup=lookup)
         tokens[mode] = out.tokens
-        if mode == "lists":  # in place too, committed by ar_row itself (no commit op)
-            assert len(listed) == out.forwards and not moved
+        if mode == "lists":  # in place too: ar_row's commit (the one commit) moves nothing
+            assert len(listed) == out.forwards == len(moved) and not any(moved)
         else:
             assert not listed and moved and all(m == (mode == "scratch") for m in moved), mode
         # fewer forwards than tokens (drafts accepted) exactly where drafts were fed
