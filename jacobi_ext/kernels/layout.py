@@ -211,8 +211,8 @@ class JacobiLayout:
         """The kernels' table in the natural (packed) token order, from ``jf_block_table``;
         one object per device, shared by equal layouts (``_TABLES``): the sm_90a tile lists are
         cached on it (kernels/attention.py), and a fresh copy per call built them again on the
-        host at every call (an H200 run, 2026-11-28: jacobi_attention with sm90 at 4-6x the op's
-        time)."""
+        host at every call (jacobi_attention with sm90 at 4-6x the op's time:
+        docs/results/h200-2026-11-28)."""
         device = _resolved(device if device is not None else "cpu")
         key = (self.prompt_len, self.block_size, self.num_blocks, self.variant, self.window,
                str(device))  # fmt: skip

@@ -263,7 +263,7 @@ def _load_with_adapter(path: Path, dtype, device, attn_implementation, verbose, 
     # The base is loaded on the CPU (peft merges there), but whether it keeps its GGUF codes is
     # decided for the device asked for: the codes' kernels run on the CPU alone, so for a GPU
     # the base is dequantized. (Deciding for "cpu" gave an fp32 GPU request GGUF codes on the
-    # CPU, and the model never moved: an H200 run's fp32 rows ran on the CPU.)
+    # CPU, and the model never moved: a GPU run's fp32 rows ran on the CPU.)
     codes = _wants_codes(dtype, device, dequantize) if _is_gguf_base(base) else False
     model, tok = load_model(
         base, dtype=dtype, device="cpu", attn_implementation=attn_implementation,

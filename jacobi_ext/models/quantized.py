@@ -357,9 +357,9 @@ _GGUF_ITEM = {0: np.float32, 1: np.float16, 16: np.int8, 17: np.int16, 18: np.in
 def scan_gguf(path: str | Path) -> tuple[str, list[_Tensor]]:
     """The file's architecture name and its tensors' records (what `gguf.GGUFReader` gives of
     them: tests compare), read from the header alone: its metadata values are skipped, not parsed
-    (GGUFReader builds a numpy view per vocabulary string, ~4 s a load for a 49k-token vocabulary
-    on a 2-core CPU; this takes ~0.1 s). A file that is not little-endian GGUF v2 / v3 is read
-    with GGUFReader."""
+    (GGUFReader builds a numpy view per vocabulary string: seconds a load for a 49k-token
+    vocabulary, where this takes a small fraction of one). A file that is not little-endian
+    GGUF v2 / v3 is read with GGUFReader."""
     import struct
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quant_shape_to_byte_shape
