@@ -131,7 +131,9 @@ class JacobiProposer:
         self.accepted = {s: [v * PRIOR_WEIGHT, PRIOR_WEIGHT] for s, v in PRIOR.items()}
         self.cost_aware = bool(cfg.get("cost_aware", False))
         self.clock = StepClock(float(cfg.get("draft_cost_prior", 0.1)))
-        self._batch = 1  # requests in the step being proposed for (the cost of a draft there)
+        # tokens the step's other requests verify, where a draft's cost is priced: those already
+        # proposed for (1 + drafts), one for each still to come
+        self._others = 0
         # per-draft acceptance, as the engine's lookup drafts learn theirs: lookups per match
         # length, and the Jacobi tail (class 1 of its own policy; prior: PRIOR["jacobi"] drafts
         # a step, as a per-draft rate)
@@ -167,7 +169,7 @@ class JacobiProposer:
         if rec is not None and len(rec.req_ids) != len(sampled_token_ids):
             rec = None
         self.clock.step_ended(time.perf_counter())
-        self._batch = max(1, sum(1 for s in sampled_token_ids if s))
+        decided, pending = 0, sum(1 for s in sampled_token_ids if s)
         out: list[list[int]] = []
         live: set[str] = set()
         for i, sampled in enumerate(sampled_token_ids):
@@ -180,6 +182,8 @@ class JacobiProposer:
                 out.append([])
                 continue
             ctx = token_ids_cpu[i, :ntok].tolist()
+            pending -= 1
+            self._others = decided + pending
             if rec is None:
                 draft, source, acc = self._lookup_only(ctx, room), "lookup", -1
             else:
@@ -191,6 +195,7 @@ class JacobiProposer:
                     Proposal(rec.step if rec else -1, rid or str(i), source, acc, draft)
                 )
             out.append(draft)
+            decided += 1 + len(draft)
         if rec is not None:
             for gone in set(self.reqs) - live:  # finished, aborted or preempted
                 del self.reqs[gone]
@@ -258,9 +263,10 @@ class JacobiProposer:
         return (self.tail_policy, 1) if source == "jacobi" else (self.lookup_policy, source)
 
     def _cost_ratio(self, q: int) -> float:
-        """A step's time with one request verifying q tokens (the others one each), over a step
-        without drafts: the engine's cost curve, vLLM's measured."""
-        return self.clock.ratio(self._batch - 1 + q, self._batch)
+        """The step's time with this request verifying q tokens, over its time with this request
+        verifying one (the other requests as proposed so far, one token each for those to come):
+        the engine's cost curve, vLLM's measured."""
+        return self.clock.ratio(self._others + q, self._others + 1)
 
     def _gain(self, policy: LookupPolicy, cls: int, k: int) -> float:
         """Expected tokens committed per unit of step time with k drafts (LookupPolicy's model)."""

@@ -312,3 +312,30 @@ def test_the_clock_times_each_vllm_step_between_the_proposers_calls(monkeypatch)
     assert [len(d) for d in drafts] == [3, 3]
     p.propose([[1], [5]], np.array([len(ctx)] * 2), tok)
     assert {w: list(t) for w, t in p.clock.times.items()} == {8: [pytest.approx(0.29)]}
+
+
+def test_cost_aware_prices_a_draft_at_the_width_the_whole_step_verifies():
+    """In a batch a draft costs what it adds to the step's width, after what the requests before
+    it were proposed: with a step time flat up to 8 tokens and steep after, the first of two
+    requests (the other at one token) gets its whole tail, the second only what still fits."""
+    np = pytest.importorskip("numpy")
+    from jacobi_vllm import hook
+
+    p = _proposer(8, 1, 0.85)
+    p.cost_aware = True
+    for w in range(1, 17):  # flat up to 8 verified tokens, then half a step per token
+        p.clock.step_starts(0.0, w)
+        p.clock.step_ended(1.0 + 0.5 * max(0, w - 8))
+    p.tail_policy.accepted[1], p.tail_policy.rejected[1] = 6.0, 4.0  # ~0.6 a draft
+    ctx = [1, 2, 3, 4, 2, 5, 7]  # no lookup match
+    verified, greedy = [5, 0, 0, 0, 0, 0, 0], [5, 7, 11, 12, 13, 14, 15, 16]
+    rec = hook.StepRecord(5, ["a", "b"], [verified, verified], [greedy, greedy])
+    hook.STATE.last, hook.STATE.broken = rec, None
+    for rid in ("a", "b"):
+        st = p._state(rid, ctx)
+        st.source, st.main_len, st.block_ends = "jacobi", 8, [8]
+    tok = np.zeros((2, 64), dtype=np.int64)
+    tok[:, : len(ctx)] = ctx
+    first, second = p.propose([[5, 7], [5, 7]], np.array([len(ctx)] * 2), tok)
+    assert first == greedy[2:-1]  # 6 drafts: the step verifies 7 + 1 = 8 tokens, flat
+    assert second == greedy[2:3]  # 1 more is worth half a step at 0.6 a draft; 2 are not
