@@ -100,13 +100,14 @@ def test_chunked_prefill_on_the_cuda_plan_path(monkeypatch):
     seen = []
     real = runtime.StaticRuntime._logits
 
-    def spy(self, ids, pos, mask, prefill=False, keep=None, greedy=False):
-        seen.append(type(mask).__name__)
-        return real(self, ids, pos, mask, prefill=prefill, keep=keep, greedy=greedy)
+    def spy(self, ids, pos, view, prefill=False, keep=None, greedy=False):
+        seen.append((type(view.plan).__name__, self._lean.executor.name))
+        return real(self, ids, pos, view, prefill=prefill, keep=keep, greedy=greedy)
 
     monkeypatch.setattr(runtime.StaticRuntime, "_logits", spy)
     got = _prefill(model, monkeypatch, 8, ids, pad, drafts)
-    assert seen[-3:] == ["StepPlan"] * 3  # 21 + 3 tokens: three chunks of 8, plan path
+    # 21 + 3 tokens: three chunks of 8, each a step plan run by the CUDA executor (no mask)
+    assert seen[-3:] == [("StepPlan", "cuda")] * 3
     _assert_same(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -119,9 +120,9 @@ def test_chunks_of_padding_alone_are_skipped_and_middles_skip_the_head(monkeypat
     calls = []
     real = runtime.StaticRuntime._logits
 
-    def spy(self, ids, pos, mask, prefill=False, keep=None, greedy=False):
+    def spy(self, ids, pos, view, prefill=False, keep=None, greedy=False):
         calls.append(keep)
-        return real(self, ids, pos, mask, prefill=prefill, keep=keep, greedy=greedy)
+        return real(self, ids, pos, view, prefill=prefill, keep=keep, greedy=greedy)
 
     monkeypatch.setattr(runtime.StaticRuntime, "_logits", spy)
     ref = _prefill(model, monkeypatch, 0, ids, pad, None)
