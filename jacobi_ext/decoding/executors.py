@@ -85,12 +85,10 @@ class _Cpu(Executor):
     def layers(self, dec, ids, pos, view, rt):
         ops = torch.ops.jacobi_ext
         mask = view.mask()
-        h = dec.inner.embed_tokens.forward(ids)
-        cos, sin = dec._cos_sin(h, pos, rt)
+        h, cos, sin, x = _fused_inputs(dec, ids, pos, rt)
         B, Q = ids.shape
         # context in slots [scratch, width), the step's tokens in [0, scratch): sums by position
         slots, attend, ctx0 = view.slots, view.width, rt.scratch
-        x = _first_norm(dec, h)
         if dec.native is not None:
             kts, keys, values = cache_lists(rt.cache, dec.plans, h)
             return dec.native.run(x, h, cos, sin, keys, values, kts, slots, attend, mask, ctx0)
@@ -125,17 +123,13 @@ class _Cuda(Executor):
     def layers(self, dec, ids, pos, view, rt):
         ops = torch.ops.jacobi_ext
         plan = view.plan
-        h = dec.inner.embed_tokens.forward(ids)
-        cos, sin = dec._cos_sin(h, pos, rt)
+        h, cos, sin, x = _fused_inputs(dec, ids, pos, rt)
         B, Q = ids.shape
-        x = _first_norm(dec, h)
         attention = ops.rope_attention.default
         add_rms_norm, silu_mul = ops.fused_add_rms_norm.default, ops.silu_and_mul.default
         qk_norm = ops.qk_rms_norm_.default
         for layer, p in zip(rt.cache.layers, dec.plans, strict=False):
-            if not layer.is_initialized:  # (a prefill made them; a bare probe may not have)
-                kv = h.new_empty(B, p.kv_heads, 1, p.head_dim)
-                layer.lazy_initialization(kv, kv)
+            initialized(layer, p, h)  # (a prefill made them; a bare probe may not have)
             qkv = p.qkv_fn(x, *p.qkv_args)
             if p.qk_norm is not None:
                 qk_norm(qkv, p.heads, p.kv_heads, *p.qk_norm)
@@ -150,9 +144,14 @@ class _Cuda(Executor):
 REFERENCE, CPU, CUDA = _Reference(), _Cpu(), _Cuda()
 
 
-def _first_norm(dec, h: torch.Tensor) -> torch.Tensor:
+def _fused_inputs(dec, ids: torch.Tensor, pos: torch.Tensor, rt):
+    """What both fused executors start from: the embedded tokens h, the rotary rows cos, sin of
+    their positions, and the first layer's normed input x."""
+    h = dec.inner.embed_tokens.forward(ids)
+    cos, sin = dec._cos_sin(h, pos, rt)
     first = dec.layers[0].ln1
-    return torch.ops.jacobi_ext.rms_norm(h, dec.norm_weight(first), first.variance_epsilon)
+    x = torch.ops.jacobi_ext.rms_norm(h, dec.norm_weight(first), first.variance_epsilon)
+    return h, cos, sin, x
 
 
 def after_attention(p, attn: torch.Tensor, h: torch.Tensor, add_rms_norm,
@@ -185,11 +184,17 @@ def cache_lists(cache, plans, h: torch.Tensor) -> tuple[list, list, list]:
     return kept
 
 
-def layer_cache(layer, plan, h: torch.Tensor) -> torch.Tensor:
-    """A runtime cache layer's blocked transposed keys, its buffers made on first use."""
-    if not layer.is_initialized:  # (in the runtime's K/V element type: SlotLayer)
+def initialized(layer, plan, h: torch.Tensor) -> None:
+    """A runtime cache layer's K/V buffers, made on first use (in the runtime's K/V element
+    type: SlotLayer)."""
+    if not layer.is_initialized:
         kv = h.new_empty(h.shape[0], plan.kv_heads, 1, plan.head_dim)
         layer.lazy_initialization(kv, kv)
+
+
+def layer_cache(layer, plan, h: torch.Tensor) -> torch.Tensor:
+    """A runtime cache layer's blocked transposed keys, its buffers made on first use."""
+    initialized(layer, plan, h)
     kt = getattr(layer, "keys_t", None)
     if kt is None:
         kt = layer.keys_t = keys_transposed(layer.keys)

@@ -73,7 +73,7 @@ def bucket(q: int) -> int:
 
 
 class SlotLayer(StaticLayer):
-    """A StaticLayer that writes where the runtime says (its current write slots) and returns
+    """A StaticLayer that writes where the runtime says (its current StepView's slots) and returns
     the buffers up to the runtime's attended width. Its buffers hold the runtime's K/V element
     type (`kv_dtype`: the model's, or float16 for a half cache on a CPU)."""
 
@@ -88,10 +88,9 @@ class SlotLayer(StaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        slots = self._rt.write_slots
+        slots, w = self._rt.view.slots, self._rt.view.width
         self.keys.index_copy_(2, slots, key_states.to(self.keys.dtype))
         self.values.index_copy_(2, slots, value_states.to(self.values.dtype))
-        w = self._rt.attend
         k, v = self.keys[:, :, :w], self.values[:, :, :w]
         if k.dtype != key_states.dtype:  # a half cache, read by an attention of the model's dtype
             return k.to(key_states.dtype), v.to(value_states.dtype)
@@ -173,8 +172,7 @@ class StaticRuntime(GraphReplay):
         self.hi = torch.full((batch,), scratch, dtype=torch.long, device=dev)
         self._slots = torch.arange(max(scratch, 1), device=dev)
         self._rows = torch.arange(batch, device=dev)[:, None]
-        self.write_slots = self._slots
-        self.attend = self.capacity
+        self.view = StepView(None, self._slots, self.capacity)  # the forward's (_logits sets it)
         self.graph_mode = graphs_wanted(dev, cuda_graphs)
         self.use_graphs = self.graph_mode is not None  # fixed widths, all slots attended
         self._graphs: dict[object, tuple[torch.cuda.CUDAGraph, object]] = {}
@@ -223,8 +221,8 @@ class StaticRuntime(GraphReplay):
         keep: the logits of the last `keep` positions only (None: all). greedy: only their
         argmax is wanted; the result may then be it (int64: the lean forward's greedy head),
         see _targets. view: what the step's attention reads and where its K/V go (masks.py); the
-        cache's layers (SlotLayer) read the slots and width from here."""
-        self.write_slots, self.attend = view.slots, view.width
+        cache's layers (SlotLayer) read it from here."""
+        self.view = view
         lean = self._pick_forward() if prefill or self._lean is None else self._lean
         if lean:
             return lean(ids, pos, view, self, keep, greedy)
