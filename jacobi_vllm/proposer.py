@@ -268,11 +268,6 @@ class JacobiProposer:
         the engine's cost curve, vLLM's measured."""
         return self.clock.ratio(self._others + q, self._others + 1)
 
-    def _gain(self, policy: LookupPolicy, cls: int, k: int) -> float:
-        """Expected tokens committed per unit of step time with k drafts (LookupPolicy's model)."""
-        rho = min(policy.rho(cls), 0.999)
-        return (1.0 - rho ** (k + 1)) / (1.0 - rho) / self._cost_ratio(1 + k)
-
     def _by_cost(self, st, nxt, ends, left, g, j, seed, n, a) -> tuple[list[int], str, int]:
         """The step's drafts under cost_aware: the Jacobi row (a tail, or a new block of context
         tokens) and, after a lookup match, the lookup continuation, each cut to the length its
@@ -282,12 +277,12 @@ class JacobiProposer:
             k = self.tail_policy.size(1)
             cut = [e for e in ends if e < 1 + k] + [1 + k]
             learn = "jacobi" if left else None  # (a block of context tokens: nothing to learn)
-            options.append((self._gain(self.tail_policy, 1, k), nxt[: 1 + k], cut,
+            options.append((self.tail_policy.gain(1, k), nxt[: 1 + k], cut,
                             "jacobi" if left else "spawn", learn))  # fmt: skip
         if g > 0:
             k = min(self.lookup_policy.size(g), n - 1)
             row = [seed, *st.index.continuation(j, k)]
-            options.append((self._gain(self.lookup_policy, g, k), row, [1 + k],
+            options.append((self.lookup_policy.gain(g, k), row, [1 + k],
                             "tail-lookup" if left else "spawn", g))  # fmt: skip
         _, row, ends, source, learn = max(options, key=lambda o: o[0])
         if len(row) == 1:  # no length pays: a one-token step; the next starts afresh
@@ -334,6 +329,7 @@ class StepClock:
         self.keep = keep
         self.times: dict[int, deque] = {}
         self._started: tuple[float, int] | None = None  # (when, width) of the step under way
+        self._seen: list[tuple[int, float]] | None = None  # _curve's, until a step is timed
 
     def step_starts(self, now: float, width: int) -> None:
         self._started = (now, width) if width > 0 else None
@@ -342,14 +338,19 @@ class StepClock:
         if self._started is not None:
             t0, w = self._started
             self.times.setdefault(w, deque(maxlen=self.keep)).append(now - t0)
+            self._seen = None
         self._started = None
 
     def _curve(self) -> list[tuple[int, float]]:
-        seen, top = [], 0.0
-        for w in sorted(self.times):
-            top = max(top, statistics.median(self.times[w]))
-            seen.append((w, top))
-        return seen
+        """(width, time) of the widths timed, non-decreasing; made once a step (a step's
+        proposals price every draft length of every request against it)."""
+        if self._seen is None:
+            seen, top = [], 0.0
+            for w in sorted(self.times):
+                top = max(top, statistics.median(self.times[w]))
+                seen.append((w, top))
+            self._seen = seen
+        return self._seen
 
     def time(self, w: int) -> float | None:
         """The expected time of a step verifying w tokens (None: nothing timed yet)."""

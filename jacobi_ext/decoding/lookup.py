@@ -70,12 +70,18 @@ class LookupPolicy:
     def rho(self, g: int) -> float:
         return self.accepted[g] / (self.accepted[g] + self.rejected[g])
 
+    def gain(self, g: int, k: int) -> float:
+        """E[1 + j] / cost with k drafts after a match of g tokens: tokens committed per
+        one-token step's time."""
+        rho = min(self.rho(g), 0.999)
+        return (1.0 - rho ** (k + 1)) / (1.0 - rho) / self.cost_ratio(1 + k)
+
     def size(self, g: int) -> int:
         if g <= 0:
             return 0
-        rho, best, best_k = min(self.rho(g), 0.999), 1.0, 0
+        best, best_k = 1.0, 0
         for k in self.SIZES:
-            gain = (1.0 - rho ** (k + 1)) / (1.0 - rho) / self.cost_ratio(1 + k)
+            gain = self.gain(g, k)
             if gain > best * 1.02:  # a 2% margin: measurement noise is not a speedup
                 best, best_k = gain, k
         if best_k == 0:
