@@ -117,9 +117,10 @@ def _vllm(args) -> None:
                          "jacobi": kw.get("additional_config")}  # fmt: skip
         for batch in (1, 4):
             hook.STATE.history.clear()
-            outs, t0 = [], time.perf_counter()
+            outs, calls, t0 = [], [], time.perf_counter()
             for group in _batches(prompts, batch):
                 outs += llm.generate(group, sp, use_tqdm=False)
+                calls.append(list(hook.STATE.history)[sum(map(len, calls)) :])
             secs = time.perf_counter() - t0
             toks = [list(o.outputs[0].token_ids) for o in outs]
             forwards = len(hook.STATE.history)
@@ -129,6 +130,7 @@ def _vllm(args) -> None:
                 "forwards": forwards, "tokens_per_forward": n / max(forwards, 1),
                 "request_steps": sum(len(r.req_ids) for r in hook.STATE.history),
                 "loadavg_1min_after": os.getloadavg()[0],  # a shared machine says so here
+                "step_ms_by_width": _step_times(calls),
                 "tokens": toks,
             }  # fmt: skip
             if mode == "ar" and batch == 1:
@@ -144,6 +146,19 @@ def _vllm(args) -> None:
     _equal(results, greedy)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}))
+
+
+def _step_times(calls: list[list]) -> dict[str, list]:
+    """vLLM's step time against the tokens the step verified: the time from one step's sampling
+    to the next one's (the forward and everything vLLM and the proposer do between), grouped by
+    the later step's width (its requests' drafts + 1 each); within each call, so the prefill's
+    step and the time between calls are left out. {width: [median ms, steps]}."""
+    by: dict[int, list[float]] = {}
+    for recs in calls:
+        for a, b in zip(recs, recs[1:], strict=False):
+            width = sum(len(d) + 1 for d in b.drafts)
+            by.setdefault(width, []).append(1000 * (b.at - a.at))
+    return {str(w): [round(statistics.median(t), 2), len(t)] for w, t in sorted(by.items())}
 
 
 def _equal(results: dict, greedy) -> None:
@@ -225,6 +240,13 @@ def _report(args) -> None:
             eq = x.get("equal_to_vllm_greedy", "-")
             print(f"| {mode} | {b[5:]} | {x['tokens_per_s']:.1f} | {rel} | "
                   f"{x['tokens_per_forward']:.2f} | {eq}/{len(x['tokens'])} |")  # fmt: skip
+    print("\nvLLM's step time (ms, median) by the tokens a step verified (steps timed):")
+    for mode, r in results.items():
+        for b in ("batch1", "batch4"):
+            widths = r.get(b, {}).get("step_ms_by_width")
+            if widths:
+                row = ", ".join(f"{w}: {ms:.1f} ({n})" for w, (ms, n) in widths.items())
+                print(f"- {mode}, batch {b[5:]}: {row}")
     if args.json:
         small = {m: {b: {k: v for k, v in x.items() if k != "tokens"} if isinstance(x, dict)
                      else x for b, x in r.items()} for m, r in results.items()}  # fmt: skip

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -38,12 +39,14 @@ METADATA_FIELDS = ("draft_token_ids", "num_draft_tokens")
 @dataclass
 class StepRecord:
     """One verified step: per request (batch order), its id, the drafts vLLM verified and the
-    target's argmax at each of its drafts + 1 positions."""
+    target's argmax at each of its drafts + 1 positions; `at`: time.perf_counter() when vLLM
+    handed the step's logits to its sampler (benchmarks time steps by it)."""
 
     step: int
     req_ids: list[str]
     drafts: list[list[int]]
     argmax: list[list[int]]
+    at: float = 0.0
 
 
 class _State:
@@ -143,6 +146,7 @@ def uninstall() -> None:
 
 
 def _record(runner, logits, meta) -> StepRecord:
+    at = time.perf_counter()
     req_ids = list(runner.input_batch.req_ids)
     am = logits.argmax(dim=-1).tolist()
     if meta is None:
@@ -161,4 +165,4 @@ def _record(runner, logits, meta) -> StepRecord:
         argmax.append(am[g : g + c + 1])
         d, g = d + c, g + c + 1
     STATE.step += 1
-    return StepRecord(STATE.step, req_ids, drafts, argmax)
+    return StepRecord(STATE.step, req_ids, drafts, argmax, at)
