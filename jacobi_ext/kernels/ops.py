@@ -303,6 +303,49 @@ def _rope_attention_fake(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, seg, 
     return qkv.new_empty((B, Q, heads, k_cache.shape[-1]))
 
 
+@torch.library.register_fake("jacobi_ext::cpu_rope_attention")
+def _cpu_rope_attention_fake(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, attend,
+                             mask, scale, kt_cache=None, context_start=0):  # fmt: skip
+    B, Q = qkv.shape[:2]
+    return qkv.new_empty((B, Q, heads, k_cache.shape[-1]))
+
+
+@torch.library.register_fake("jacobi_ext::cpu_decode_attention")
+def _cpu_decode_attention_fake(q, k, v, mask, scale):
+    B, Hq, Q, D = q.shape  # out [B, Q, Hq, D]
+    return q.new_empty((B, Q, Hq, D))
+
+
+# The out= forms (module.cpp: "*.out"): the functional op's checks, then the size, dtype and
+# layout the C++ side asks of each output (not resized: any shape of the result's size).
+def _out(out: torch.Tensor, like: torch.Tensor, name: str = "out") -> torch.Tensor:
+    if out.dtype != like.dtype or out.numel() != like.numel() or not out.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous {like.dtype} tensor of {like.numel()} elements, got "
+            f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
+    return out
+
+
+@torch.library.register_fake("jacobi_ext::fused_add_rms_norm.out")
+def _fused_add_rms_norm_out_fake(x, residual, weight, eps, *, h, y):
+    like = torch.empty_like(x)
+    return _out(h, like, "h"), _out(y, like, "y")
+
+
+@torch.library.register_fake("jacobi_ext::silu_and_mul.out")
+def _silu_and_mul_out_fake(gu, *, out):
+    return _out(out, _silu_and_mul_fake(gu))
+
+
+@torch.library.register_fake("jacobi_ext::cpu_rope_attention.out")
+def _cpu_rope_attention_out_fake(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots, attend,
+                                 mask, scale, kt_cache=None, context_start=0, *, out):  # fmt: skip
+    like = _cpu_rope_attention_fake(qkv, heads, kv_heads, cos, sin, k_cache, v_cache, slots,
+                                    attend, mask, scale, kt_cache, context_start)  # fmt: skip
+    return _out(out, like)
+
+
 @torch.library.register_fake("jacobi_ext::verify_rows")
 def _verify_rows_fake(toks, tgt, row_start, row_len, init_idx, src, block_ends, pool,
                           pool_len, pool_head, ctx, ctx_len, spawn, eos, width):  # fmt: skip
@@ -446,6 +489,11 @@ GGUF_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: 
 
 
 @functools.cache
+@torch.library.register_fake("jacobi_ext::cpu_linear.out")
+def _cpu_linear_out_fake(x, packed, out_features, bias=None, *, out):
+    return _out(out, _cpu_linear_fake(x, packed, out_features, bias))
+
+
 def gguf_kernel_types() -> tuple[int, ...]:
     """The ggml type ids this build's CPU kernels read (empty without the compiled op)."""
     if not hasattr(ops, "cpu_linear_gguf_types"):
@@ -498,6 +546,16 @@ def _cpu_linear_gguf_fake(
     if tuple(packed.shape) != want:
         raise ValueError(f"packed has shape {tuple(packed.shape)}, expected {want}")
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake("jacobi_ext::cpu_linear_gguf.out")
+def _cpu_linear_gguf_out_fake(
+    x, packed, type, out_features, bias=None, lora_a=None, lora_b=None, lora_panel_r0=None,
+    int8_activations=False, *, out,
+):  # fmt: skip
+    like = _cpu_linear_gguf_fake(x, packed, type, out_features, bias, lora_a, lora_b,
+                                 lora_panel_r0, int8_activations)  # fmt: skip
+    return _out(out, like)
 
 
 @torch.library.register_fake("jacobi_ext::cpu_linear_gguf_abs_sums")
