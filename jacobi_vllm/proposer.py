@@ -321,11 +321,8 @@ class StepClock:
     from one call's return to the next call is a step's, and the tokens it verified are the rows
     the first call proposed (1 + drafts for each request). The median of the last `keep` times
     per width; between widths timed, linear; beyond them, the nearest two's slope, or with one
-    width timed `prior_slope` of its time per token. As measured, not made non-decreasing: vLLM's
-    CPU build has run steps verifying 4 tokens faster than one-token steps, hundreds of times
-    over (docs/results/vllm-cpu-2026-12-08), and a width that only looks cheap is proposed, so
-    timed again, until its median says what it costs. Past the widest width timed the curve
-    does not fall (a wider step is never guessed cheaper than the widest measured)."""
+    width timed `prior_slope` of its time per token. Non-decreasing in the width (a noisy wider
+    step that timed faster does not make drafts look free)."""
 
     def __init__(self, prior_slope: float = 0.1, keep: int = 15) -> None:
         self.prior_slope = prior_slope
@@ -345,10 +342,14 @@ class StepClock:
         self._started = None
 
     def _curve(self) -> list[tuple[int, float]]:
-        """(width, median time) of the widths timed; made once a step (a step's proposals price
-        every draft length of every request against it)."""
+        """(width, time) of the widths timed, non-decreasing; made once a step (a step's
+        proposals price every draft length of every request against it)."""
         if self._seen is None:
-            self._seen = [(w, statistics.median(self.times[w])) for w in sorted(self.times)]
+            seen, top = [], 0.0
+            for w in sorted(self.times):
+                top = max(top, statistics.median(self.times[w]))
+                seen.append((w, top))
+            self._seen = seen
         return self._seen
 
     def time(self, w: int) -> float | None:
@@ -361,8 +362,6 @@ class StepClock:
             return t0 * max(1.0 + self.prior_slope * (w - w0), 1e-3)
         pairs = list(zip(seen, seen[1:], strict=False))
         (w0, t0), (w1, t1) = pairs[0] if w < seen[0][0] else pairs[-1]
-        if w > w1:  # past the widest timed: its time, rising with the last slope, never falling
-            return t1 + max(t1 - t0, 0.0) * (w - w1) / (w1 - w0)
         for (a0, b0), (a1, b1) in pairs:
             if a0 <= w <= a1:
                 (w0, t0), (w1, t1) = (a0, b0), (a1, b1)

@@ -242,9 +242,8 @@ def test_step_clock_learns_the_step_time_per_width():
     assert c.time(3) == pytest.approx(0.07)  # between widths: linear
     assert c.time(9) == pytest.approx(0.13)  # beyond: the last two's slope
     c.step_starts(0.0, 7)
-    c.step_ended(0.06)  # a wider step timed faster: the curve says so (vLLM's CPU build does)
-    assert c.time(7) == pytest.approx(0.06) and c.time(6) == pytest.approx(0.075)
-    assert c.time(9) == pytest.approx(0.06)  # past the widest timed: not guessed cheaper
+    c.step_ended(0.06)  # a wider step timed faster: the curve stays non-decreasing
+    assert c.time(7) == pytest.approx(0.09) and c.time(6) == pytest.approx(0.09)
     c.step_ended(99.0)  # no step under way (nothing proposed): nothing recorded
     assert sum(len(v) for v in c.times.values()) == 5
 
@@ -275,32 +274,6 @@ def test_cost_aware_cuts_the_tail_to_the_length_that_pays(per_token, want):
     # it accepted one draft of 7 (5), then missed: the tail policy learnt that first
     assert p.tail_policy.accepted[1] == 7.0 and p.tail_policy.rejected[1] == 5.0
     assert draft == greedy[2:-1][:want]  # the model's tail, cut
-
-
-@pytest.mark.parametrize("wide_ms,want", [(30.0, 0), (27.0, 2)])
-def test_cost_aware_drafts_where_a_wide_step_is_cheaper(wide_ms, want):
-    """Tails accepted ~1 % a draft pay nothing where a 4-token step costs a one-token one (no
-    draft: the 2 % margin), and are proposed where it costs less (27 ms against 30: vLLM's CPU
-    build, docs/results/vllm-cpu-2026-12-08): one token a step either way, sooner."""
-    np = pytest.importorskip("numpy")
-    from jacobi_vllm import hook
-
-    p = _proposer(4, 1, 0.85)
-    p.cost_aware = True
-    for w, t in ((1, 30.0), (4, wide_ms)):
-        for _ in range(5):
-            p.clock.step_starts(0.0, w)
-            p.clock.step_ended(t / 1000)
-    p.tail_policy.accepted[1], p.tail_policy.rejected[1] = 0.1, 9.9
-    ctx = [1, 2, 3, 4, 2, 7, 5]  # no earlier 5: no lookup match
-    verified, greedy = [9, 0, 0], [5, 7, 11, 12]  # no draft accepted (rho now 0.1 / 11)
-    hook.STATE.last, hook.STATE.broken = hook.StepRecord(5, ["r"], [verified], [greedy]), None
-    st = p._state("r", ctx)
-    st.source, st.main_len, st.block_ends = "jacobi", 4, [4]
-    tok = np.zeros((1, 64), dtype=np.int64)
-    tok[0, : len(ctx)] = ctx
-    (draft,) = p.propose([[5]], np.array([len(ctx)]), tok)
-    assert draft == [7, 11][:want]  # the model's tail (the block shrank by the seed), or nothing
 
 
 def test_cost_aware_takes_the_lookup_where_lookups_pay_more():
