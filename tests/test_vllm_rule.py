@@ -339,3 +339,24 @@ def test_cost_aware_prices_a_draft_at_the_width_the_whole_step_verifies():
     first, second = p.propose([[5, 7], [5, 7]], np.array([len(ctx)] * 2), tok)
     assert first == greedy[2:-1]  # 6 drafts: the step verifies 7 + 1 = 8 tokens, flat
     assert second == greedy[2:3]  # 1 more is worth half a step at 0.6 a draft; 2 are not
+
+
+def test_bench_times_steps_by_the_width_they_verified():
+    """bench/vllm_cpu.py's step time by width: the time between consecutive records of one call,
+    grouped by the later step's width (its requests' drafts + 1 each), the median per width; the
+    time between calls (and so the next call's prefill) left out."""
+    from jacobi_vllm import hook
+
+    spec = importlib.util.spec_from_file_location(
+        "vllm_cpu_bench", Path(__file__).resolve().parents[1] / "bench" / "vllm_cpu.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def rec(at, *drafts):
+        return hook.StepRecord(0, [f"r{i}" for i in range(len(drafts))], list(drafts), [], at)
+
+    call1 = [rec(0.0, []), rec(0.030, [7, 8, 9]), rec(0.057, [7, 8, 9]), rec(0.090, [])]
+    call2 = [rec(5.0, [], []), rec(5.040, [1], [2, 3]), rec(5.070, [1], [2, 3])]
+    got = bench._step_times([call1, call2])
+    assert got == {"1": [33.0, 1], "4": [28.5, 2], "5": [35.0, 2]}
