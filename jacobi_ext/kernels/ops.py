@@ -329,8 +329,8 @@ def _out(out: torch.Tensor, like: torch.Tensor, name: str = "out") -> torch.Tens
 
 @torch.library.register_fake("jacobi_ext::fused_add_rms_norm.out")
 def _fused_add_rms_norm_out_fake(x, residual, weight, eps, *, h, y):
-    like = torch.empty_like(x)
-    return _out(h, like, "h"), _out(y, like, "y")
+    h_like, y_like = _fused_add_rms_norm_fake(x, residual, weight, eps)
+    return _out(h, h_like, "h"), _out(y, y_like, "y")
 
 
 @torch.library.register_fake("jacobi_ext::silu_and_mul.out")
@@ -473,6 +473,11 @@ def _cpu_linear_fake(x, packed, out_features, bias=None):
     return x.new_empty((*x.shape[:-1], N))
 
 
+@torch.library.register_fake("jacobi_ext::cpu_linear.out")
+def _cpu_linear_out_fake(x, packed, out_features, bias=None, *, out):
+    return _out(out, _cpu_linear_fake(x, packed, out_features, bias))
+
+
 # The GGUF linear's formats (csrc/cpu/linear_gguf_cpu.h, gguf_format): ggml type id ->
 # (weights per file block, bytes per file block, k per packed group, header bytes per column,
 # code bits).
@@ -489,11 +494,6 @@ GGUF_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: 
 
 
 @functools.cache
-@torch.library.register_fake("jacobi_ext::cpu_linear.out")
-def _cpu_linear_out_fake(x, packed, out_features, bias=None, *, out):
-    return _out(out, _cpu_linear_fake(x, packed, out_features, bias))
-
-
 def gguf_kernel_types() -> tuple[int, ...]:
     """The ggml type ids this build's CPU kernels read (empty without the compiled op)."""
     if not hasattr(ops, "cpu_linear_gguf_types"):
