@@ -119,8 +119,9 @@ def _vllm(args) -> None:
             hook.STATE.history.clear()
             outs, calls, t0 = [], [], time.perf_counter()
             for group in _batches(prompts, batch):
+                first = len(hook.STATE.history)
                 outs += llm.generate(group, sp, use_tqdm=False)
-                calls.append(list(hook.STATE.history)[sum(map(len, calls)) :])
+                calls.append(list(hook.STATE.history)[first:])  # this call's steps
             secs = time.perf_counter() - t0
             toks = [list(o.outputs[0].token_ids) for o in outs]
             forwards = len(hook.STATE.history)
